@@ -1,0 +1,52 @@
+"""Reference paged attention in plain torch: gather each request's pages, one masked SDPA for the batch.
+
+One code path serves prefill (q = prompt), decode (q = 1) and verify (q = k + 1): they differ only in the
+metadata (see `AttentionMetadata`). It is the numerical reference every other backend is checked against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.forward_batch import AttentionMetadata
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Write new keys/values in place (graph-safe: no reallocation of the cache)."""
+    k_cache.index_copy_(0, slots, k.view(-1, *k_cache.shape[1:]).to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.view(-1, *v_cache.shape[1:]).to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H * D]
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    num_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    t = q.shape[0]
+    _, hkv, d = k_cache.shape
+    group = num_heads // hkv
+    b, qn = meta.q_index.shape
+    # Query heads h = kv_head * group + g (the layout Hugging Face's repeat_kv implies).
+    qp = q.view(t, hkv, group, d)[meta.q_index]  # [B, Q, Hkv, G, D]
+    qp = qp.permute(0, 2, 3, 1, 4).reshape(b, hkv, group * qn, d)
+    kp = k_cache[meta.kv_slots].transpose(1, 2)  # [B, Hkv, K, D]
+    vp = v_cache[meta.kv_slots].transpose(1, 2)
+    o = F.scaled_dot_product_attention(qp, kp.to(q.dtype), vp.to(q.dtype), attn_mask=meta.grouped_mask(group),
+                                       scale=scale)
+    o = o.view(b, hkv, group, qn, d).permute(0, 3, 1, 2, 4).reshape(b * qn, num_heads * d)
+    return o[meta.out_index]
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Training path: [B, H, S, D] queries over [B, Hkv, S, D] keys, causal, no cache."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)

@@ -1,0 +1,136 @@
+"""Load and save Hugging Face-format checkpoints from local folders (no hub).
+
+Hugging Face tensor names map onto ours; q/k/v and gate/up are concatenated into the merged projections.
+Every expected tensor must be present with the right shape, and no unexpected tensor may be left over:
+a partial load is always an error that names the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from engine.config import DTYPES, ModelConfig
+from engine.errors import CheckpointError
+
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# merged parameter -> the Hugging Face pieces, in concatenation order
+_MERGED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto`: the checkpoint's dtype on CUDA; float32 on CPU, where bf16/fp16 matmuls are unusably slow."""
+    if name == "auto":
+        return DTYPES[cfg.torch_dtype] if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise CheckpointError(f"unsupported dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{folder}: shard(s) listed in the index are missing: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors weights found")
+    return files
+
+
+def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def hf_to_local(name: str) -> str:
+    """`model.layers.3.self_attn.q_proj.weight` -> `layers.3.self_attn.q_proj.weight` (pre-merge name)."""
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def load_state_dict(module: torch.nn.Module, folder: Path, dtype: torch.dtype) -> None:
+    """Fill `module` (built on the meta device) from the folder's tensors, merging split projections."""
+    expected = {k: v for k, v in module.state_dict().items()}
+    tied = getattr(getattr(module, "cfg", None), "tie_word_embeddings", False)
+    if tied:
+        expected.pop("lm_head.weight", None)
+    pieces: dict[str, dict[str, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in iter_tensors(folder):
+        if _IGNORED.match(hf_name):
+            continue
+        name = hf_to_local(hf_name)
+        if tied and name == "lm_head.weight":
+            continue  # some tied checkpoints still store it; the embedding is the source of truth
+        merged = next(((m, p) for m, parts in _MERGED.items() for p in parts if f".{p}." in f".{name}"), None)
+        if merged:
+            m, part = merged
+            target = name.replace(part, m)
+            pieces.setdefault(target, {})[part] = tensor
+            continue
+        if name not in expected:
+            raise CheckpointError(f"{folder}: unexpected tensor {hf_name!r} for this architecture")
+        out[name] = tensor
+    for target, parts in pieces.items():
+        merged_name = next(m for m in _MERGED if m in target)
+        order = _MERGED[merged_name]
+        missing = [p for p in order if p not in parts]
+        if missing:
+            raise CheckpointError(f"{folder}: missing tensor(s) {[target.replace(merged_name, p) for p in missing]}")
+        if target not in expected:
+            raise CheckpointError(f"{folder}: unexpected tensor(s) for {target!r} (e.g. biases this config lacks)")
+        out[target] = torch.cat([parts[p] for p in order], dim=0)
+    for name, ref in expected.items():
+        if name not in out:
+            raise CheckpointError(f"{folder}: missing tensor {name!r}")
+        if tuple(out[name].shape) != tuple(ref.shape):
+            raise CheckpointError(
+                f"{folder}: tensor {name!r} has shape {tuple(out[name].shape)}, config expects {tuple(ref.shape)}"
+            )
+        out[name] = out[name].to(dtype)
+    module.load_state_dict(out, strict=False, assign=True)
+    if tied:
+        module.lm_head.weight = module.embed_tokens.weight
+
+
+def local_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Split merged projections and add Hugging Face prefixes (inverse of `load_state_dict`)."""
+    sizes = {
+        "self_attn.qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
+        "mlp.gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
+    }
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        merged = next((m for m in _MERGED if m in name), None)
+        full = name if name.startswith("lm_head") else prefix + name
+        if merged:
+            for part, chunk in zip(_MERGED[merged], t.split(sizes[merged], dim=0)):
+                out[full.replace(merged, part)] = chunk.contiguous()
+        else:
+            out[full] = t.contiguous()
+    return out
+
+
+def save_checkpoint(state: dict[str, torch.Tensor], config: dict, folder: str | Path) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu() for k, v in state.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,29 @@
+"""Build a model from a folder: parse its config, construct on `meta`, assign the checkpoint's tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import CheckpointError
+from engine.loader import load_state_dict, resolve_dtype
+from engine.models.llama import LlamaForCausalLM
+
+
+def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: str = "auto") -> LlamaForCausalLM:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {str(folder)!r} does not exist")
+    cfg = ModelConfig.from_folder(folder)
+    if cfg.architecture == "mtp":
+        raise CheckpointError(f"{folder}: is an MTP head, not a language model (use it as --draft with --spec mtp)")
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    load_state_dict(model, folder, torch_dtype)
+    # Buffers (rotary tables) were built on meta; rebuild them for real on the target device.
+    model.rotary.build_tables()
+    return model.to(device).eval()

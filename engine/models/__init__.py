@@ -1,0 +1,1 @@
+"""Model definitions, textbook-plain `nn.Module`s; paging, graphs and parallelism live around them."""

@@ -1,0 +1,124 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral without sliding window).
+
+Two ways in, one set of weights:
+  * serving: flat tokens [T] with a `ForwardBatch` and a paged `KVPool` (prefill, decode and verify alike);
+  * training: dense [B, S] causal batches without a cache (`forward_dense`).
+q/k/v and gate/up projections are merged (one GEMM each); the loader splits Hugging Face tensors into them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.torch_backend import dense_causal_attention, paged_attention, store_kv
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import KVPool
+from engine.models.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Hugging Face normalises in float32 and casts back; so do we, so half-precision logits agree.
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_id = layer_id
+        self.rotary = rotary
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = self.rotary(positions, q.unflatten(-1, (cfg.num_heads, cfg.head_dim)))
+        k = self.rotary(positions, k.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim)))
+        return q, k, v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        q, k, v = self._qkv(x, batch.positions)
+        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
+        store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        o = paged_attention(q.flatten(1), k_cache, v_cache, batch.attn, self.cfg.num_heads, self.scale)
+        return self.o_proj(o)
+
+    def forward_dense(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._qkv(x, positions)  # [B, S, heads, D]
+        o = dense_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale)
+        return self.o_proj(o.transpose(1, 2).flatten(2))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_dense(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.forward_dense(self.input_layernorm(x), positions)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward` returns the final (normed) hidden states; `compute_logits` applies `lm_head`.
+
+    Keeping them apart lets the engine compute logits only at the positions it samples from, and hands the
+    hidden states to an MTP head.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch, kv)
+        return self.norm(x)
+
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer.forward_dense(x, positions)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

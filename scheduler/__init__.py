@@ -1,0 +1,1 @@
+"""Process boundaries and policy: protocol, frontend, scheduler loop, requests, pages, batching, CLI."""
