@@ -66,7 +66,7 @@ def hf_to_local(name: str) -> str:
 def load_state_dict(module: torch.nn.Module, folder: Path, dtype: torch.dtype) -> None:
     """Fill `module` (built on the meta device) from the folder's tensors, merging split projections."""
     expected = {k: v for k, v in module.state_dict().items()}
-    tied = getattr(getattr(module, "cfg", None), "tie_word_embeddings", False)
+    tied = hasattr(module, "lm_head") and getattr(getattr(module, "cfg", None), "tie_word_embeddings", False)
     if tied:
         expected.pop("lm_head.weight", None)
     pieces: dict[str, dict[str, torch.Tensor]] = {}

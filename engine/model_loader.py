@@ -10,6 +10,7 @@ from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.loader import load_state_dict, resolve_dtype
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mtp_head import MTPHead
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: str = "auto") -> LlamaForCausalLM:
@@ -27,3 +28,22 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: st
     # Buffers (rotary tables) were built on meta; rebuild them for real on the target device.
     model.rotary.build_tables()
     return model.to(device).eval()
+
+
+def load_mtp_head(folder: str | Path, target_cfg: ModelConfig, device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32) -> MTPHead:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"head folder {str(folder)!r} does not exist")
+    cfg = ModelConfig.from_folder(folder)
+    if cfg.architecture != "mtp":
+        raise CheckpointError(f"{folder}: not an MTP head (architectures must be ['SpecstepMTPHead'])")
+    if cfg.hidden_size != target_cfg.hidden_size or cfg.vocab_size != target_cfg.vocab_size:
+        raise CheckpointError(
+            f"{folder}: head (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does not fit the target "
+            f"(hidden {target_cfg.hidden_size}, vocab {target_cfg.vocab_size})")
+    with torch.device("meta"):
+        head = MTPHead(cfg)
+    load_state_dict(head, folder, dtype)
+    head.rotary.build_tables()
+    return head.to(device).eval()

@@ -1,0 +1,48 @@
+"""MTP / EAGLE-style draft head: one decoder layer over (target hidden state, next-token embedding).
+
+At position i the head sees the target's hidden state h[i] and the embedding of token t[i+1] (the one-position
+shift of SEEDS.md's MTP), and predicts t[i+2]:
+
+    x = fc([rmsnorm(h[i]) ; rmsnorm(embed(t[i+1]))])  ->  decoder layer (own paged KV)  ->  rmsnorm  ->  lm_head
+
+The RMSNorms EAGLE dropped are restored (they made training converge). Embedding and lm_head are the
+target's own, frozen and shared: the caller passes embeddings in and applies the target's `compute_logits`, so
+this module holds only its own weights. Its output plays the role of a target hidden state, which is what it
+feeds forward when drafting more than one token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import KVPool
+from engine.models.llama import LlamaDecoderLayer, RMSNorm
+from engine.models.rotary import RotaryEmbedding
+
+
+class MTPHead(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.embed_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, 0, self.rotary)])
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def _fuse(self, token_embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.hidden_norm(target_hidden), self.embed_norm(token_embeds)], dim=-1))
+
+    def forward(self, batch: ForwardBatch, kv: KVPool, token_embeds: torch.Tensor,
+                target_hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.layers[0](self._fuse(token_embeds, target_hidden), batch, kv))
+
+    def forward_dense(self, token_embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
+        """Training path over [B, S] sequences, causal, no cache."""
+        positions = torch.arange(token_embeds.shape[1], device=token_embeds.device)
+        return self.norm(self.layers[0].forward_dense(self._fuse(token_embeds, target_hidden), positions))

@@ -1,0 +1,56 @@
+"""The proposer interface and the sampling shared by every model-based proposer.
+
+Life of a request's draft state (model proposers):
+    prefill : the draft catches up on the prompt and the target's first sampled token; its logits at the last
+              position (and hidden state, for heads) are *carried* into the first decode step.
+    propose : draft 1 comes from the carried logits; drafts 2..k need k - 1 forwards of the draft.
+    refill  : after verification, the draft runs over the verified tokens (same ragged layout as verify, the
+              accepted tokens plugged in on device) to fix its KV and carry logits from the last emitted token.
+              Its inputs come from device tensors, so no host sync is needed before it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+
+import numpy as np
+import torch
+
+from engine.random import DRAFT
+from engine.sampler import processed_probs, sample_from_probs
+from engine.sampling_params import SamplingTensors
+from engine.step_context import DecodeContext, SeqState
+
+
+class Proposer(ABC):
+    kind: str = ""
+    #: model proposers keep a KV cache, need prefill and refill; host proposers (n-gram) propose on the CPU
+    has_model: bool = True
+    #: extra look-ahead tokens past the verify window that the proposer writes into the shared pages
+    kv_lookahead: int = 0
+
+    def prefill(self, seqs: list[SeqState], target_hidden: torch.Tensor, q_lens: np.ndarray,
+                sampled: torch.Tensor, st: SamplingTensors) -> None:
+        """Catch the draft up on each request's tokens plus the target's sampled token (device tensor)."""
+
+    def propose_host(self, seqs: list[SeqState], k: int) -> list[list[int]] | None:
+        """Drafts known on the host at build time (n-gram); None for model proposers."""
+        return None
+
+    def propose(self, ctx: DecodeContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [B, k] and their distributions [B, k, V] (None when every request is greedy)."""
+        raise NotImplementedError(f"{self.kind} proposes on the host (propose_host)")
+
+    def refill(self, ctx: DecodeContext, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
+               target_hidden: torch.Tensor) -> None:
+        """Bring the draft's KV and carried state up to date with the tokens just emitted."""
+
+
+def draw(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft token per row (argmax for greedy requests, a draw from the processed q otherwise) and q itself."""
+    greedy = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy, None
+    q = processed_probs(logits, st)
+    sampled = sample_from_probs(q, st.seeds, positions, DRAFT)
+    return (torch.where(st.greedy, greedy, sampled) if st.any_greedy else sampled), q

@@ -1,0 +1,33 @@
+"""`draft_model`: a small Llama-family checkpoint sharing the target's tokenizer, with its own KV pool
+indexed by the shared page tables."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import CheckpointError
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import KVPool
+from engine.models.llama import LlamaForCausalLM
+from engine.proposers.model_proposer import ModelProposer
+
+
+class DraftModelProposer(ModelProposer):
+    kind = "draft_model"
+    shift = 0
+    kv_lookahead = 1  # refill writes the bonus token's KV, one past the verify window
+
+    def __init__(self, draft: LlamaForCausalLM, target_vocab: int, pool: KVPool, max_slots: int,
+                 device: torch.device) -> None:
+        if draft.cfg.vocab_size != target_vocab:
+            raise CheckpointError(
+                f"draft vocabulary ({draft.cfg.vocab_size}) differs from the target's ({target_vocab}); "
+                "a draft model must share the target's tokenizer")
+        super().__init__(pool, target_vocab, draft.cfg.hidden_size, max_slots, device)
+        self.model = draft
+
+    def forward(self, fb: ForwardBatch, hidden_in: torch.Tensor | None) -> torch.Tensor:
+        return self.model(fb, self.pool)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)

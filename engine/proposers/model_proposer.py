@@ -1,0 +1,93 @@
+"""What the draft-model and MTP proposers share: carried state per request slot, the draft loop, refill.
+
+Both consume sequence tokens at a fixed shift from the target's positions:
+
+    seq position   p:   0    1    2   ...  n (last token)   n+1 (draft 1) ...
+    draft model  (shift 0) consumes t[p] at position p        -> predicts t[p+1]
+    MTP head     (shift 1) consumes (h[p-1], t[p]) at p - 1    -> predicts t[p+1]
+
+so prefill feeds token_ids[shift:] + [sampled] at positions 0.., refill feeds the emitted tokens at
+n + 1 - shift onwards, and draft j (at seq position n + j) is consumed at n + j - shift.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import numpy as np
+import torch
+
+from engine.batch_builder import build_forward_batch
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import KVPool
+from engine.proposers.base import Proposer, draw
+from engine.sampling_params import SamplingTensors
+from engine.step_context import DecodeContext, SeqState
+
+
+class ModelProposer(Proposer):
+    shift: int = 0
+
+    def __init__(self, pool: KVPool, vocab_size: int, hidden_size: int, max_slots: int,
+                 device: torch.device) -> None:
+        self.pool = pool
+        self.device = device
+        self.carried_logits = torch.zeros(max_slots, vocab_size, device=device)
+        self.carried_hidden = torch.zeros(max_slots, hidden_size, device=device)
+
+    @abstractmethod
+    def forward(self, fb: ForwardBatch, hidden_in: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states [T, d] for the batch's tokens (hidden_in: per-token target/own hidden, heads only)."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def _carry(self, hidden: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        h = hidden[rows]
+        self.carried_hidden[slots] = h.to(self.carried_hidden.dtype)
+        self.carried_logits[slots] = self.compute_logits(h)
+
+    def prefill(self, seqs: list[SeqState], target_hidden: torch.Tensor, q_lens: np.ndarray,
+                sampled: torch.Tensor, st: SamplingTensors) -> None:
+        # Same ragged layout as the target's prefill (q_lens tokens from position 0), one token to the left
+        # for a head: the target's sampled token fills the last slot on device.
+        ids = [s.token_ids[self.shift:] + [0] for s in seqs]
+        ids = [t[: int(q) + 1 - self.shift] for t, q in zip(ids, q_lens)]
+        fb = build_forward_batch(ids, np.zeros(len(seqs), np.int64), [s.page_table for s in seqs],
+                                 self.pool.page_size, self.device)
+        last_rows = torch.from_numpy(np.cumsum([len(t) for t in ids]) - 1).to(self.device)
+        fb.input_ids.index_copy_(0, last_rows, sampled)
+        hidden = self.forward(fb, target_hidden)
+        self._carry(hidden, last_rows, torch.tensor([s.slot for s in seqs], device=self.device))
+
+    def propose(self, ctx: DecodeContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        slots, base = ctx.slots, ctx.base_pos
+        pos_dev = torch.from_numpy(base).to(self.device)
+        token, q = draw(self.carried_logits[slots], ctx.st, pos_dev + 1)
+        drafts, probs = [token], [q]
+        hidden = self.carried_hidden[slots]
+        ones = np.ones(ctx.batch_size, np.int64)
+        for j in range(1, ctx.k):
+            fb = build_forward_batch(np.zeros((ctx.batch_size, 1), np.int64), base + j - self.shift,
+                                     ctx.page_tables, self.pool.page_size, self.device, q_lens=ones)
+            fb.input_ids = token
+            hidden = self.forward(fb, hidden)
+            token, q = draw(self.compute_logits(hidden), ctx.st, pos_dev + j + 1)
+            drafts.append(token)
+            probs.append(q)
+        draft_probs = None if probs[0] is None else torch.stack(probs, dim=1)
+        return torch.stack(drafts, dim=1), draft_probs
+
+    def refill(self, ctx: DecodeContext, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
+               target_hidden: torch.Tensor) -> None:
+        q_lens = ctx.verify_q_lens
+        b = np.repeat(np.arange(ctx.batch_size), q_lens)
+        cu = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
+        j = np.arange(int(q_lens.sum())) - cu[b]
+        fb = build_forward_batch(np.zeros((ctx.batch_size, ctx.k + 1), np.int64), ctx.base_pos + 1 - self.shift,
+                                 ctx.page_tables, self.pool.page_size, self.device, q_lens=q_lens)
+        src = torch.from_numpy(b * (ctx.k + 1) + j).to(self.device)
+        fb.input_ids = out_tokens.reshape(-1)[src]
+        hidden = self.forward(fb, target_hidden)
+        carry_rows = torch.from_numpy(cu).to(self.device) + num_accepted
+        self._carry(hidden, carry_rows, ctx.slots)

@@ -1,0 +1,72 @@
+"""Per-request sampling parameters (validated at the boundary) and their batched tensor form."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        if not (0.0 <= self.temperature <= 100.0):
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise InvalidRequestError(f"seed must be in [0, 2^63), got {self.seed}")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(f"stop_token_ids outside the vocabulary [0, {vocab_size}): {bad}")
+        return self
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Rows are requests. Host knows `all_greedy`/`needs_filter` from the params, so fast paths cost no sync."""
+
+    temperature: torch.Tensor  # [B] float32, 1.0 on greedy rows (their logits are argmax'ed instead)
+    top_k: torch.Tensor  # [B] int64, vocab size where off
+    top_p: torch.Tensor  # [B] float32
+    greedy: torch.Tensor  # [B] bool
+    seeds: torch.Tensor  # [B] int64
+    all_greedy: bool
+    any_greedy: bool
+    needs_filter: bool
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], vocab_size: int,
+              device: torch.device | str) -> SamplingTensors:
+        greedy = [p.greedy for p in params]
+        return cls(
+            temperature=torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device),
+            top_k=torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+                               device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            greedy=torch.tensor(greedy, device=device),
+            seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            needs_filter=any(not p.greedy and (0 < p.top_k < vocab_size or p.top_p < 1.0) for p in params),
+        )

@@ -1,0 +1,84 @@
+"""Start-up in reading order: threads, device, load target (and proposer), size the KV pools, build the core."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning OpenMP threads starve the other core
+
+import torch  # noqa: E402
+
+from engine.engine_config import EngineConfig  # noqa: E402
+from engine.errors import CheckpointError  # noqa: E402
+from engine.kv_cache import KVPool  # noqa: E402
+from engine.model_loader import load_model, load_mtp_head  # noqa: E402
+from engine.proposers.base import Proposer  # noqa: E402
+from engine.proposers.draft_model import DraftModelProposer  # noqa: E402
+from engine.proposers.mtp import MTPProposer  # noqa: E402
+from engine.proposers.ngram import NgramProposer  # noqa: E402
+from engine.step_engine import StepEngine  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+from scheduler.engine_core import EngineCore, SchedulerConfig  # noqa: E402
+from scheduler.page_allocator import PageAllocator  # noqa: E402
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """Values learned at start-up (returned, never written back into the config)."""
+
+    num_pages: int
+    page_size: int
+    max_model_len: int
+    vocab_size: int
+    device: str
+    dtype: str
+    spec: str
+    eos_token_ids: tuple[int, ...]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_engine(cfg: EngineConfig) -> tuple[EngineCore, Tokenizer | None, EngineInfo]:
+    device = resolve_device(cfg.device)
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.threads or 1)
+    target = load_model(cfg.model, device, cfg.dtype)
+    dtype = target.embed_tokens.weight.dtype
+    max_len = min(cfg.max_model_len or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)
+    num_pages = cfg.num_pages or (-(-cfg.kv_cache_tokens // cfg.page_size) + 1)
+    pool = KVPool(target.cfg, target.cfg.num_layers, num_pages, cfg.page_size, dtype, device)
+    proposer = build_proposer(cfg, target, num_pages, dtype, device)
+    step_engine = StepEngine(target, pool, proposer, device)
+    try:
+        tokenizer = Tokenizer.from_folder(cfg.model)
+    except CheckpointError:
+        tokenizer = None
+    eos = target.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer else ())
+    sched = SchedulerConfig(max_batch_size=cfg.max_batch_size, max_prefill_tokens=cfg.max_prefill_tokens,
+                            num_spec_tokens=cfg.num_spec_tokens if proposer else 0, max_model_len=max_len)
+    core = EngineCore(step_engine, PageAllocator(num_pages, cfg.page_size), sched, eos)
+    info = EngineInfo(num_pages=num_pages, page_size=cfg.page_size, max_model_len=max_len,
+                      vocab_size=target.cfg.vocab_size, device=str(device), dtype=str(dtype).replace("torch.", ""),
+                      spec=cfg.spec, eos_token_ids=tuple(eos))
+    return core, tokenizer, info
+
+
+def build_proposer(cfg: EngineConfig, target, num_pages: int, dtype: torch.dtype,
+                   device: torch.device) -> Proposer | None:
+    if cfg.spec == "none":
+        return None
+    if cfg.spec == "ngram":
+        return NgramProposer(device)
+    path = cfg.draft_path
+    if cfg.spec == "draft_model":
+        draft = load_model(path, device, str(dtype).replace("torch.", ""))
+        pool = KVPool(draft.cfg, draft.cfg.num_layers, num_pages, cfg.page_size, dtype, device)
+        return DraftModelProposer(draft, target.cfg.vocab_size, pool, cfg.max_batch_size, device)
+    head = load_mtp_head(path, target.cfg, device, dtype)
+    pool = KVPool(head.cfg, 1, num_pages, cfg.page_size, dtype, device)
+    return MTPProposer(head, target, pool, cfg.max_batch_size, device)

@@ -1,0 +1,112 @@
+"""A request's state inside the scheduler process.
+
+Length vocabulary (one word per length, used everywhere):
+    len(token_ids)  = prompt + output tokens so far
+    num_computed    = tokens whose target KV is written; while running, num_computed == len(token_ids) - 1
+                      (the last sampled token is fed by the next step)
+    len(page_table) * page_size >= every position a step may write (num_computed + k + 1 + look-ahead)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class Status(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Per-request speculation counters; positions are draft depths 0..k-1."""
+
+    steps: int = 0  # decode steps that drafted at least one token
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft <= 0:
+            return
+        self.steps += 1
+        self.drafted += num_draft
+        self.accepted += num_accepted
+        grow = num_draft - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for j in range(num_draft):
+            self.drafted_per_position[j] += 1
+            self.accepted_per_position[j] += int(num_accepted > j)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per speculative step, the bonus token counted: 1 + accepted / steps."""
+        return 1.0 + self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "spec_steps": self.steps,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in
+                                        zip(self.accepted_per_position, self.drafted_per_position)],
+        }
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    num_spec_tokens: int | None = None  # per-request override: None = engine policy, 0 = off, k = fixed
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    page_table: list[int] = field(default_factory=list)
+    slot: int = -1
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
