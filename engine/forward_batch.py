@@ -1,4 +1,22 @@
-"""Per-step metadata handed explicitly to the model and the attention backend (no global context)."""
+"""Per-step metadata handed explicitly to the model and the attention backend (no global context).
+
+A batch is split into a *layout*, fixed once the scheduler has chosen requests and tokens per request, and a
+*start* vector (each request's first new position), which is the only thing that depends on how many tokens
+the previous step accepted. Everything length-dependent is derived from `start` on the device, so the host can
+build step N+1's layout while step N runs and patch only `start` (and the input ids) when N's lengths arrive;
+and a captured graph can replay a layout with new starts.
+
+    flat tokens  (T)        : r0q0 r0q1 r0q2 | r1q0 | r2q0 r2q1
+    token_req    [T]        : 0    0    0      1      2    2
+    token_offset [T]        : 0    1    2      0      0    1
+    q_index      [B, Q]     : [[0, 1, 2], [3, 0, 0], [4, 5, 0]]    padding points at row 0 (masked)
+    out_index    [T]        : [0, 1, 2, 3, 6, 7]                    row of each token in the B*Q grid
+    page_table   [B, P]     : pages of each request, padded with the dummy page; keys cover P * page_size
+    derived on device from start [B]:
+        positions    = start[token_req] + token_offset
+        slot_mapping = page_table[token_req, positions // page_size] * page_size + positions % page_size
+        mask[b,i,j]  = j <= start[b] + i  and  j < start[b] + q_len[b]  and  i < q_len[b]
+"""
 
 from __future__ import annotations
 
@@ -8,25 +26,28 @@ import torch
 
 
 @dataclass(slots=True)
+class BatchLayout:
+    """Device tensors of a batch's fixed shape (see module docstring)."""
+
+    q_lens: torch.Tensor  # [B]
+    token_req: torch.Tensor  # [T]
+    token_offset: torch.Tensor  # [T]
+    q_index: torch.Tensor  # [B, Q]
+    out_index: torch.Tensor  # [T]
+    page_table: torch.Tensor  # [B, P]
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_req.shape[0]
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
-    """Index tensors the torch attention backend needs for one forward over a paged cache.
-
-    Requests are ragged: request b has `q_len[b]` new tokens and `kv_len[b]` cached+new tokens. The backend
-    pads queries to Q and keys to K per request:
-
-        flat tokens  (T)      : r0q0 r0q1 r0q2 | r1q0 | r2q0 r2q1
-        q_index      [B, Q]   : [[0, 1, 2], [3, 0, 0], [4, 5, 0]]     padding points at row 0 (masked)
-        out_index    [T]      : [0, 1, 2, 3, 6, 7]                      row of each token in the B*Q grid
-        kv_slots     [B, K]   : KV slot of key position j of request b (padding -> the dummy page)
-        mask      [B, 1, Q, K]: key j visible to query i  iff  j <= kv_len - q_len + i  and  j < kv_len
-
-    Padding query rows may see key 0 only, so softmax never sees an all-masked row (which would be NaN).
-    """
-
-    q_index: torch.Tensor
-    out_index: torch.Tensor
-    kv_slots: torch.Tensor
-    mask: torch.Tensor
+    q_index: torch.Tensor  # [B, Q]
+    out_index: torch.Tensor  # [T]
+    kv_slots: torch.Tensor  # [B, K]
+    mask: torch.Tensor  # [B, 1, Q, K] bool; padding query rows see key 0 only (never an all-masked row)
 
     def grouped_mask(self, group: int) -> torch.Tensor:
         """The mask for queries laid out as [B, kv_heads, group * Q, K] (grouped-query attention)."""
@@ -38,7 +59,7 @@ class AttentionMetadata:
 
 @dataclass(slots=True)
 class ForwardBatch:
-    """One forward over flat tokens: ids, absolute positions, where each new K/V goes, and attention indices."""
+    """One forward over flat tokens: ids, absolute positions, where each new K/V goes, attention indices."""
 
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
@@ -48,3 +69,21 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    @classmethod
+    def derive(cls, layout: BatchLayout, start: torch.Tensor, input_ids: torch.Tensor) -> ForwardBatch:
+        """All length-dependent metadata from `start` [B], on the device, without a host sync."""
+        ps = layout.page_size
+        positions = start[layout.token_req] + layout.token_offset
+        slot_mapping = layout.page_table[layout.token_req, positions // ps] * ps + positions % ps
+        b, p = layout.page_table.shape
+        kpos = torch.arange(p * ps, device=start.device)
+        kv_slots = (layout.page_table.unsqueeze(-1) * ps + torch.arange(ps, device=start.device)).view(b, p * ps)
+        qi = torch.arange(layout.q_index.shape[1], device=start.device)
+        q_valid = qi.unsqueeze(0) < layout.q_lens.unsqueeze(1)  # [B, Q]
+        q_pos = start.unsqueeze(1) + qi  # [B, Q]
+        kv_len = start + layout.q_lens
+        mask = (kpos <= q_pos.unsqueeze(-1)) & (kpos < kv_len.view(b, 1, 1)) & q_valid.unsqueeze(-1)
+        mask[:, :, 0] |= ~q_valid
+        return cls(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                   attn=AttentionMetadata(layout.q_index, layout.out_index, kv_slots, mask.unsqueeze(1)))

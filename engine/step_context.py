@@ -8,6 +8,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from engine.forward_batch import BatchLayout
 from engine.sampling_params import SamplingParams, SamplingTensors
 
 
@@ -28,33 +29,34 @@ class SeqState(Protocol):
 
 @dataclass(slots=True)
 class DecodeContext:
-    """A decode-only batch: request b's last token sits at position base_pos[b] and it drafts num_draft[b]."""
+    """A decode-only batch: request b's last token sits at position base_pos[b] and it drafts num_draft[b].
+
+    The verify layout (q = num_draft + 1 per request) is shared by verify and by the proposer's refill.
+    """
 
     seqs: list[SeqState]
     k: int  # drafts per request in this step's layout (max of num_draft)
     num_draft: np.ndarray  # [B] int64, <= k
-    base_pos: np.ndarray  # [B] int64
+    base_pos: np.ndarray  # [B] int64 (host copy)
+    start: torch.Tensor  # [B] device copy of base_pos
     st: SamplingTensors
     slots: torch.Tensor  # [B] long, device: rows of the proposer's carried state
-    page_size: int
+    verify_layout: BatchLayout
+    single_layout: BatchLayout  # one token per request (the draft loop)
     device: torch.device
 
     @property
     def batch_size(self) -> int:
         return len(self.seqs)
 
-    @property
-    def page_tables(self) -> list[list[int]]:
-        return [s.page_table for s in self.seqs]
+    def verify_flat_index(self) -> torch.Tensor:
+        """[T] index into a [B, k + 1] grid for each token of the ragged verify layout."""
+        lay = self.verify_layout
+        return lay.token_req * (self.k + 1) + lay.token_offset
 
-    @property
-    def verify_q_lens(self) -> np.ndarray:
-        return self.num_draft + 1
-
-    def verify_row_index(self) -> np.ndarray:
-        """[B, k + 1] flat row of (request b, verify position j) in a ragged verify layout; positions past
-        num_draft[b] repeat its last row (their values are never used)."""
-        q = self.verify_q_lens
-        cu = np.concatenate([[0], np.cumsum(q)[:-1]])
-        j = np.arange(self.k + 1)[None, :]
-        return cu[:, None] + np.minimum(j, q[:, None] - 1)
+    def verify_rows(self) -> torch.Tensor:
+        """[B, k + 1] flat token row of (request b, verify position j); positions past num_draft[b] repeat its
+        last row (their values are never used)."""
+        lay = self.verify_layout
+        j = torch.arange(self.k + 1, device=self.device).unsqueeze(0)
+        return lay.q_index.gather(1, torch.minimum(j, (lay.q_lens - 1).unsqueeze(1)))

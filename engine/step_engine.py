@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.batch_builder import build_forward_batch
+from engine.batch_builder import build_forward_batch, build_layout, to_device
+from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.models.llama import LlamaForCausalLM
 from engine.proposers.base import Proposer
@@ -50,6 +51,10 @@ class StepEngine:
     def page_size(self) -> int:
         return self.pool.page_size
 
+    @property
+    def has_draft_model(self) -> bool:
+        return self.proposer is not None and self.proposer.has_model
+
     def sampling_tensors(self, seqs: list[SeqState]) -> SamplingTensors:
         return SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], self.vocab_size, self.device)
 
@@ -63,19 +68,22 @@ class StepEngine:
         hidden = self.target(fb, self.pool)
         last = torch.from_numpy(np.cumsum(q_lens) - 1).to(self.device)
         st = self.sampling_tensors(seqs)
-        positions = torch.from_numpy(start + q_lens).to(self.device)
-        tokens = sample(self.target.compute_logits(hidden[last]), st, positions)
-        if self.proposer is not None and self.proposer.has_model:
+        tokens = sample(self.target.compute_logits(hidden[last]), st, to_device(start + q_lens, self.device))
+        if self.has_draft_model:
             self.proposer.prefill(seqs, hidden, q_lens, tokens, st)
         return tokens
 
     def decode_context(self, seqs: list[SeqState], num_draft: np.ndarray) -> DecodeContext:
+        """Host-side batch preparation for a decode step."""
+        base = np.array([s.num_computed for s in seqs], dtype=np.int64)
+        tables = [s.page_table for s in seqs]
         return DecodeContext(
-            seqs=seqs, k=int(num_draft.max(initial=0)), num_draft=num_draft,
-            base_pos=np.array([s.num_computed for s in seqs], dtype=np.int64),
-            st=self.sampling_tensors(seqs),
-            slots=torch.tensor([s.slot for s in seqs], device=self.device),
-            page_size=self.page_size, device=self.device,
+            seqs=seqs, k=int(num_draft.max(initial=0)), num_draft=num_draft, base_pos=base,
+            start=to_device(base, self.device), st=self.sampling_tensors(seqs),
+            slots=to_device(np.array([s.slot for s in seqs], dtype=np.int64), self.device),
+            verify_layout=build_layout(num_draft + 1, tables, self.page_size, self.device),
+            single_layout=build_layout(np.ones(len(seqs), np.int64), tables, self.page_size, self.device),
+            device=self.device,
         )
 
     @torch.inference_mode()
@@ -88,38 +96,36 @@ class StepEngine:
         if host_drafts is not None:
             num_draft = np.minimum(num_draft, [len(d) for d in host_drafts])
         ctx = self.decode_context(seqs, num_draft)
-        b, k = ctx.batch_size, ctx.k
+        return self.run_decode(ctx, host_drafts)
 
+    def run_decode(self, ctx: DecodeContext, host_drafts: list[list[int]] | None = None) -> StepOutput:
+        """The device part of a decode step (no host sync)."""
+        b, k = ctx.batch_size, ctx.k
+        grid = np.zeros((b, k + 1), dtype=np.int64)
+        grid[:, 0] = [s.token_ids[-1] for s in ctx.seqs]
         drafts = draft_probs = None
+        if k > 0 and host_drafts is not None:
+            for i, d in enumerate(host_drafts):
+                grid[i, 1: 1 + ctx.num_draft[i]] = d[: ctx.num_draft[i]]
+        grid_dev = to_device(grid, self.device)
         if k > 0:
             if host_drafts is not None:
-                grid = np.zeros((b, k), dtype=np.int64)
-                for i, d in enumerate(host_drafts):
-                    grid[i, : num_draft[i]] = d[: num_draft[i]]
-                drafts = torch.from_numpy(grid).to(self.device)
+                drafts = grid_dev[:, 1:]
             else:
                 drafts, draft_probs = self.proposer.propose(ctx)
-
-        # Verify: [last, d1 .. d_num_draft] per request; drafts are plugged in on device.
-        q_lens = ctx.verify_q_lens
-        ids = np.zeros((b, k + 1), dtype=np.int64)
-        ids[:, 0] = [s.token_ids[-1] for s in seqs]
-        fb = build_forward_batch(ids, ctx.base_pos, ctx.page_tables, self.page_size, self.device, q_lens=q_lens)
-        if k > 0:
-            grid = torch.from_numpy(ids).to(self.device)
-            grid[:, 1:] = drafts
-            fb.input_ids = grid[torch.from_numpy(np.arange(k + 1)[None, :] < q_lens[:, None]).to(self.device)]
+                grid_dev[:, 1:] = drafts
+        # Verify: [last, d1 .. d_num_draft] per request, drafts plugged in on device.
+        fb = ForwardBatch.derive(ctx.verify_layout, ctx.start, grid_dev.reshape(-1)[ctx.verify_flat_index()])
         hidden = self.target(fb, self.pool)
 
-        first_pos = torch.from_numpy(ctx.base_pos + 1).to(self.device)
+        first_pos = ctx.start + 1
         if k == 0:
             out = sample(self.target.compute_logits(hidden), ctx.st, first_pos).unsqueeze(1)
             accepted = torch.zeros(b, dtype=torch.long, device=self.device)
         else:
-            rows = torch.from_numpy(ctx.verify_row_index()).to(self.device)
-            logits = self.target.compute_logits(hidden)[rows]  # [B, k + 1, V]
-            num_draft_dev = torch.from_numpy(num_draft).to(self.device)
-            out, accepted = rejection_sample(drafts, draft_probs, logits, num_draft_dev, ctx.st, first_pos)
-        if self.proposer is not None and self.proposer.has_model:
+            logits = self.target.compute_logits(hidden)[ctx.verify_rows()]  # [B, k + 1, V]
+            out, accepted = rejection_sample(drafts, draft_probs, logits, to_device(ctx.num_draft, self.device),
+                                             ctx.st, first_pos)
+        if self.has_draft_model:
             self.proposer.refill(ctx, out, accepted, hidden)
-        return StepOutput(out_tokens=out, num_accepted=accepted, num_draft=num_draft)
+        return StepOutput(out_tokens=out, num_accepted=accepted, num_draft=ctx.num_draft)

@@ -61,18 +61,14 @@ class ModelProposer(Proposer):
         self._carry(hidden, last_rows, torch.tensor([s.slot for s in seqs], device=self.device))
 
     def propose(self, ctx: DecodeContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        slots, base = ctx.slots, ctx.base_pos
-        pos_dev = torch.from_numpy(base).to(self.device)
-        token, q = draw(self.carried_logits[slots], ctx.st, pos_dev + 1)
+        slots = ctx.slots
+        token, q = draw(self.carried_logits[slots], ctx.st, ctx.start + 1)
         drafts, probs = [token], [q]
         hidden = self.carried_hidden[slots]
-        ones = np.ones(ctx.batch_size, np.int64)
         for j in range(1, ctx.k):
-            fb = build_forward_batch(np.zeros((ctx.batch_size, 1), np.int64), base + j - self.shift,
-                                     ctx.page_tables, self.pool.page_size, self.device, q_lens=ones)
-            fb.input_ids = token
+            fb = ForwardBatch.derive(ctx.single_layout, ctx.start + (j - self.shift), token)
             hidden = self.forward(fb, hidden)
-            token, q = draw(self.compute_logits(hidden), ctx.st, pos_dev + j + 1)
+            token, q = draw(self.compute_logits(hidden), ctx.st, ctx.start + (j + 1))
             drafts.append(token)
             probs.append(q)
         draft_probs = None if probs[0] is None else torch.stack(probs, dim=1)
@@ -80,14 +76,8 @@ class ModelProposer(Proposer):
 
     def refill(self, ctx: DecodeContext, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
                target_hidden: torch.Tensor) -> None:
-        q_lens = ctx.verify_q_lens
-        b = np.repeat(np.arange(ctx.batch_size), q_lens)
-        cu = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
-        j = np.arange(int(q_lens.sum())) - cu[b]
-        fb = build_forward_batch(np.zeros((ctx.batch_size, ctx.k + 1), np.int64), ctx.base_pos + 1 - self.shift,
-                                 ctx.page_tables, self.pool.page_size, self.device, q_lens=q_lens)
-        src = torch.from_numpy(b * (ctx.k + 1) + j).to(self.device)
-        fb.input_ids = out_tokens.reshape(-1)[src]
+        ids = out_tokens.reshape(-1)[ctx.verify_flat_index()]
+        fb = ForwardBatch.derive(ctx.verify_layout, ctx.start + (1 - self.shift), ids)
         hidden = self.forward(fb, target_hidden)
-        carry_rows = torch.from_numpy(cu).to(self.device) + num_accepted
+        carry_rows = ctx.verify_layout.q_index[:, 0] + num_accepted
         self._carry(hidden, carry_rows, ctx.slots)

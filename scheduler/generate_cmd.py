@@ -1,0 +1,170 @@
+"""`specstep generate`: offline batched generation. A stable contract: JSONL in, JSONL out.
+
+Input lines: {"prompt": "..."} or {"prompt_token_ids": [...]}, optionally with per-line "max_tokens",
+"temperature", "top_p", "top_k", "seed". Output lines: prompt_token_ids, token_ids, text, finish_reason, spec
+(per-request speculation stats) and timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from engine.engine_config import DEFAULT_TARGET, SPEC_KINDS, EngineConfig
+from engine.errors import SpecstepError
+
+PER_LINE_FIELDS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by `generate` and `serve`."""
+    p.add_argument("--model", default=str(DEFAULT_TARGET), help="target model folder (default: embedded target)")
+    p.add_argument("--spec", choices=SPEC_KINDS, default="none", help="speculation proposer")
+    p.add_argument("--draft", default=None, help="draft model or MTP head folder (default: embedded one)")
+    p.add_argument("--num-spec-tokens", type=int, default=4, help="draft tokens per step (k)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV capacity in tokens")
+    p.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-cache-tokens)")
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default 1)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, spec=args.spec, draft=args.draft, num_spec_tokens=args.num_spec_tokens,
+                        page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens, num_pages=args.num_pages,
+                        max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, dtype=args.dtype,
+                        device=args.device, threads=args.threads)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="a single prompt text")
+    src.add_argument("--prompts", help="JSONL file: one {\"prompt\": ...} or {\"prompt_token_ids\": [...]} per line")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--output", help="write JSONL here (default: stdout)")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace of the run here")
+
+
+def read_inputs(args: argparse.Namespace) -> list[dict]:
+    if args.prompts is None:
+        text = args.prompt if args.prompt is not None else "def fibonacci(n):\n"
+        return [{"prompt": text}]
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise SpecstepError(f"prompts file {args.prompts!r} does not exist")
+    items = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecstepError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+        if not isinstance(item, dict) or ("prompt" in item) == ("prompt_token_ids" in item):
+            raise SpecstepError(f"{path}:{lineno}: each line needs exactly one of 'prompt' or 'prompt_token_ids'")
+        for name, kind in PER_LINE_FIELDS.items():
+            if name in item and (not isinstance(item[name], (int, float)) or isinstance(item[name], bool)):
+                raise SpecstepError(f"{path}:{lineno}: {name!r} must be a number")
+            if name in item:
+                item[name] = kind(item[name])
+        item["_where"] = f"{path}:{lineno}"
+        items.append(item)
+    if not items:
+        raise SpecstepError(f"{path}: no prompts")
+    return items
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (SpecstepError, ValueError) as e:
+        print(f"specstep generate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from engine.sampling_params import SamplingParams
+    from scheduler.build import build_engine
+    from scheduler.request import Request
+
+    items = read_inputs(args)
+    if not Path(args.model).is_dir():
+        raise SpecstepError(f"model folder {args.model!r} does not exist")
+    core, tokenizer, info = build_engine(engine_config_from_args(args))
+    reqs = []
+    for i, item in enumerate(items):
+        where = item.get("_where", "--prompt")
+        if "prompt" in item:
+            if not isinstance(item["prompt"], str) or not item["prompt"]:
+                raise SpecstepError(f"{where}: 'prompt' must be a non-empty string")
+            if tokenizer is None:
+                raise SpecstepError(f"{args.model}: no tokenizer.json; give prompt_token_ids instead")
+            ids = tokenizer.encode(item["prompt"])
+        else:
+            ids = item["prompt_token_ids"]
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in ids):
+                raise SpecstepError(f"{where}: 'prompt_token_ids' must be a non-empty list of integers")
+            bad = [t for t in ids if not 0 <= t < info.vocab_size]
+            if bad:
+                raise SpecstepError(f"{where}: token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}")
+        seed = item.get("seed", args.seed)
+        params = SamplingParams(temperature=item.get("temperature", args.temperature),
+                                top_p=item.get("top_p", args.top_p), top_k=item.get("top_k", args.top_k),
+                                max_tokens=item.get("max_tokens", args.max_tokens), seed=seed,
+                                ignore_eos=args.ignore_eos)
+        try:
+            req = Request(str(i), ids, params, seed=seed if seed is not None else random.getrandbits(63))
+            core.add_request(req)
+        except SpecstepError as e:
+            raise SpecstepError(f"{where}: {e}") from None
+        reqs.append(req)
+
+    recorder = _start_trace(args.trace)
+    start = time.perf_counter()
+    while core.has_unfinished():
+        core.step()
+    elapsed = time.perf_counter() - start
+    core.check_integrity()
+    if recorder is not None:
+        recorder.save(args.trace)
+
+    out = open(args.output, "w") if args.output else sys.stdout
+    try:
+        for req in reqs:
+            line = {
+                "prompt_token_ids": req.prompt_token_ids,
+                "token_ids": req.output_token_ids,
+                "text": tokenizer.decode(req.output_token_ids) if tokenizer else None,
+                "finish_reason": req.finish_reason.value if req.finish_reason else None,
+                "spec": req.stats.to_dict(),
+            }
+            out.write(json.dumps(line) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    total = sum(r.num_output_tokens for r in reqs)
+    print(f"{len(reqs)} requests, {total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s), spec={info.spec}",
+          file=sys.stderr)
+    return 0
+
+
+def _start_trace(path: str | None):
+    if path is None:
+        return None
+    from traces.recorder import TraceRecorder
+
+    return TraceRecorder.install()
