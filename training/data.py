@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import sysconfig
 import zlib
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,7 @@ def is_heldout(relative_path: str) -> bool:
     return zlib.crc32(relative_path.encode("utf-8")) % HELDOUT_MODULUS == 0
 
 
-@lru_cache(maxsize=None)
+@cache
 def _all_files() -> tuple[tuple[Path, bool], ...]:
     root = stdlib_root()
     out: list[tuple[Path, bool]] = []

@@ -45,7 +45,8 @@ def default_out() -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=default_out(), help="output folder (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=default_out(),
+                        help="output folder (default: %(default)s)")
     parser.add_argument("--target-minutes", type=float, default=33.0, help="target training budget")
     parser.add_argument("--draft-minutes", type=float, default=10.0, help="draft distillation budget")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
@@ -56,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-lr", type=float, default=2e-3, help="peak learning rate of the draft")
     parser.add_argument("--distill-ce-weight", type=float, default=0.25,
                         help="draft loss = w * cross-entropy + (1 - w) * KL(target || draft)")
-    parser.add_argument("--eval-windows", type=int, default=256, help="held-out windows for the final evaluation")
+    parser.add_argument("--eval-windows", type=int, default=256,
+                        help="held-out windows for the final evaluation")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         progress.advance(task)
         train_stream, heldout_stream = token_stream(tokenizer, "train"), token_stream(tokenizer, "heldout")
         progress.advance(task)
-        progress.console.log(f"corpus: {len(corpus_files('train'))} train files, {len(train_stream):,} tokens; "
+        progress.console.log(f"corpus: {len(corpus_files('train'))} train files, "
+                             f"{len(train_stream):,} tokens; "
                              f"{len(corpus_files('heldout'))} held-out files, {len(heldout_stream):,} tokens")
         vocab = tokenizer.get_vocab_size()
         periodic = fixed_windows(heldout_stream, args.seq_len + 1, PERIODIC_EVAL_WINDOWS)
@@ -135,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
                               len(train_stream), len(heldout_stream), time.perf_counter() - wall_start)
     (out / "quality.json").write_text(json.dumps(quality, indent=2) + "\n")
     console.print_json(json.dumps(quality))
-    console.print(f"[bold]target val loss {final['target_loss']:.3f}, draft val loss {final['draft_loss']:.3f}, "
+    console.print(f"[bold]target val loss {final['target_loss']:.3f}, "
+                  f"draft val loss {final['draft_loss']:.3f}, "
                   f"greedy agreement {final['agreement']:.3f}[/bold] -> {out}")
     return 0
 

@@ -16,7 +16,7 @@ EVAL_BATCH = 8
 
 
 def logits_of(model: LlamaForCausalLM, inputs: torch.Tensor) -> torch.Tensor:
-    """The training path: dense causal forward [B, S] -> logits [B, S, V] (fp32); grad as the caller's mode."""
+    """The training path: dense causal forward [B, S] -> logits [B, S, V] (fp32); grad per caller."""
     return model.compute_logits(model.forward_dense(inputs))
 
 

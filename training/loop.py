@@ -118,7 +118,8 @@ def train(
                         info=f"loss {ema:.3f}  {stats.tokens / elapsed:,.0f} tok/s")
         if elapsed >= next_log:
             next_log += settings.log_every_s
-            progress.console.log(f"{label}: step {stats.steps}  tokens {stats.tokens:,}  train loss {ema:.3f}  "
+            progress.console.log(f"{label}: step {stats.steps}  tokens {stats.tokens:,}  "
+                                 f"train loss {ema:.3f}  "
                                  f"lr {lr:.2e}  {stats.tokens / elapsed:,.0f} tok/s")
         if elapsed >= next_eval and elapsed < budget:
             next_eval += eval_every

@@ -110,14 +110,16 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def save_model_folder(model: LlamaForCausalLM, config: dict[str, Any], folder: Path, tokenizer_json: Path) -> None:
+def save_model_folder(
+    model: LlamaForCausalLM, config: dict[str, Any], folder: Path, tokenizer_json: Path
+) -> None:
     """A self-contained Hugging Face folder: weights, config, generation config, tokenizer."""
     save_checkpoint(local_to_hf(model.state_dict(), model.cfg), config, folder)
     generation = {"bos_token_id": EOS_ID, "eos_token_id": EOS_ID, "pad_token_id": EOS_ID}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     shutil.copyfile(tokenizer_json, folder / "tokenizer.json")
     # Lets `transformers.AutoTokenizer.from_pretrained(folder)` work too, for side-by-side benchmarks.
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN,
-                  "pad_token": EOS_TOKEN, "unk_token": None, "add_prefix_space": False,
-                  "model_max_length": config["max_position_embeddings"]}
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS_TOKEN,
+                  "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "unk_token": None,
+                  "add_prefix_space": False, "model_max_length": config["max_position_embeddings"]}
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")

@@ -1,0 +1,1 @@
+"""NVTX range vocabulary, the trace recorder/exporter, and the analysis of where CPU work is hidden."""

@@ -1,0 +1,26 @@
+"""One vocabulary of range names for every stage, used by NVTX, the trace recorder and the report."""
+
+from __future__ import annotations
+
+# scheduler thread (CPU)
+SCHEDULE = "schedule"  # admission, k choice, page reservation
+BUILD_BATCH = "build_batch"  # host-side layout / sampling tensors for the next step
+PLAN = "plan"  # attention-backend planning (FlashInfer plan() on CUDA)
+COPY_TO_DEVICE = "copy_to_device"
+PATCH = "patch"  # fix the prepared batch once the previous step's accepted lengths are known
+WAIT = "wait_accepted"  # the host sync on a step's accepted lengths
+PROCESS_OUTPUT = "process_output"  # append tokens, stop checks, stats
+DETOKENIZE = "detokenize"
+SEND = "send"
+# device work (device track: the stream's worker thread on CPU, CUDA events on GPU)
+PREFILL = "prefill"
+DECODE = "decode"
+DRAFT = "draft"
+VERIFY = "verify"
+ACCEPT = "accept"
+REFILL = "refill"
+
+CPU_PREP = (SCHEDULE, BUILD_BATCH, PLAN, COPY_TO_DEVICE, PATCH)
+DEVICE_STEPS = (PREFILL, DECODE)
+DEVICE_STAGES = (DRAFT, VERIFY, ACCEPT, REFILL)
+DEVICE_TRACK = "device"
