@@ -20,7 +20,7 @@ and a captured graph can replay a layout with new starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,13 +48,16 @@ class AttentionMetadata:
     out_index: torch.Tensor  # [T]
     kv_slots: torch.Tensor  # [B, K]
     mask: torch.Tensor  # [B, 1, Q, K] bool; padding query rows see key 0 only (never an all-masked row)
+    _grouped: dict[int, torch.Tensor] = field(default_factory=dict)  # per forward, shared by all layers
 
     def grouped_mask(self, group: int) -> torch.Tensor:
         """The mask for queries laid out as [B, kv_heads, group * Q, K] (grouped-query attention)."""
-        b, _, q, k = self.mask.shape
         if group == 1:
             return self.mask
-        return self.mask.unsqueeze(2).expand(b, 1, group, q, k).reshape(b, 1, group * q, k)
+        if group not in self._grouped:
+            b, _, q, k = self.mask.shape
+            self._grouped[group] = self.mask.unsqueeze(2).expand(b, 1, group, q, k).reshape(b, 1, group * q, k)
+        return self._grouped[group]
 
 
 @dataclass(slots=True)

@@ -172,7 +172,10 @@ def _quality_report(args: argparse.Namespace, out: Path, final: dict[str, float]
         "draft_top1_accuracy": round(final["draft_top1"], 4),
         "eval_tokens": int(final["tokens"]),
         "target": _model_entry(target_config, target, target_stats, out / "target"),
-        "draft": _model_entry(draft_config, draft, draft_stats, out / "draft"),
+        "draft": _model_entry(draft_config, draft, draft_stats, out / "draft")
+        | {"train_objective": f"{args.distill_ce_weight} * CE + "
+                              f"{1 - args.distill_ce_weight} * KL(target || draft)",
+           "warm_start": "embeddings, layer 0 and final norm copied from the trained target"},
         "corpus": {"train_files": len(corpus_files("train")), "heldout_files": len(corpus_files("heldout")),
                    "train_tokens": train_tokens, "heldout_tokens": heldout_tokens},
         "settings": {"seq_len": args.seq_len, "batch_size": args.batch_size, "target_lr": args.target_lr,

@@ -8,12 +8,14 @@ budget runs out, whatever the speed turned out to be.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch import nn
 
@@ -144,5 +146,9 @@ def _periodic_eval(model: nn.Module, evaluate: Callable[[], dict[str, float]], p
 
 
 def new_progress() -> Progress:
+    # Without a terminal (nohup to a log file) rich would wrap log lines at 80 columns;
+    # source paths are noise.
+    console = Console(log_path=False, width=None if sys.stdout.isatty() else 140)
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn(), TextColumn("/"),
-                    TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+                    TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                    console=console)

@@ -16,7 +16,10 @@ from engine.attention.torch_backend import dense_causal_attention, paged_attenti
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
-from engine.models.rotary import RotaryEmbedding
+from engine.models.rotary import RotaryEmbedding, apply_rotary
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) for the batch's positions
 
 
 class RMSNorm(nn.Module):
@@ -31,31 +34,31 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer_id = layer_id
-        self.rotary = rotary
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, rope: Rope):
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = self.rotary(positions, q.unflatten(-1, (cfg.num_heads, cfg.head_dim)))
-        k = self.rotary(positions, k.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim)))
+        qk, v = self.qkv_proj(x).split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        # Rotate q and k heads together: one rotary application per layer.
+        qk = apply_rotary(qk.unflatten(-1, (cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)), *rope)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=-2)
         return q, k, v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
-        q, k, v = self._qkv(x, batch.positions)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: Rope) -> torch.Tensor:
+        q, k, v = self._qkv(x, rope)
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         o = paged_attention(q.flatten(1), k_cache, v_cache, batch.attn, self.cfg.num_heads, self.scale)
         return self.o_proj(o)
 
-    def forward_dense(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q, k, v = self._qkv(x, positions)  # [B, S, heads, D]
+    def forward_dense(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        q, k, v = self._qkv(x, rope)  # [B, S, heads, D]
         o = dense_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale)
         return self.o_proj(o.transpose(1, 2).flatten(2))
 
@@ -73,19 +76,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
+        self.self_attn = LlamaAttention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: Rope) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_dense(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn.forward_dense(self.input_layernorm(x), positions)
+    def forward_dense(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        x = x + self.self_attn.forward_dense(self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -101,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -109,15 +112,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
+        rope = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, batch, kv)
+            x = layer(x, batch, kv, rope)
         return self.norm(x)
 
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer.forward_dense(x, positions)
+            x = layer.forward_dense(x, rope)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ class MTPHead(nn.Module):
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.embed_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.fc = nn.Linear(2 * d, d, bias=False)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, 0, self.rotary)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, 0)])
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def _fuse(self, token_embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -40,9 +40,11 @@ class MTPHead(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv: KVPool, token_embeds: torch.Tensor,
                 target_hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.layers[0](self._fuse(token_embeds, target_hidden), batch, kv))
+        x = self._fuse(token_embeds, target_hidden)
+        return self.norm(self.layers[0](x, batch, kv, self.rotary.cos_sin(batch.positions, x.dtype)))
 
     def forward_dense(self, token_embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
         """Training path over [B, S] sequences, causal, no cache."""
         positions = torch.arange(token_embeds.shape[1], device=token_embeds.device)
-        return self.norm(self.layers[0].forward_dense(self._fuse(token_embeds, target_hidden), positions))
+        x = self._fuse(token_embeds, target_hidden)
+        return self.norm(self.layers[0].forward_dense(x, self.rotary.cos_sin(positions, x.dtype)))

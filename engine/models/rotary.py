@@ -45,10 +45,13 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().float().to(device or "cpu")
         self.sin = emb.sin().float().to(device or "cpu")
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., heads, head_dim] with positions broadcastable to x.shape[:-2]."""
-        cos = self.cos[positions].unsqueeze(-2).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(-2).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for these positions, shaped to broadcast over [..., heads, head_dim]; computed once per
+        forward and shared by every layer."""
+        return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., heads, head_dim]; rotate_half layout (first half paired with second half)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
