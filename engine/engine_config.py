@@ -26,6 +26,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     threads: int | None = None  # torch intra-op threads; default 1 on CPU (see CPU_NOTES.md)
+    overlap: bool = True  # prepare step N+1 on the host while step N runs on the device stream
 
     def __post_init__(self) -> None:
         if self.spec not in SPEC_KINDS:

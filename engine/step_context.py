@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -28,6 +28,21 @@ class SeqState(Protocol):
 
 
 @dataclass(slots=True)
+class Chain:
+    """Rows of this step that continue requests of the previous step, which has not been read back yet.
+
+    The host does not know how many tokens that step accepts, so it builds this step with stale starts and
+    last tokens; the device patches them first thing:  start[dst] = prev.start[src] + accepted[src] + 1,
+    last[dst] = prev.out_tokens[src, accepted[src]].  No host sync between the two steps: the stream runs in
+    order, so when this step runs the previous step's outputs exist (`StepHandle.result()`).
+    """
+
+    prev: Any  # StepHandle[StepOutput] of the previous step
+    src: torch.Tensor  # rows in the previous step
+    dst: torch.Tensor  # rows in this step
+
+
+@dataclass(slots=True)
 class DecodeContext:
     """A decode-only batch: request b's last token sits at position base_pos[b] and it drafts num_draft[b].
 
@@ -44,6 +59,9 @@ class DecodeContext:
     verify_layout: BatchLayout
     single_layout: BatchLayout  # one token per request (the draft loop)
     device: torch.device
+    input_grid: np.ndarray  # [B, k + 1] host: last token, then host drafts (n-gram) where known
+    num_draft_dev: torch.Tensor  # [B] device copy of num_draft
+    chain: Chain | None = None  # rows whose start/last token come from the previous, still running step
 
     @property
     def batch_size(self) -> int:

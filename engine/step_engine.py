@@ -26,7 +26,10 @@ from engine.proposers.base import Proposer
 from engine.rejection_sampler import rejection_sample
 from engine.sampler import sample
 from engine.sampling_params import SamplingTensors
-from engine.step_context import DecodeContext, SeqState
+from engine.step_context import Chain, DecodeContext, SeqState
+from traces import ranges
+from traces.ranges import DEVICE_TRACK
+from traces.tracer import NULL_TRACER, Tracer
 
 
 @dataclass(slots=True)
@@ -36,11 +39,13 @@ class StepOutput:
     out_tokens: torch.Tensor  # [B, k + 1]
     num_accepted: torch.Tensor  # [B] accepted drafts; the step emitted num_accepted + 1 tokens
     num_draft: np.ndarray  # [B] drafts actually proposed (host-known)
+    start: torch.Tensor  # [B] position of each request's input token (device; chained steps read it)
 
 
 class StepEngine:
     def __init__(self, target: LlamaForCausalLM, pool: KVPool, proposer: Proposer | None,
-                 device: torch.device) -> None:
+                 device: torch.device, tracer: Tracer = NULL_TRACER) -> None:
+        self.tracer = tracer
         self.target = target
         self.pool = pool
         self.proposer = proposer
@@ -64,68 +69,88 @@ class StepEngine:
         ids = [s.token_ids[s.num_computed:] for s in seqs]
         start = np.array([s.num_computed for s in seqs], dtype=np.int64)
         q_lens = np.array([len(t) for t in ids], dtype=np.int64)
-        fb = build_forward_batch(ids, start, [s.page_table for s in seqs], self.page_size, self.device)
-        hidden = self.target(fb, self.pool)
-        last = torch.from_numpy(np.cumsum(q_lens) - 1).to(self.device)
-        st = self.sampling_tensors(seqs)
-        tokens = sample(self.target.compute_logits(hidden[last]), st, to_device(start + q_lens, self.device))
-        if self.has_draft_model:
-            self.proposer.prefill(seqs, hidden, q_lens, tokens, st)
+        with self.tracer.range(ranges.PREFILL, track=DEVICE_TRACK, batch=len(seqs), tokens=int(q_lens.sum())):
+            fb = build_forward_batch(ids, start, [s.page_table for s in seqs], self.page_size, self.device)
+            hidden = self.target(fb, self.pool)
+            last = torch.from_numpy(np.cumsum(q_lens) - 1).to(self.device)
+            st = self.sampling_tensors(seqs)
+            tokens = sample(self.target.compute_logits(hidden[last]), st, to_device(start + q_lens, self.device))
+            if self.has_draft_model:
+                self.proposer.prefill(seqs, hidden, q_lens, tokens, st)
         return tokens
 
-    def decode_context(self, seqs: list[SeqState], num_draft: np.ndarray) -> DecodeContext:
-        """Host-side batch preparation for a decode step."""
+    def decode_context(self, seqs: list[SeqState], num_draft: np.ndarray,
+                       host_drafts: list[list[int]] | None = None, chain: Chain | None = None) -> DecodeContext:
+        """Host-side batch preparation for a decode step (runs on the scheduler thread, overlapping the
+        previous step's device work when chained)."""
+        b = len(seqs)
+        k = int(num_draft.max(initial=0))
         base = np.array([s.num_computed for s in seqs], dtype=np.int64)
         tables = [s.page_table for s in seqs]
+        grid = np.zeros((b, k + 1), dtype=np.int64)
+        grid[:, 0] = [s.token_ids[-1] for s in seqs]
+        if host_drafts is not None and k > 0:
+            for i, d in enumerate(host_drafts):
+                grid[i, 1: 1 + num_draft[i]] = d[: num_draft[i]]
         return DecodeContext(
-            seqs=seqs, k=int(num_draft.max(initial=0)), num_draft=num_draft, base_pos=base,
+            seqs=seqs, k=k, num_draft=num_draft, base_pos=base,
             start=to_device(base, self.device), st=self.sampling_tensors(seqs),
             slots=to_device(np.array([s.slot for s in seqs], dtype=np.int64), self.device),
             verify_layout=build_layout(num_draft + 1, tables, self.page_size, self.device),
-            single_layout=build_layout(np.ones(len(seqs), np.int64), tables, self.page_size, self.device),
-            device=self.device,
+            single_layout=build_layout(np.ones(b, np.int64), tables, self.page_size, self.device),
+            device=self.device, input_grid=grid, num_draft_dev=to_device(num_draft, self.device), chain=chain,
         )
+
+    def plan_decode(self, seqs: list[SeqState], num_draft: np.ndarray,
+                    chain: Chain | None = None) -> DecodeContext:
+        num_draft = np.asarray(num_draft, dtype=np.int64).copy()
+        if self.proposer is None:
+            num_draft[:] = 0
+        host_drafts = None
+        if self.proposer is not None and not self.proposer.has_model:
+            assert chain is None, "host proposers need the previous step's tokens on the host"
+            host_drafts = self.proposer.propose_host(seqs, int(num_draft.max(initial=0)))
+            num_draft = np.minimum(num_draft, [len(d) for d in host_drafts])
+        return self.decode_context(seqs, num_draft, host_drafts, chain)
 
     @torch.inference_mode()
     def decode(self, seqs: list[SeqState], num_draft: np.ndarray) -> StepOutput:
         """One decode step; request b speculates num_draft[b] tokens (0 = plain decoding for it)."""
-        num_draft = np.asarray(num_draft, dtype=np.int64).copy()
-        if self.proposer is None:
-            num_draft[:] = 0
-        host_drafts = self.proposer.propose_host(seqs, int(num_draft.max(initial=0))) if self.proposer else None
-        if host_drafts is not None:
-            num_draft = np.minimum(num_draft, [len(d) for d in host_drafts])
-        ctx = self.decode_context(seqs, num_draft)
-        return self.run_decode(ctx, host_drafts)
+        return self.run_decode(self.plan_decode(seqs, num_draft))
 
-    def run_decode(self, ctx: DecodeContext, host_drafts: list[list[int]] | None = None) -> StepOutput:
+    def run_decode(self, ctx: DecodeContext) -> StepOutput:
         """The device part of a decode step (no host sync)."""
         b, k = ctx.batch_size, ctx.k
-        grid = np.zeros((b, k + 1), dtype=np.int64)
-        grid[:, 0] = [s.token_ids[-1] for s in ctx.seqs]
-        drafts = draft_probs = None
-        if k > 0 and host_drafts is not None:
-            for i, d in enumerate(host_drafts):
-                grid[i, 1: 1 + ctx.num_draft[i]] = d[: ctx.num_draft[i]]
-        grid_dev = to_device(grid, self.device)
-        if k > 0:
-            if host_drafts is not None:
-                drafts = grid_dev[:, 1:]
-            else:
-                drafts, draft_probs = self.proposer.propose(ctx)
-                grid_dev[:, 1:] = drafts
-        # Verify: [last, d1 .. d_num_draft] per request, drafts plugged in on device.
-        fb = ForwardBatch.derive(ctx.verify_layout, ctx.start, grid_dev.reshape(-1)[ctx.verify_flat_index()])
-        hidden = self.target(fb, self.pool)
-
-        first_pos = ctx.start + 1
-        if k == 0:
-            out = sample(self.target.compute_logits(hidden), ctx.st, first_pos).unsqueeze(1)
-            accepted = torch.zeros(b, dtype=torch.long, device=self.device)
-        else:
-            logits = self.target.compute_logits(hidden)[ctx.verify_rows()]  # [B, k + 1, V]
-            out, accepted = rejection_sample(drafts, draft_probs, logits, to_device(ctx.num_draft, self.device),
-                                             ctx.st, first_pos)
-        if self.has_draft_model:
-            self.proposer.refill(ctx, out, accepted, hidden)
-        return StepOutput(out_tokens=out, num_accepted=accepted, num_draft=ctx.num_draft)
+        tr, dev = self.tracer, DEVICE_TRACK
+        with tr.range(ranges.DECODE, track=dev, batch=b, k=k):
+            grid = to_device(ctx.input_grid, self.device)
+            if ctx.chain is not None:
+                c, prev = ctx.chain, ctx.chain.prev.result()
+                acc = prev.num_accepted[c.src]
+                ctx.start[c.dst] = prev.start[c.src] + acc + 1
+                grid[c.dst, 0] = prev.out_tokens[c.src, acc]
+            drafts = draft_probs = None
+            if k > 0:
+                if self.proposer.has_model:
+                    with tr.range(ranges.DRAFT, track=dev):
+                        drafts, draft_probs = self.proposer.propose(ctx)
+                    grid[:, 1:] = drafts
+                else:
+                    drafts = grid[:, 1:]
+            with tr.range(ranges.VERIFY, track=dev):
+                # [last, d1 .. d_num_draft] per request, drafts plugged in on device.
+                fb = ForwardBatch.derive(ctx.verify_layout, ctx.start, grid.reshape(-1)[ctx.verify_flat_index()])
+                hidden = self.target(fb, self.pool)
+            with tr.range(ranges.ACCEPT, track=dev):
+                first_pos = ctx.start + 1
+                if k == 0:
+                    out = sample(self.target.compute_logits(hidden), ctx.st, first_pos).unsqueeze(1)
+                    accepted = torch.zeros(b, dtype=torch.long, device=self.device)
+                else:
+                    logits = self.target.compute_logits(hidden)[ctx.verify_rows()]  # [B, k + 1, V]
+                    out, accepted = rejection_sample(drafts, draft_probs, logits, ctx.num_draft_dev, ctx.st,
+                                                     first_pos)
+            if self.has_draft_model:
+                with tr.range(ranges.REFILL, track=dev):
+                    self.proposer.refill(ctx, out, accepted, hidden)
+        return StepOutput(out_tokens=out, num_accepted=accepted, num_draft=ctx.num_draft, start=ctx.start)

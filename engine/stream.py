@@ -39,6 +39,13 @@ class StepHandle(Generic[T]):
             return bool(self._end_event.query())
         return self._done.is_set()
 
+    def result(self) -> T:
+        """The outputs without waiting: valid for a later job on the same stream (which runs after this one
+        completes, CPU) or right after submit (CUDA: outputs are allocated at launch)."""
+        if self._error is not None:
+            raise self._error
+        return self._result
+
     def wait(self) -> T:
         """Block until the job's device work is complete; re-raise its error if it failed."""
         if self._end_event is not None:

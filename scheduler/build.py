@@ -18,9 +18,11 @@ from engine.proposers.draft_model import DraftModelProposer  # noqa: E402
 from engine.proposers.mtp import MTPProposer  # noqa: E402
 from engine.proposers.ngram import NgramProposer  # noqa: E402
 from engine.step_engine import StepEngine  # noqa: E402
+from engine.stream import make_stream  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from scheduler.engine_core import EngineCore, SchedulerConfig  # noqa: E402
 from scheduler.page_allocator import PageAllocator  # noqa: E402
+from traces.tracer import NULL_TRACER, Tracer  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,17 +45,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_engine(cfg: EngineConfig) -> tuple[EngineCore, Tokenizer | None, EngineInfo]:
+def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[EngineCore, Tokenizer | None, EngineInfo]:
     device = resolve_device(cfg.device)
     if device.type == "cpu":
+        # One intra-op thread: the scheduler thread and the stream's worker thread each get a core, and tiny
+        # models decode faster on one thread anyway (CPU_NOTES.md). Denormals only slow matmuls down.
         torch.set_num_threads(cfg.threads or 1)
+        torch.set_flush_denormal(True)
     target = load_model(cfg.model, device, cfg.dtype)
     dtype = target.embed_tokens.weight.dtype
     max_len = min(cfg.max_model_len or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)
     num_pages = cfg.num_pages or (-(-cfg.kv_cache_tokens // cfg.page_size) + 1)
     pool = KVPool(target.cfg, target.cfg.num_layers, num_pages, cfg.page_size, dtype, device)
     proposer = build_proposer(cfg, target, num_pages, dtype, device)
-    step_engine = StepEngine(target, pool, proposer, device)
+    step_engine = StepEngine(target, pool, proposer, device, tracer)
     try:
         tokenizer = Tokenizer.from_folder(cfg.model)
     except CheckpointError:
@@ -61,7 +66,8 @@ def build_engine(cfg: EngineConfig) -> tuple[EngineCore, Tokenizer | None, Engin
     eos = target.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer else ())
     sched = SchedulerConfig(max_batch_size=cfg.max_batch_size, max_prefill_tokens=cfg.max_prefill_tokens,
                             num_spec_tokens=cfg.num_spec_tokens if proposer else 0, max_model_len=max_len)
-    core = EngineCore(step_engine, PageAllocator(num_pages, cfg.page_size), sched, eos)
+    core = EngineCore(step_engine, PageAllocator(num_pages, cfg.page_size), sched, eos,
+                      stream=make_stream(device, cfg.overlap), tracer=tracer)
     info = EngineInfo(num_pages=num_pages, page_size=cfg.page_size, max_model_len=max_len,
                       vocab_size=target.cfg.vocab_size, device=str(device), dtype=str(dtype).replace("torch.", ""),
                       spec=cfg.spec, eos_token_ids=tuple(eos))

@@ -1,8 +1,17 @@
-"""The engine core: admission, continuous batching, preemption by recompute, stop conditions.
+"""The engine core: admission, continuous batching, preemption by recompute, stop conditions, and the
+pipelined decode loop that hides batch preparation behind device work.
 
-One `step()` runs one batch: a prefill of newly admitted requests if any can be admitted, else one decode
-(possibly speculative) step of every running request. The offline `generate` and the scheduler process both
-drive this class; it owns no sockets.
+`step()` returns the outputs of one finished batch. Prefill batches run synchronously. Decode steps are
+pipelined when the stream overlaps (CPU worker thread or CUDA stream):
+
+    scheduler thread:  [schedule+build N+1] [wait N][process N]  [schedule+build N+2] [wait N+1][process N+1]
+    device stream:     ......... step N ..........][......... step N+1 ..........][......... step N+2 ...
+
+Step N+1 is built before step N's accepted lengths are known: pages are reserved for the upper bound (every
+draft accepted), and the device patches starts and last tokens from step N's outputs (`engine.step_context.
+Chain`). A request that finishes in step N still rides along in step N+1 as a wasted lane, so its pages and
+slot are released only once no step in flight includes it. The offline `generate` and the scheduler process
+both drive this class; it owns no sockets.
 """
 
 from __future__ import annotations
@@ -13,11 +22,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from engine.errors import InvalidRequestError
+from engine.step_context import Chain
 from engine.step_engine import StepEngine, StepOutput
+from engine.stream import DeviceStream, InlineStream, StepHandle
 from scheduler.page_allocator import PageAllocator
 from scheduler.request import FinishReason, Request, Status
+from traces import ranges
+from traces.tracer import NULL_TRACER, Tracer
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +40,14 @@ class SchedulerConfig:
     max_prefill_tokens: int = 4096
     num_spec_tokens: int = 0  # k for every request unless overridden (0 = speculation off)
     max_model_len: int = 2048
+
+
+@dataclass(slots=True)
+class InFlight:
+    batch: list[Request]
+    handle: StepHandle[StepOutput]
+    chainable: bool  # the next step may be built before this one is read back
+    num_draft: np.ndarray
 
 
 @dataclass(slots=True)
@@ -45,8 +67,14 @@ def fixed_policy(reqs: list[Request], k: int) -> np.ndarray:
 
 class EngineCore:
     def __init__(self, step_engine: StepEngine, allocator: PageAllocator, config: SchedulerConfig,
-                 eos_token_ids: tuple[int, ...] = (), policy: SpecPolicyFn = fixed_policy) -> None:
+                 eos_token_ids: tuple[int, ...] = (), policy: SpecPolicyFn = fixed_policy,
+                 stream: DeviceStream | None = None, tracer: Tracer = NULL_TRACER) -> None:
         self.engine = step_engine
+        self.stream = stream or InlineStream()
+        self.tracer = tracer
+        self.inflight: InFlight | None = None
+        self._inflight_count: dict[int, int] = {}  # id(request) -> steps in flight that include it
+        self._pending_release: list[Request] = []  # finished, but a step in flight still includes them
         self.allocator = allocator
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -87,22 +115,45 @@ class EngineCore:
         return req
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.inflight)
 
     def page_tables(self) -> list[list[int]]:
-        return [r.page_table for r in self.running]
+        return [r.page_table for r in self.running] + [r.page_table for r in self._pending_release]
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity(self.page_tables())
 
+    @property
+    def overlap(self) -> bool:
+        return not isinstance(self.stream, InlineStream)
+
     # ---- one step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        admitted = self._admit()
-        if admitted:
-            return self._prefill(admitted)
-        if self.running:
-            return self._decode()
-        return []
+        if self.inflight is None:
+            with self.tracer.range(ranges.SCHEDULE):
+                admitted = self._admit()
+            if admitted:
+                return self._prefill(admitted)
+            if not self.running:
+                return []
+            with self.tracer.range(ranges.SCHEDULE):
+                num_draft = self._reserve()
+            self.inflight = self._launch(list(self.running), num_draft, None)
+        return self._advance()
+
+    def _advance(self) -> list[RequestOutput]:
+        """Build and launch the next step while the current one runs (if possible), then complete it."""
+        cur = self.inflight
+        nxt = self._launch_chained(cur) if cur.chainable and not self._wants_admission() else None
+        outputs = self._complete(cur)
+        self.inflight = nxt
+        return outputs
+
+    def _wants_admission(self) -> bool:
+        if not self.waiting or len(self.running) >= self.config.max_batch_size:
+            return False
+        req = self.waiting[0]
+        return self.allocator.can_fit(req.page_table, len(req.token_ids) + 1 + self.lookahead)
 
     def _admit(self) -> list[Request]:
         batch: list[Request] = []
@@ -123,24 +174,30 @@ class EngineCore:
         return batch
 
     def _prefill(self, batch: list[Request]) -> list[RequestOutput]:
-        tokens = self.engine.prefill(batch).tolist()  # host sync: the new tokens decide what happens next
+        handle = self.stream.submit(ranges.PREFILL, lambda: self.engine.prefill(batch))
+        with self.tracer.range(ranges.WAIT):
+            tokens = handle.wait().tolist()  # host sync: the new tokens decide what happens next
         now = time.monotonic()
         outputs = []
-        for req, tok in zip(batch, tokens):
-            req.num_computed = len(req.token_ids)
-            self.running.append(req)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            outputs.append(self._append(req, [tok]))
+        with self.tracer.range(ranges.PROCESS_OUTPUT):
+            for req, tok in zip(batch, tokens):
+                req.num_computed = len(req.token_ids)
+                self.running.append(req)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                outputs.append(self._append(req, [tok]))
         return outputs
 
-    def _num_draft(self, reqs: list[Request]) -> np.ndarray:
+    def _num_draft(self, reqs: list[Request], pending: np.ndarray | None = None) -> np.ndarray:
+        """k per request from the policy, capped so no step drafts past max_tokens or the model's length.
+        `pending`: tokens a step in flight may still add (upper bound) for each request."""
         if self.engine.proposer is None:
             return np.zeros(len(reqs), dtype=np.int64)
         k = self.policy(reqs, self.config.num_spec_tokens)
-        # Never draft past max_tokens or the model's length (the last emitted token is always the bonus).
+        extra = pending if pending is not None else np.zeros(len(reqs), dtype=np.int64)
         room = np.array([min(r.params.max_tokens - r.num_output_tokens,
-                             self.config.max_model_len - len(r.token_ids) - self.lookahead) - 1 for r in reqs])
+                             self.config.max_model_len - len(r.token_ids) - int(e) - self.lookahead) - 1
+                         for r, e in zip(reqs, extra)])
         return np.clip(np.minimum(k, room), 0, None).astype(np.int64)
 
     def _reserve(self) -> np.ndarray:
@@ -158,32 +215,73 @@ class EngineCore:
     def _preempt(self, req: Request) -> None:
         """Recompute later: drop its KV, keep its tokens; it is re-prefilled (prompt + output) when readmitted."""
         self.running.remove(req)
-        self.allocator.free(req.page_table)
-        self._free_slots.append(req.slot)
-        req.slot = -1
+        self._release(req)
         req.num_computed = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _decode(self) -> list[RequestOutput]:
-        num_draft = self._reserve()
-        batch = list(self.running)
-        out = self.engine.decode(batch, num_draft)
-        return self.finish_decode(batch, out)
+    def _launch(self, batch: list[Request], num_draft: np.ndarray, chain: Chain | None) -> InFlight:
+        with self.tracer.range(ranges.BUILD_BATCH, batch=len(batch)):
+            ctx = self.engine.plan_decode(batch, num_draft, chain)
+        handle = self.stream.submit(ranges.DECODE, lambda: self.engine.run_decode(ctx))
+        for r in batch:
+            self._inflight_count[id(r)] = self._inflight_count.get(id(r), 0) + 1
+        proposer = self.engine.proposer
+        chainable = self.overlap and (proposer is None or proposer.has_model)
+        return InFlight(batch, handle, chainable, ctx.num_draft)
 
-    def finish_decode(self, batch: list[Request], out: StepOutput) -> list[RequestOutput]:
-        accepted = out.num_accepted.tolist()  # the step's one host sync
-        tokens = out.out_tokens.tolist()
+    def _launch_chained(self, cur: InFlight) -> InFlight | None:
+        """Step N+1 for the running requests, built while step N runs. None if it cannot be built blind
+        (pages would need a preemption): the loop then drains and schedules synchronously."""
+        with self.tracer.range(ranges.SCHEDULE):
+            batch = list(self.running)  # every one of them is in step N (nothing was admitted since)
+            if not batch:
+                return None
+            row = {id(r): i for i, r in enumerate(cur.batch)}
+            pending = np.array([int(cur.num_draft[row[id(r)]]) + 1 for r in batch], dtype=np.int64)
+            num_draft = self._num_draft(batch, pending)
+            need = [len(r.token_ids) + int(p) + int(k) + 1 + self.lookahead
+                    for r, p, k in zip(batch, pending, num_draft)]
+            short = sum(max(0, self.allocator.pages_for(n) - len(r.page_table)) for r, n in zip(batch, need))
+            if short > self.allocator.num_free:
+                return None
+            for r, n in zip(batch, need):
+                self.allocator.ensure(r.page_table, n)
+        dev = self.engine.device
+        src = torch.tensor([row[id(r)] for r in batch], device=dev)
+        chain = Chain(prev=cur.handle, src=src, dst=torch.arange(len(batch), device=dev))
+        return self._launch(batch, num_draft, chain)
+
+    def _complete(self, inf: InFlight) -> list[RequestOutput]:
+        with self.tracer.range(ranges.WAIT):
+            out = inf.handle.wait()
+            accepted = out.num_accepted.tolist()  # the step's one host sync
+            tokens = out.out_tokens.tolist()
+        if self.tracer.recording and self.engine.device.type == "cuda":
+            self.tracer.device_interval(ranges.DECODE, inf.handle.device_start, inf.handle.device_end)
         outputs = []
-        for req, a, row, nd in zip(batch, accepted, tokens, out.num_draft.tolist()):
-            if req.finished:  # aborted while the step ran
-                continue
-            req.stats.record(nd, a)
-            req.num_computed = len(req.token_ids) + a  # target KV now holds last + a accepted drafts
-            outputs.append(self._append(req, row[: a + 1]))
+        with self.tracer.range(ranges.PROCESS_OUTPUT):
+            for req, a, row, nd in zip(inf.batch, accepted, tokens, out.num_draft.tolist()):
+                self._inflight_count[id(req)] -= 1
+                if self._inflight_count[id(req)] == 0:
+                    del self._inflight_count[id(req)]
+                if req.finished:  # finished in an earlier step or aborted: a wasted lane
+                    continue
+                req.stats.record(nd, a)
+                req.num_computed = len(req.token_ids) + a  # target KV now holds last + a accepted drafts
+                outputs.append(self._append(req, row[: a + 1]))
+            for req in [r for r in self._pending_release if id(r) not in self._inflight_count]:
+                self._pending_release.remove(req)
+                self._release(req)
         return outputs
+
+    def _release(self, req: Request) -> None:
+        self.allocator.free(req.page_table)
+        if req.slot >= 0:
+            self._free_slots.append(req.slot)
+            req.slot = -1
 
     # ---- stopping --------------------------------------------------------------------------------------------
     def _append(self, req: Request, new: list[int]) -> RequestOutput:
@@ -205,9 +303,10 @@ class EngineCore:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if req.status == Status.RUNNING:
             self.running.remove(req)
-            self._free_slots.append(req.slot)
-            req.slot = -1
-        self.allocator.free(req.page_table)
+        if id(req) in self._inflight_count:
+            self._pending_release.append(req)  # a step in flight still writes its pages and slot
+        else:
+            self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.request_id, None)

@@ -1,4 +1,11 @@
-"""One vocabulary of range names for every stage, used by NVTX, the trace recorder and the report."""
+"""One vocabulary of range names for every stage, used by NVTX, the trace recorder and the report.
+
+Where each range goes (what `traces.report` relies on):
+  * CPU threads (one track per thread): SCHEDULE .. SEND. Ranges on one track must nest properly.
+  * the device track (DEVICE_TRACK): one top-level range per device step (PREFILL or DECODE), with args
+    {"batch": B, "k": k} (and optionally "kind"), and the stages DRAFT .. REFILL nested inside it.
+  * WAIT is the host sync on a step's accepted lengths; the report counts it per device step.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ WAIT = "wait_accepted"  # the host sync on a step's accepted lengths
 PROCESS_OUTPUT = "process_output"  # append tokens, stop checks, stats
 DETOKENIZE = "detokenize"
 SEND = "send"
+CAPTURE = "capture_graphs"  # start-up: CUDA graph capture (GraphRunner)
 # device work (device track: the stream's worker thread on CPU, CUDA events on GPU)
 PREFILL = "prefill"
 DECODE = "decode"

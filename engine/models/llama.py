@@ -18,7 +18,6 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.models.rotary import RotaryEmbedding, apply_rotary
 
-
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) for the batch's positions
 
 
