@@ -98,7 +98,8 @@ class EngineCore:
         if bad:
             raise InvalidRequestError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         if n + 1 > self.config.max_model_len:
-            raise InvalidRequestError(f"prompt has {n} tokens; the model allows at most {self.config.max_model_len - 1}")
+            limit = self.config.max_model_len - 1
+            raise InvalidRequestError(f"prompt has {n} tokens; the model allows at most {limit}")
         if self.allocator.pages_for(n + 2 + self.lookahead) > self.allocator.num_usable:
             raise InvalidRequestError(f"prompt of {n} tokens does not fit the KV cache")
         req.params.validate(vocab)

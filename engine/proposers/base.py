@@ -46,7 +46,8 @@ class Proposer(ABC):
         """Bring the draft's KV and carried state up to date with the tokens just emitted."""
 
 
-def draw(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draw(logits: torch.Tensor, st: SamplingTensors,
+         positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft token per row (argmax for greedy requests, a draw from the processed q otherwise) and q itself."""
     greedy = logits.argmax(dim=-1)
     if st.all_greedy:
