@@ -2,8 +2,8 @@
 
 Passed explicitly to whoever traces (no global state). Cost without a profiler and without a recorder: one
 call returning a shared no-op context manager (~0.1 us; `benchmarks/nvtx_overhead.py` measures it). NVTX is
-used only when a tool is injected (`nsys profile` sets NVTX_INJECTION64_PATH before the process starts, which
-`nvtx.enabled()` reports); ranges then go to the "specstep" domain with one registered attribute set per name,
+used only when a tool is injected (`nsys profile` sets NVTX_INJECTION64_PATH before the process starts; without it the `nvtx`
+package hands out a no-op DummyDomain, which `nvtx_active()` checks); ranges then go to the "specstep" domain with one registered attribute set per name,
 the cheapest NVTX path the `nvtx` package offers.
 """
 
@@ -32,8 +32,10 @@ def _now_us() -> float:
 
 
 def nvtx_active() -> bool:
-    """True when an NVTX tool (Nsight Systems) is attached to this process."""
-    return _nvtx is not None and bool(_nvtx.enabled())
+    """True when an NVTX tool (Nsight Systems) is attached: the `nvtx` package then hands out a real domain
+    instead of its no-op DummyDomain."""
+    return (_nvtx is not None and bool(_nvtx.enabled())
+            and type(_nvtx.get_domain(NVTX_DOMAIN)).__name__ != "DummyDomain")
 
 
 class TraceRecorder:
@@ -41,10 +43,12 @@ class TraceRecorder:
 
     Timestamps are perf_counter microseconds. Each CPU thread is a track (its thread name); named tracks
     (e.g. "device") get their own tid, so the trace viewer and `traces.report` see them as separate rows.
+    Complete events are kept as tuples on the hot path and turned into dicts only when exported.
     """
 
     def __init__(self) -> None:
-        self.events: list[dict[str, Any]] = []
+        self._complete: list[tuple[str, float, float, int, dict[str, Any] | None]] = []
+        self._other: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._threads: dict[int, str] = {}
@@ -58,26 +62,32 @@ class TraceRecorder:
                     tid = self._named.setdefault(track, _TRACK_TID_BASE + len(self._named))
                     self._threads[tid] = track
             return tid
-        t = threading.current_thread()
-        tid = t.ident or 0
+        tid = threading.get_ident()
         if tid not in self._threads:
             with self._lock:
-                self._threads[tid] = t.name
+                self._threads[tid] = threading.current_thread().name
         return tid
 
     def complete(self, name: str, start_us: float, end_us: float, track: str | None = None, **args: Any) -> None:
-        ev = {"ph": "X", "name": name, "ts": start_us, "dur": max(end_us - start_us, 0.0), "pid": self._pid,
-              "tid": self._tid(track)}
-        if args:
-            ev["args"] = args
-        self.events.append(ev)  # list.append is atomic under the GIL
+        self._complete.append((name, start_us, end_us, self._tid(track), args or None))  # atomic under the GIL
 
     def instant(self, name: str, track: str | None = None, **args: Any) -> None:
-        self.events.append({"ph": "i", "s": "t", "name": name, "ts": _now_us(), "pid": self._pid,
+        self._other.append({"ph": "i", "s": "t", "name": name, "ts": _now_us(), "pid": self._pid,
                             "tid": self._tid(track), "args": args})
 
     def counter(self, name: str, **values: float) -> None:
-        self.events.append({"ph": "C", "name": name, "ts": _now_us(), "pid": self._pid, "tid": 0, "args": values})
+        self._other.append({"ph": "C", "name": name, "ts": _now_us(), "pid": self._pid, "tid": 0, "args": values})
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """All recorded events as Chrome trace-event dicts (unsorted, no metadata)."""
+        out = []
+        for name, start, end, tid, args in list(self._complete):
+            ev = {"ph": "X", "name": name, "ts": start, "dur": max(end - start, 0.0), "pid": self._pid, "tid": tid}
+            if args:
+                ev["args"] = args
+            out.append(ev)
+        return out + list(self._other)
 
     def to_json(self) -> dict[str, Any]:
         meta = [{"ph": "M", "name": "thread_name", "pid": self._pid, "tid": tid, "args": {"name": name}}
@@ -119,8 +129,9 @@ class _Range:
 
     def __exit__(self, *exc: object) -> None:
         tr = self._tracer
-        if tr.recorder is not None:
-            tr.recorder.complete(self._name, self._start, _now_us(), self._track, **self._args)
+        rec = tr.recorder
+        if rec is not None:
+            rec._complete.append((self._name, self._start, _now_us(), rec._tid(self._track), self._args or None))
         if tr._domain is not None:
             tr._domain.pop_range()
 
