@@ -15,7 +15,7 @@ import time
 from contextlib import nullcontext
 
 from traces import ranges
-from traces.tracer import NULL_TRACER, TraceRecorder, Tracer, nvtx_active
+from traces.tracer import NULL_TRACER, Tracer, TraceRecorder, nvtx_active
 
 
 def per_call_ns(fn, n: int) -> float:

@@ -1,10 +1,10 @@
 """Tracer: NVTX ranges for Nsight Systems plus, optionally, the same ranges recorded to a Chrome trace.
 
-Passed explicitly to whoever traces (no global state). Cost without a profiler and without a recorder: one
-call returning a shared no-op context manager (~0.1 us; `benchmarks/nvtx_overhead.py` measures it). NVTX is
-used only when a tool is injected (`nsys profile` sets NVTX_INJECTION64_PATH before the process starts; without it the `nvtx`
-package hands out a no-op DummyDomain, which `nvtx_active()` checks); ranges then go to the "specstep" domain with one registered attribute set per name,
-the cheapest NVTX path the `nvtx` package offers.
+Passed explicitly to whoever traces (no global state). Without a profiler and without a recorder a range is one
+call returning a shared no-op context manager (`benchmarks/nvtx_overhead.py` measures it). NVTX is used only
+when a tool is attached: `nsys profile` injects one before the process starts, and without it the `nvtx`
+package hands out a no-op DummyDomain, which `nvtx_active()` checks. Ranges then go to the "specstep" domain
+with one registered attribute set per name, the cheapest NVTX path the `nvtx` package offers.
 """
 
 from __future__ import annotations
