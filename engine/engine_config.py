@@ -26,6 +26,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     threads: int | None = None  # torch intra-op threads; default 1 on CPU (see CPU_NOTES.md)
+    spec_policy: str = "fixed"  # fixed (k = num_spec_tokens) | adaptive (k <= num_spec_tokens, from measurements)
     overlap: bool = True  # prepare step N+1 on the host while step N runs on the device stream
 
     def __post_init__(self) -> None:
@@ -33,6 +34,8 @@ class EngineConfig:
             raise ValueError(f"--spec must be one of {', '.join(SPEC_KINDS)}, got {self.spec!r}")
         if self.page_size < 1:
             raise ValueError("page size must be >= 1")
+        if self.spec_policy not in ("fixed", "adaptive"):
+            raise ValueError(f"--spec-policy must be fixed or adaptive, got {self.spec_policy!r}")
         if self.num_spec_tokens < 0 or self.num_spec_tokens > 16:
             raise ValueError("num_spec_tokens must be in [0, 16]")
 

@@ -62,6 +62,7 @@ class DecodeContext:
     input_grid: np.ndarray  # [B, k + 1] host: last token, then host drafts (n-gram) where known
     num_draft_dev: torch.Tensor  # [B] device copy of num_draft
     chain: Chain | None = None  # rows whose start/last token come from the previous, still running step
+    refill: bool = True  # keep the proposer's KV current (the policy may drop it while nobody speculates)
 
     @property
     def batch_size(self) -> int:

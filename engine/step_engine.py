@@ -79,8 +79,15 @@ class StepEngine:
                 self.proposer.prefill(seqs, hidden, q_lens, tokens, st)
         return tokens
 
-    def decode_context(self, seqs: list[SeqState], num_draft: np.ndarray,
-                       host_drafts: list[list[int]] | None = None, chain: Chain | None = None) -> DecodeContext:
+    @torch.inference_mode()
+    def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
+        """Bring a stale draft model up to date with tokens it skipped while its refill was dropped."""
+        assert self.has_draft_model and self.proposer.kind == "draft_model"
+        with self.tracer.range(ranges.REFILL, track=DEVICE_TRACK, catch_up=len(seqs)):
+            self.proposer.catch_up(seqs, draft_lens)
+
+    def decode_context(self, seqs: list[SeqState], num_draft: np.ndarray, host_drafts: list[list[int]] | None = None,
+                       chain: Chain | None = None, refill: bool = True) -> DecodeContext:
         """Host-side batch preparation for a decode step (runs on the scheduler thread, overlapping the
         previous step's device work when chained)."""
         b = len(seqs)
@@ -99,10 +106,11 @@ class StepEngine:
             verify_layout=build_layout(num_draft + 1, tables, self.page_size, self.device),
             single_layout=build_layout(np.ones(b, np.int64), tables, self.page_size, self.device),
             device=self.device, input_grid=grid, num_draft_dev=to_device(num_draft, self.device), chain=chain,
+            refill=refill,
         )
 
-    def plan_decode(self, seqs: list[SeqState], num_draft: np.ndarray,
-                    chain: Chain | None = None) -> DecodeContext:
+    def plan_decode(self, seqs: list[SeqState], num_draft: np.ndarray, chain: Chain | None = None,
+                    refill: bool = True) -> DecodeContext:
         num_draft = np.asarray(num_draft, dtype=np.int64).copy()
         if self.proposer is None:
             num_draft[:] = 0
@@ -111,7 +119,9 @@ class StepEngine:
             assert chain is None, "host proposers need the previous step's tokens on the host"
             host_drafts = self.proposer.propose_host(seqs, int(num_draft.max(initial=0)))
             num_draft = np.minimum(num_draft, [len(d) for d in host_drafts])
-        return self.decode_context(seqs, num_draft, host_drafts, chain)
+        if not refill and self.has_draft_model:
+            num_draft[:] = 0  # a stale draft cannot propose
+        return self.decode_context(seqs, num_draft, host_drafts, chain, refill)
 
     @torch.inference_mode()
     def decode(self, seqs: list[SeqState], num_draft: np.ndarray) -> StepOutput:
@@ -150,7 +160,7 @@ class StepEngine:
                     logits = self.target.compute_logits(hidden)[ctx.verify_rows()]  # [B, k + 1, V]
                     out, accepted = rejection_sample(drafts, draft_probs, logits, ctx.num_draft_dev, ctx.st,
                                                      first_pos)
-            if self.has_draft_model:
+            if self.has_draft_model and ctx.refill:
                 with tr.range(ranges.REFILL, track=dev):
                     self.proposer.refill(ctx, out, accepted, hidden)
         return StepOutput(out_tokens=out, num_accepted=accepted, num_draft=ctx.num_draft, start=ctx.start)

@@ -39,6 +39,12 @@ class StepHandle(Generic[T]):
             return bool(self._end_event.query())
         return self._done.is_set()
 
+    def device_seconds(self) -> float:
+        """Device time of the job (call after wait): CUDA event timing, or the worker thread's wall time."""
+        if self._end_event is not None:
+            return self._start_event.elapsed_time(self._end_event) / 1e3
+        return self.device_end - self.device_start
+
     def result(self) -> T:
         """The outputs without waiting: valid for a later job on the same stream (which runs after this one
         completes, CPU) or right after submit (CUDA: outputs are allocated at launch)."""

@@ -22,6 +22,7 @@ from engine.stream import make_stream  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from scheduler.engine_core import EngineCore, SchedulerConfig  # noqa: E402
 from scheduler.page_allocator import PageAllocator  # noqa: E402
+from scheduler.spec_policy import AdaptivePolicy, PolicyConfig  # noqa: E402
 from traces.tracer import NULL_TRACER, Tracer  # noqa: E402
 
 
@@ -66,7 +67,10 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     eos = target.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer else ())
     sched = SchedulerConfig(max_batch_size=cfg.max_batch_size, max_prefill_tokens=cfg.max_prefill_tokens,
                             num_spec_tokens=cfg.num_spec_tokens if proposer else 0, max_model_len=max_len)
-    core = EngineCore(step_engine, PageAllocator(num_pages, cfg.page_size), sched, eos,
+    policy = AdaptivePolicy(PolicyConfig(kind=cfg.spec_policy, k_max=sched.num_spec_tokens,
+                                         can_drop_refill=cfg.spec == "draft_model",
+                                         keeps_draft_kv=cfg.spec in ("draft_model", "mtp")))
+    core = EngineCore(step_engine, PageAllocator(num_pages, cfg.page_size), sched, eos, policy=policy,
                       stream=make_stream(device, cfg.overlap), tracer=tracer)
     info = EngineInfo(num_pages=num_pages, page_size=cfg.page_size, max_model_len=max_len,
                       vocab_size=target.cfg.vocab_size, device=str(device), dtype=str(dtype).replace("torch.", ""),

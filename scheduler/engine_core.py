@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +29,7 @@ from engine.step_engine import StepEngine, StepOutput
 from engine.stream import DeviceStream, InlineStream, StepHandle
 from scheduler.page_allocator import PageAllocator
 from scheduler.request import FinishReason, Request, Status
+from scheduler.spec_policy import AdaptivePolicy, Decision, PolicyConfig
 from traces import ranges
 from traces.tracer import NULL_TRACER, Tracer
 
@@ -47,7 +47,7 @@ class InFlight:
     batch: list[Request]
     handle: StepHandle[StepOutput]
     chainable: bool  # the next step may be built before this one is read back
-    num_draft: np.ndarray
+    decision: Decision
 
 
 @dataclass(slots=True)
@@ -57,17 +57,9 @@ class RequestOutput:
     finished: bool
 
 
-# (requests, default k) -> num_draft per request, before the engine's length caps
-SpecPolicyFn = Callable[[list[Request], int], np.ndarray]
-
-
-def fixed_policy(reqs: list[Request], k: int) -> np.ndarray:
-    return np.array([k if r.num_spec_tokens is None else r.num_spec_tokens for r in reqs], dtype=np.int64)
-
-
 class EngineCore:
     def __init__(self, step_engine: StepEngine, allocator: PageAllocator, config: SchedulerConfig,
-                 eos_token_ids: tuple[int, ...] = (), policy: SpecPolicyFn = fixed_policy,
+                 eos_token_ids: tuple[int, ...] = (), policy: AdaptivePolicy | None = None,
                  stream: DeviceStream | None = None, tracer: Tracer = NULL_TRACER) -> None:
         self.engine = step_engine
         self.stream = stream or InlineStream()
@@ -78,7 +70,10 @@ class EngineCore:
         self.allocator = allocator
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.policy = policy
+        can_drop = step_engine.proposer is not None and step_engine.proposer.kind == "draft_model"
+        self.policy = policy or AdaptivePolicy(PolicyConfig(kind="fixed", k_max=config.num_spec_tokens,
+                                                            can_drop_refill=can_drop))
+        self.last_decision: Decision | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -138,8 +133,9 @@ class EngineCore:
             if not self.running:
                 return []
             with self.tracer.range(ranges.SCHEDULE):
-                num_draft = self._reserve()
-            self.inflight = self._launch(list(self.running), num_draft, None)
+                decision = self._reserve()
+            self._catch_up(decision)
+            self.inflight = self._launch(list(self.running), decision, None)
         return self._advance()
 
     def _advance(self) -> list[RequestOutput]:
@@ -183,35 +179,54 @@ class EngineCore:
         with self.tracer.range(ranges.PROCESS_OUTPUT):
             for req, tok in zip(batch, tokens):
                 req.num_computed = len(req.token_ids)
+                req.draft_len = len(req.token_ids) + 1  # the draft consumed the prompt and the sampled token
                 self.running.append(req)
                 if req.first_token_time is None:
                     req.first_token_time = now
                 outputs.append(self._append(req, [tok]))
         return outputs
 
-    def _num_draft(self, reqs: list[Request], pending: np.ndarray | None = None) -> np.ndarray:
+    def _decide(self, reqs: list[Request], pending: np.ndarray | None = None) -> Decision:
         """k per request from the policy, capped so no step drafts past max_tokens or the model's length.
         `pending`: tokens a step in flight may still add (upper bound) for each request."""
+        b = len(reqs)
         if self.engine.proposer is None:
-            return np.zeros(len(reqs), dtype=np.int64)
-        k = self.policy(reqs, self.config.num_spec_tokens)
-        extra = pending if pending is not None else np.zeros(len(reqs), dtype=np.int64)
+            return Decision(np.zeros(b, dtype=np.int64), 0, False, 0.0, 0.0)
+        extra = pending if pending is not None else np.zeros(b, dtype=np.int64)
         room = np.array([min(r.params.max_tokens - r.num_output_tokens,
                              self.config.max_model_len - len(r.token_ids) - int(e) - self.lookahead) - 1
-                         for r, e in zip(reqs, extra)])
-        return np.clip(np.minimum(k, room), 0, None).astype(np.int64)
+                         for r, e in zip(reqs, extra)], dtype=np.int64)
+        decision = self.policy.choose([r.acceptance for r in reqs], [r.num_spec_tokens for r in reqs], room)
+        if not self.engine.has_draft_model:
+            decision.refill = False
+        self.last_decision = decision
+        if self.tracer.recording:
+            self.tracer.instant("spec_decision", batch=b, **decision.to_log())
+        return decision
 
     def _reserve(self) -> np.ndarray:
         """Pages for every running request's look-ahead; preempt the newest requests while they do not fit."""
         while True:
-            num_draft = self._num_draft(self.running)
-            need = [len(r.token_ids) + int(k) + 1 + self.lookahead for r, k in zip(self.running, num_draft)]
+            decision = self._decide(self.running)
+            need = [len(r.token_ids) + int(k) + 1 + self.lookahead for r, k in zip(self.running, decision.num_draft)]
             short = sum(max(0, self.allocator.pages_for(n) - len(r.page_table)) for r, n in zip(self.running, need))
             if short <= self.allocator.num_free or len(self.running) == 1:
                 for r, n in zip(self.running, need):
                     self.allocator.ensure(r.page_table, n)
-                return num_draft
+                return decision
             self._preempt(self.running[-1])
+
+    def _stale(self, reqs: list[Request]) -> list[Request]:
+        return [r for r in reqs if r.draft_len < len(r.token_ids)] if self.engine.has_draft_model else []
+
+    def _catch_up(self, decision: Decision) -> None:
+        """The draft model skipped tokens while its refill was dropped; resync before it drafts or refills."""
+        stale = self._stale(self.running) if decision.refill else []
+        if stale:
+            lens = [r.draft_len for r in stale]
+            self.stream.submit(ranges.REFILL, lambda: self.engine.catch_up(stale, lens)).wait()
+            for r in stale:
+                r.draft_len = len(r.token_ids)
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: drop its KV, keep its tokens; it is re-prefilled (prompt + output) when readmitted."""
@@ -223,15 +238,16 @@ class EngineCore:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _launch(self, batch: list[Request], num_draft: np.ndarray, chain: Chain | None) -> InFlight:
+    def _launch(self, batch: list[Request], decision: Decision, chain: Chain | None) -> InFlight:
         with self.tracer.range(ranges.BUILD_BATCH, batch=len(batch)):
-            ctx = self.engine.plan_decode(batch, num_draft, chain)
+            ctx = self.engine.plan_decode(batch, decision.num_draft, chain, decision.refill)
+        decision.num_draft = ctx.num_draft
         handle = self.stream.submit(ranges.DECODE, lambda: self.engine.run_decode(ctx))
         for r in batch:
             self._inflight_count[id(r)] = self._inflight_count.get(id(r), 0) + 1
         proposer = self.engine.proposer
         chainable = self.overlap and (proposer is None or proposer.has_model)
-        return InFlight(batch, handle, chainable, ctx.num_draft)
+        return InFlight(batch, handle, chainable, decision)
 
     def _launch_chained(self, cur: InFlight) -> InFlight | None:
         """Step N+1 for the running requests, built while step N runs. None if it cannot be built blind
@@ -241,10 +257,12 @@ class EngineCore:
             if not batch:
                 return None
             row = {id(r): i for i, r in enumerate(cur.batch)}
-            pending = np.array([int(cur.num_draft[row[id(r)]]) + 1 for r in batch], dtype=np.int64)
-            num_draft = self._num_draft(batch, pending)
+            pending = np.array([int(cur.decision.num_draft[row[id(r)]]) + 1 for r in batch], dtype=np.int64)
+            decision = self._decide(batch, pending)
+            if decision.refill and (not cur.decision.refill or self._stale(batch)):
+                return None  # the draft must catch up on host tokens first: drain
             need = [len(r.token_ids) + int(p) + int(k) + 1 + self.lookahead
-                    for r, p, k in zip(batch, pending, num_draft)]
+                    for r, p, k in zip(batch, pending, decision.num_draft)]
             short = sum(max(0, self.allocator.pages_for(n) - len(r.page_table)) for r, n in zip(batch, need))
             if short > self.allocator.num_free:
                 return None
@@ -253,15 +271,16 @@ class EngineCore:
         dev = self.engine.device
         src = torch.tensor([row[id(r)] for r in batch], device=dev)
         chain = Chain(prev=cur.handle, src=src, dst=torch.arange(len(batch), device=dev))
-        return self._launch(batch, num_draft, chain)
+        return self._launch(batch, decision, chain)
 
     def _complete(self, inf: InFlight) -> list[RequestOutput]:
         with self.tracer.range(ranges.WAIT):
             out = inf.handle.wait()
             accepted = out.num_accepted.tolist()  # the step's one host sync
             tokens = out.out_tokens.tolist()
-        if self.tracer.recording and self.engine.device.type == "cuda":
-            self.tracer.device_interval(ranges.DECODE, inf.handle.device_start, inf.handle.device_end)
+        d = inf.decision
+        self.policy.observe_step(len(inf.batch), d.k if d.num_draft.any() else 0, d.refill,
+                                 inf.handle.device_seconds())
         outputs = []
         with self.tracer.range(ranges.PROCESS_OUTPUT):
             for req, a, row, nd in zip(inf.batch, accepted, tokens, out.num_draft.tolist()):
@@ -271,8 +290,11 @@ class EngineCore:
                 if req.finished:  # finished in an earlier step or aborted: a wasted lane
                     continue
                 req.stats.record(nd, a)
+                self.policy.observe_request(req.acceptance, nd, a)
                 req.num_computed = len(req.token_ids) + a  # target KV now holds last + a accepted drafts
                 outputs.append(self._append(req, row[: a + 1]))
+                if d.refill:
+                    req.draft_len = len(req.token_ids)
             for req in [r for r in self._pending_release if id(r) not in self._inflight_count]:
                 self._pending_release.remove(req)
                 self._release(req)

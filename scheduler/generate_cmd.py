@@ -25,7 +25,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(DEFAULT_TARGET), help="target model folder (default: embedded target)")
     p.add_argument("--spec", choices=SPEC_KINDS, default="none", help="speculation proposer")
     p.add_argument("--draft", default=None, help="draft model or MTP head folder (default: embedded one)")
-    p.add_argument("--num-spec-tokens", type=int, default=4, help="draft tokens per step (k)")
+    p.add_argument("--num-spec-tokens", type=int, default=4, help="draft tokens per step (k; the maximum if adaptive)")
+    p.add_argument("--spec-policy", choices=["fixed", "adaptive"], default="adaptive",
+                   help="fixed k, or choose k per step/request from measured acceptance and step costs")
+    p.add_argument("--no-overlap", action="store_true", help="run device work inline (no double buffering)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV capacity in tokens")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-cache-tokens)")
@@ -40,7 +43,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, spec=args.spec, draft=args.draft, num_spec_tokens=args.num_spec_tokens,
                         page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens, num_pages=args.num_pages,
                         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, dtype=args.dtype,
-                        device=args.device, threads=args.threads)
+                        device=args.device, threads=args.threads, spec_policy=args.spec_policy,
+                        overlap=not args.no_overlap)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from scheduler.spec_policy import RequestAcceptance
 
 
 class Status(enum.IntEnum):
@@ -90,6 +91,8 @@ class Request:
     stats: SpecStats = field(default_factory=SpecStats)
     num_preemptions: int = 0
     first_token_time: float | None = None
+    acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)
+    draft_len: int = 0  # tokens the draft model has consumed (behind len(token_ids) while its refill is dropped)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -3,13 +3,16 @@ indexed by the shared page tables."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from engine.batch_builder import build_forward_batch
 from engine.errors import CheckpointError
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.models.llama import LlamaForCausalLM
 from engine.proposers.model_proposer import ModelProposer
+from engine.step_context import SeqState
 
 
 class DraftModelProposer(ModelProposer):
@@ -25,6 +28,15 @@ class DraftModelProposer(ModelProposer):
                 "a draft model must share the target's tokenizer")
         super().__init__(pool, target_vocab, draft.cfg.hidden_size, max_slots, device)
         self.model = draft
+
+    def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
+        """Feed tokens[draft_len:] (known on the host) and carry logits from the last one."""
+        ids = [s.token_ids[n:] for s, n in zip(seqs, draft_lens)]
+        fb = build_forward_batch(ids, np.array(draft_lens, dtype=np.int64), [s.page_table for s in seqs],
+                                 self.pool.page_size, self.device)
+        hidden = self.forward(fb, None)
+        last = torch.from_numpy(np.cumsum([len(t) for t in ids]) - 1).to(self.device)
+        self._carry(hidden, last, torch.tensor([s.slot for s in seqs], device=self.device))
 
     def forward(self, fb: ForwardBatch, hidden_in: torch.Tensor | None) -> torch.Tensor:
         return self.model(fb, self.pool)

@@ -1,0 +1,225 @@
+"""Knowing when to stop betting: choose k per step and per request from measured acceptance and step costs.
+
+For request i with per-position acceptance alpha_i, a chain of k drafts emits in expectation
+    E_i(k) = 1 + alpha_i + alpha_i^2 + ... + alpha_i^k        tokens per step (the bonus counted).
+A step of batch B with a set S of requests speculating k tokens costs about
+    C(B, k, S) = t(B, 0) + |S| / B * (t(B, k) - t(B, 0))
+where t(B, k) is the measured device time of a step at B's bucket with k drafts (t(B, 0): plain decode, with the
+draft's KV refill when it is kept). The policy maximises expected tokens per second of device time,
+    (B + sum_{i in S} (E_i(k) - 1)) / C(B, k, S),
+over k among the candidates and S: for a fixed k, the best S is a prefix of the requests sorted by E_i(k).
+Requests outside S draft nothing while the rest continue, and are re-probed every `probe_every` steps so a
+request whose text became predictable can come back. Hysteresis: the batch's k changes only when the new
+choice is expected to beat the current one by `margin`.
+
+The cost that stays when speculation is off: with every request at k = 0 the draft model still refills its KV
+(t_refill(B, 0)); the policy compares that with plain decoding without the draft (t_plain(B)) and drops the
+refill when nobody is expected to speculate soon, paying a catch-up prefill of the draft when someone does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def bucket(batch: int) -> int:
+    return next((b for b in BUCKETS if b >= batch), BUCKETS[-1])
+
+
+def expected_tokens(alpha: np.ndarray, k: int) -> np.ndarray:
+    """1 + a + a^2 + ... + a^k, elementwise."""
+    return np.sum(np.power.outer(np.asarray(alpha, dtype=np.float64), np.arange(k + 1)), axis=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    kind: str = "adaptive"  # adaptive | fixed
+    k_max: int = 4
+    candidates: tuple[int, ...] | None = None  # k values allowed (e.g. those with captured graphs)
+    prior_alpha: float = 0.6
+    alpha_decay: float = 0.7  # EMA weight of the past, per step
+    cost_decay: float = 0.8
+    margin: float = 0.05  # hysteresis on the batch's k
+    probe_every: int = 16  # steps between probes of a request that stopped speculating
+    can_drop_refill: bool = False  # proposer supports catching up later (draft model: yes; MTP head: no)
+    keeps_draft_kv: bool = True  # model proposers refill a KV cache; n-gram has none
+    explore_samples: int = 3  # measurements of each (bucket, k) before the cost model is trusted
+
+    @property
+    def ks(self) -> tuple[int, ...]:
+        if self.candidates is not None:
+            return tuple(sorted({0, *self.candidates}))
+        return tuple(sorted({0, *range(1, self.k_max + 1)}))
+
+
+@dataclass(slots=True)
+class RequestAcceptance:
+    """EMA of per-position acceptance: alpha = accepted / (accepted + rejections), both decayed per step."""
+
+    accepted: float = 0.0
+    trials: float = 0.0
+    idle_steps: int = 0  # consecutive steps without drafting
+
+    def update(self, num_draft: int, num_accepted: int, decay: float) -> None:
+        if num_draft <= 0:
+            self.idle_steps += 1
+            return
+        self.idle_steps = 0
+        self.accepted = decay * self.accepted + num_accepted
+        self.trials = decay * self.trials + num_accepted + (1 if num_accepted < num_draft else 0)
+
+    def alpha(self, prior: float, prior_weight: float = 1.0) -> float:
+        return (self.accepted + prior * prior_weight) / (self.trials + prior_weight)
+
+
+@dataclass(slots=True)
+class Decision:
+    num_draft: np.ndarray  # [B] per request
+    k: int  # the batch's k
+    refill: bool  # keep the draft's KV current this step
+    expected_tokens: float
+    expected_cost: float
+    explored: bool = False
+
+    def to_log(self) -> dict:
+        return {"k": self.k, "refill": self.refill, "speculating": int((self.num_draft > 0).sum()),
+                "expected_tokens": round(self.expected_tokens, 3), "expected_cost_ms": round(self.expected_cost * 1e3, 3),
+                "explored": self.explored}
+
+
+@dataclass
+class StepCosts:
+    """Measured device seconds per (batch bucket, k, refill), kept current with an EMA."""
+
+    decay: float
+    table: dict[tuple[int, int, bool], float] = field(default_factory=dict)
+    counts: dict[tuple[int, int, bool], int] = field(default_factory=dict)
+
+    def observe(self, batch: int, k: int, refill: bool, seconds: float) -> None:
+        key = (bucket(batch), k, refill)
+        n = self.counts.get(key, 0)
+        old = self.table.get(key)
+        # Plain mean while few samples exist, then an EMA that follows load changes.
+        w = max(self.decay, n / (n + 1)) if old is not None else 0.0
+        self.table[key] = seconds if old is None else w * old + (1 - w) * seconds
+        self.counts[key] = n + 1
+
+    def samples(self, batch: int, k: int, refill: bool) -> int:
+        return self.counts.get((bucket(batch), k, refill), 0)
+
+    def get(self, batch: int, k: int, refill: bool) -> float | None:
+        return self.table.get((bucket(batch), k, refill))
+
+
+class AdaptivePolicy:
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self.cfg = cfg
+        self.costs = StepCosts(cfg.cost_decay)
+        self.current_k = cfg.k_max
+        self.global_acc = RequestAcceptance()
+        self.steps = 0
+
+    # ---- measurements (no extra syncs: the host already read these back) ---------------------------------------
+    def observe_request(self, acc: RequestAcceptance, num_draft: int, num_accepted: int) -> None:
+        acc.update(num_draft, num_accepted, self.cfg.alpha_decay)
+        if num_draft > 0:
+            self.global_acc.update(num_draft, num_accepted, 0.98)
+
+    def observe_step(self, batch: int, k: int, refill: bool, seconds: float) -> None:
+        self.costs.observe(batch, k, refill, seconds)
+
+    # ---- the decision -------------------------------------------------------------------------------------------
+    def choose(self, accs: list[RequestAcceptance], overrides: list[int | None], room: np.ndarray) -> Decision:
+        """accs: per-request acceptance; overrides: per-request fixed k (None = auto); room: max drafts each."""
+        self.steps += 1
+        b = len(accs)
+        cfg = self.cfg
+        prior = self.global_acc.alpha(cfg.prior_alpha, 2.0)
+        alpha = np.array([a.alpha(prior) for a in accs])
+        fixed = np.array([o is not None for o in overrides])
+        fixed_k = np.array([o or 0 for o in overrides], dtype=np.int64)
+        if cfg.kind == "fixed":
+            nd = np.where(fixed, fixed_k, cfg.k_max)
+            return Decision(np.minimum(nd, room).clip(0), int(nd.max(initial=0)), True, 0.0, 0.0)
+
+        explore = self._unmeasured(b)
+        if explore is not None:
+            k, refill = explore
+            nd = np.where(fixed, fixed_k, k)
+            return Decision(np.minimum(nd, room).clip(0), k, refill, 0.0, 0.0, explored=True)
+
+        best: Decision | None = None
+        current: Decision | None = None
+        for k in cfg.ks:
+            d = self._evaluate(k, alpha, fixed, fixed_k, room, b)
+            if best is None or d.expected_tokens / d.expected_cost > best.expected_tokens / best.expected_cost:
+                best = d
+            if k == self.current_k:
+                current = d
+        assert best is not None
+        if current is not None and best.k != current.k:
+            gain = (best.expected_tokens / best.expected_cost) / (current.expected_tokens / current.expected_cost)
+            if gain < 1 + cfg.margin:
+                best = current
+        self.current_k = best.k
+        # Probes: a request that has not drafted for a while drafts once so its acceptance estimate can recover.
+        if best.k > 0:
+            probe = np.array([a.idle_steps >= cfg.probe_every for a in accs]) & ~fixed
+            best.num_draft = np.where(probe & (best.num_draft == 0), min(2, best.k), best.num_draft)
+        elif cfg.probe_every and any(a.idle_steps >= cfg.probe_every for a in accs):
+            best = self._evaluate(min(2, cfg.ks[-1]), alpha, fixed, fixed_k, room, b, force_all=True)
+        best.num_draft = np.minimum(best.num_draft, room).clip(0)
+        return best
+
+    def _unmeasured(self, b: int) -> tuple[int, bool] | None:
+        """Measure every candidate a few times per bucket before trusting the cost model."""
+        r = self.cfg.keeps_draft_kv
+        n = self.cfg.explore_samples
+        for k in self.cfg.ks:
+            if self.costs.samples(b, k, r) < n:
+                return k, r
+        if self.cfg.can_drop_refill and self.costs.samples(b, 0, False) < n:
+            return 0, False
+        return None
+
+    def _cost(self, b: int, k: int) -> float:
+        """t(B, k), made non-decreasing in k (more drafts never cost less; noise must not say otherwise)."""
+        r = self.cfg.keeps_draft_kv
+        best = self.costs.get(b, 0, r) or 1e-3
+        for kk in self.cfg.ks:
+            if kk > k:
+                break
+            best = max(best, self.costs.get(b, kk, r) or best)
+        return best
+
+    def _evaluate(self, k: int, alpha: np.ndarray, fixed: np.ndarray, fixed_k: np.ndarray, room: np.ndarray,
+                  b: int, force_all: bool = False) -> Decision:
+        t0, tk = self._cost(b, 0), self._cost(b, k)
+        gain = expected_tokens(alpha, k) - 1.0  # extra tokens if request i speculates k
+        per_req = (tk - t0) / b
+        order = np.argsort(-gain)
+        chosen = np.zeros(b, dtype=bool)
+        tokens, cost = float(b), t0
+        # Fixed overrides always speculate with their own k (their cost is charged like k's).
+        for i in np.flatnonzero(fixed & (fixed_k > 0)):
+            chosen[i] = True
+            tokens += float(expected_tokens(alpha[i:i + 1], int(min(fixed_k[i], room[i])))[0] - 1)
+            cost += per_req
+        for i in order:
+            if fixed[i] or k == 0:
+                continue
+            if force_all or gain[i] / max(per_req, 1e-9) > tokens / cost:  # improves tokens per second
+                chosen[i] = True
+                tokens += float(gain[i])
+                cost += per_req
+        nd = np.where(fixed, fixed_k, np.where(chosen, k, 0)).astype(np.int64)
+        refill = self.cfg.keeps_draft_kv
+        if self.cfg.can_drop_refill and not nd.any():
+            plain = self.costs.get(b, 0, False)
+            if plain is not None and plain < t0:
+                refill, cost = False, plain
+        return Decision(nd, k, refill, tokens, cost)
