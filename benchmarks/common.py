@@ -1,0 +1,106 @@
+"""Shared pieces of the benchmarks: prompts, running the engine on a workload, tables.
+
+Benchmarks print ratios measured side by side in one run (the machine is shared and noisy; absolute figures
+move, ratios much less). They are scripts, never timed tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import random  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from engine.engine_config import DEFAULT_TARGET, EngineConfig  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from scheduler.build import build_engine  # noqa: E402
+from scheduler.request import Request  # noqa: E402
+
+console = Console()
+
+
+def code_prompts(n: int, length: int, seed: int = 0, model: Path = DEFAULT_TARGET) -> list[list[int]]:
+    """Prompts cut from held-out standard-library files (never seen in training)."""
+    from tokenizers import Tokenizer
+
+    from training.data import heldout_prompts
+
+    return heldout_prompts(Tokenizer.from_file(str(Path(model) / "tokenizer.json")), n, length, seed)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Unpredictable prompts: uniformly random token ids (no structure for any proposer to exploit)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
+
+
+@dataclass
+class RunResult:
+    tokens: int
+    seconds: float
+    drafted: int
+    accepted: int
+    spec_steps: int
+    outputs: list[list[int]]
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1 + self.accepted / self.spec_steps if self.spec_steps else 1.0
+
+
+def run_engine(cfg: EngineConfig, prompts: list[list[int]], params: SamplingParams, batch: int,
+               warmup: bool = True) -> RunResult:
+    """Generate for every prompt, `batch` requests at a time (closed loop: a new one starts as one finishes)."""
+    core, _, _ = build_engine(cfg)
+    if warmup:
+        _drive(core, prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), 1, seed0=10**6)
+    start = time.perf_counter()
+    reqs = _drive(core, prompts, params, batch)
+    seconds = time.perf_counter() - start
+    core.stream.close()
+    return RunResult(tokens=sum(r.num_output_tokens for r in reqs), seconds=seconds,
+                     drafted=sum(r.stats.drafted for r in reqs), accepted=sum(r.stats.accepted for r in reqs),
+                     spec_steps=sum(r.stats.steps for r in reqs), outputs=[r.output_token_ids for r in reqs])
+
+
+def _drive(core, prompts, params, batch, seed0=0) -> list[Request]:
+    pending = [Request(str(seed0 + i), list(p), params, seed=seed0 + i) for i, p in enumerate(prompts)]
+    live = []
+    done = []
+    while pending or live:
+        while pending and len(live) < batch:
+            live.append(pending.pop(0))
+            core.add_request(live[-1])
+        core.step()
+        done += [r for r in live if r.finished]
+        live = [r for r in live if not r.finished]
+    return done
+
+
+def table(title: str, columns: list[str], rows: list[list]) -> None:
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(*[f"{x:.2f}" if isinstance(x, float) else str(x) for x in r])
+    console.print(t)
+
+
+def machine() -> str:
+    return f"{os.cpu_count()} cores, torch {torch.__version__}, threads {torch.get_num_threads()}"
