@@ -217,6 +217,8 @@ class AdaptivePolicy:
                 tokens += float(gain[i])
                 cost += per_req
         nd = np.where(fixed, fixed_k, np.where(chosen, k, 0)).astype(np.int64)
+        if not chosen.any():
+            k = 0  # nobody speculates: this is the k = 0 decision, whatever k was tried
         refill = self.cfg.keeps_draft_kv
         if self.cfg.can_drop_refill and not nd.any():
             plain = self.costs.get(b, 0, False)

@@ -1,0 +1,133 @@
+"""The adaptive speculation policy on synthetic measurements (no model needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scheduler.spec_policy import AdaptivePolicy, PolicyConfig, RequestAcceptance, expected_tokens
+
+
+def policy_with_costs(cost, batch: int, k_max: int = 6, candidates=None, plain_cost=None, **kw) -> AdaptivePolicy:
+    """A policy whose cost table is filled with cost(k) for the batch's bucket (past exploration)."""
+    pol = AdaptivePolicy(PolicyConfig(kind="adaptive", k_max=k_max, candidates=candidates, **kw))
+    for k in pol.cfg.ks:
+        for _ in range(pol.cfg.explore_samples):
+            pol.observe_step(batch, k, True, cost(k))
+            if pol.cfg.can_drop_refill and k == 0:
+                pol.observe_step(batch, 0, False, plain_cost if plain_cost is not None else cost(0))
+    return pol
+
+
+def requests_with_alpha(alphas: list[float], steps: int = 30, k: int = 4, seed: int = 0) -> list[RequestAcceptance]:
+    """Acceptance trackers fed with `steps` simulated chains of k drafts at the given per-position acceptance."""
+    rng = np.random.default_rng(seed)
+    accs = []
+    for a in alphas:
+        acc = RequestAcceptance()
+        for _ in range(steps):
+            n = 0
+            while n < k and rng.random() < a:
+                n += 1
+            acc.update(k, n, 0.7)
+        accs.append(acc)
+    return accs
+
+
+def choose(pol, accs, room=100):
+    return pol.choose(accs, [None] * len(accs), np.full(len(accs), room))
+
+
+def test_expected_tokens_is_the_chain_sum():
+    assert expected_tokens(np.array([0.5]), 3)[0] == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(np.array([0.0]), 5)[0] == pytest.approx(1.0)
+    assert expected_tokens(np.array([1.0]), 4)[0] == pytest.approx(5.0)
+
+
+def test_high_acceptance_and_cheap_draft_choose_large_k():
+    pol = policy_with_costs(lambda k: 1.0 + 0.05 * k, batch=1)
+    d = choose(pol, requests_with_alpha([0.95]))
+    assert d.k == 6 and d.num_draft.tolist() == [6]
+
+
+def test_collapsed_request_stops_speculating_alone():
+    pol = policy_with_costs(lambda k: 1.0 + 0.1 * k, batch=4)
+    d = choose(pol, requests_with_alpha([0.9, 0.9, 0.0, 0.9]))
+    assert d.k > 0
+    assert d.num_draft[2] == 0
+    assert all(d.num_draft[i] == d.k for i in (0, 1, 3))
+
+
+def test_expensive_draft_at_large_batch_turns_speculation_off():
+    pol = policy_with_costs(lambda k: 1.0 + 1.0 * k, batch=32)
+    d = choose(pol, requests_with_alpha([0.6] * 32))
+    assert d.k == 0 and not d.num_draft.any()
+
+
+def test_only_captured_k_values_are_chosen():
+    pol = policy_with_costs(lambda k: 1.0 + 0.05 * k, batch=8, candidates=(2, 4))
+    for alpha in (0.2, 0.5, 0.7, 0.95):
+        d = choose(pol, requests_with_alpha([alpha] * 8))
+        assert d.k in (0, 2, 4)
+        assert set(d.num_draft.tolist()) <= {0, 2, 4}
+
+
+def test_fixed_override_is_respected():
+    pol = policy_with_costs(lambda k: 1.0 + 1.0 * k, batch=2)
+    accs = requests_with_alpha([0.0, 0.0])
+    d = pol.choose(accs, [3, None], np.array([100, 100]))
+    assert d.num_draft.tolist() == [3, 0]
+
+
+def test_room_caps_drafts():
+    pol = policy_with_costs(lambda k: 1.0 + 0.05 * k, batch=2)
+    d = pol.choose(requests_with_alpha([0.95, 0.95]), [None, None], np.array([2, 0]))
+    assert d.num_draft.tolist() == [2, 0]
+
+
+def test_refill_dropped_when_nobody_speculates_and_plain_is_cheaper():
+    pol = policy_with_costs(lambda k: 1.3 + 0.3 * k, batch=4, can_drop_refill=True, plain_cost=1.0)
+    d = choose(pol, requests_with_alpha([0.0] * 4))
+    assert d.k == 0 and not d.refill
+
+
+def test_collapsed_request_is_probed_again():
+    pol = policy_with_costs(lambda k: 1.0 + 0.05 * k, batch=2, probe_every=5)
+    accs = requests_with_alpha([0.95, 0.0])
+    probed = False
+    for _ in range(12):
+        d = choose(pol, accs)
+        for acc, nd in zip(accs, d.num_draft):
+            acc.update(int(nd), 0 if acc is accs[1] else int(nd), 0.7)
+        probed |= bool(d.num_draft[1] > 0)
+    assert probed
+
+
+def test_hysteresis_on_a_noisy_acceptance_series():
+    """Acceptance hovering around the break-even point must not flip k every step."""
+    pol = policy_with_costs(lambda k: 1.0 + 0.25 * k, batch=1, k_max=4)
+    rng = np.random.default_rng(1)
+    acc = RequestAcceptance()
+    ks = []
+    for _ in range(200):
+        d = choose(pol, [acc])
+        ks.append(d.k)
+        k = max(d.k, 1)
+        n = 0
+        while n < k and rng.random() < 0.45:
+            n += 1
+        acc.update(k, n, 0.7)
+    switches = sum(a != b for a, b in zip(ks, ks[1:]))
+    assert switches < 40, f"k flapped {switches} times in 200 steps"
+
+
+def test_exploration_measures_each_candidate_first():
+    pol = AdaptivePolicy(PolicyConfig(kind="adaptive", k_max=2))
+    seen = []
+    for _ in range(9):
+        d = choose(pol, requests_with_alpha([0.5]))
+        assert d.explored
+        seen.append(d.k)
+        pol.observe_step(1, d.k, d.refill, 1.0 + d.k)
+    assert sorted(set(seen)) == [0, 1, 2]
+    assert not choose(pol, requests_with_alpha([0.5])).explored
