@@ -107,7 +107,8 @@ def _run(args: argparse.Namespace) -> int:
     items = read_inputs(args)
     if not Path(args.model).is_dir():
         raise SpecstepError(f"model folder {args.model!r} does not exist")
-    core, tokenizer, info = build_engine(engine_config_from_args(args))
+    recorder, tracer = make_tracer(args.trace)
+    core, tokenizer, info = build_engine(engine_config_from_args(args), tracer)
     reqs = []
     for i, item in enumerate(items):
         where = item.get("_where", "--prompt")
@@ -137,12 +138,12 @@ def _run(args: argparse.Namespace) -> int:
             raise SpecstepError(f"{where}: {e}") from None
         reqs.append(req)
 
-    recorder = _start_trace(args.trace)
     start = time.perf_counter()
     while core.has_unfinished():
         core.step()
     elapsed = time.perf_counter() - start
     core.check_integrity()
+    core.stream.close()
     if recorder is not None:
         recorder.save(args.trace)
 
@@ -166,9 +167,9 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_trace(path: str | None):
-    if path is None:
-        return None
-    from traces.recorder import TraceRecorder
+def make_tracer(path: str | None):
+    """NVTX ranges always (free without a profiler); a recorder too when a trace file is asked for."""
+    from traces.tracer import TraceRecorder, Tracer
 
-    return TraceRecorder.install()
+    recorder = TraceRecorder() if path else None
+    return recorder, Tracer(recorder)
