@@ -1,0 +1,45 @@
+"""Batch buckets: which batch sizes get graphs, under a memory budget.
+
+Each captured graph keeps its static outputs alive (logits are lanes * q * vocab floats: at vocab 128k a
+64-lane verify graph at q = 5 holds 160 MB) plus the driver's graph object. Intermediates come from the one
+shared pool and are reused across graphs, so they are paid once. Speculation multiplies the graph count
+(draft, verify, refill per bucket), so the budget matters.
+
+When over budget, the *largest* buckets go first: a graph saves a roughly constant launch overhead per step,
+which matters most for small batches (launch-bound) and least for large ones (compute-bound); batches above
+the largest kept bucket run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+
+
+def default_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every 16 up to max_batch (always including max_batch)."""
+    small = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    return tuple(sorted(set(small + list(range(16, max_batch + 1, 16)) + [max_batch])))
+
+
+def bucket_for(buckets: tuple[int, ...], batch: int) -> int | None:
+    """Smallest bucket holding `batch` lanes (buckets sorted ascending); None: run eagerly."""
+    i = bisect.bisect_left(buckets, batch)
+    return buckets[i] if i < len(buckets) else None
+
+
+def plan_buckets(candidates: Iterable[int], bytes_per_lane: Iterable[int], budget: int | None,
+                 overhead_per_graph: int) -> tuple[int, ...]:
+    """Largest prefix of the sorted candidates whose graphs fit the budget.
+
+    `bytes_per_lane` holds one entry per graph captured at each bucket (one per registered (kind, q)): its
+    static output bytes per lane. A bucket b costs sum(bytes_per_lane) * b + len(bytes_per_lane) * overhead.
+    """
+    cands = sorted(set(candidates))
+    per_lane = list(bytes_per_lane)
+    if budget is None:
+        return tuple(cands)
+    cost: Callable[[int], int] = lambda b: sum(per_lane) * b + len(per_lane) * overhead_per_graph
+    while cands and sum(cost(b) for b in cands) > budget:
+        cands.pop()
+    return tuple(cands)

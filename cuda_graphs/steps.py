@@ -1,0 +1,88 @@
+"""Graph-safe layouts and reference step functions (target decode/verify, MTP draft loop and refill).
+
+These are the step shapes the engine captures, written against the contract in `contract.py`; the tests and
+`scripts/gpu_bench.py` capture them, and StepEngine's own steps (with sampling and acceptance) follow the same
+pattern.
+
+A graph replays a fixed shape, so every lane feeds the same q tokens and the layout is a pure function of
+(lanes, q), built on the device with `arange` (nothing copied from the host):
+
+    lanes = 2, q = 3     flat token t = 0 1 2 | 3 4 5
+    token_req  = t // q        0 0 0 | 1 1 1
+    token_offset = t % q       0 1 2 | 0 1 2
+    q_index    = t.view(B, q)  [[0 1 2] [3 4 5]]        out_index = t
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from cuda_graphs.contract import BufferSpec, GraphKey, InputSpecs, StepFn
+from engine.forward_batch import BatchLayout, ForwardBatch
+from engine.kv_cache import DUMMY_PAGE, KVPool
+from engine.models.llama import LlamaForCausalLM
+from engine.models.mtp_head import MTPHead
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+def uniform_layout(page_table: torch.Tensor, q: int, page_size: int,
+                   q_lens: torch.Tensor | None = None) -> BatchLayout:
+    """Layout of q tokens per lane; `q_lens` [B] (<= q) masks a lane's unused tail queries (ragged verify)."""
+    b = page_table.shape[0]
+    t = torch.arange(b * q, device=page_table.device)
+    if q_lens is None:
+        q_lens = torch.full((b,), q, dtype=torch.long, device=page_table.device)
+    return BatchLayout(q_lens=q_lens, token_req=t // q, token_offset=t % q, q_index=t.view(b, q), out_index=t,
+                       page_table=page_table, page_size=page_size)
+
+
+def target_inputs(max_pages: int) -> InputSpecs:
+    """start [B], input_ids [B * q], page_table [B, max_pages] (padding lanes on the dummy page)."""
+    return lambda q: {"start": BufferSpec(), "input_ids": BufferSpec(rows=q),
+                      "page_table": BufferSpec(trailing=(max_pages,), pad=DUMMY_PAGE)}
+
+
+def target_step(model: LlamaForCausalLM, pool: KVPool) -> StepFn:
+    """decode (q = 1) and verify (q = k + 1): the target over q tokens per lane -> logits, hidden."""
+    def step(inp: Tensors, key: GraphKey) -> dict[str, torch.Tensor]:
+        layout = uniform_layout(inp["page_table"], key.q, pool.page_size)
+        hidden = model(ForwardBatch.derive(layout, inp["start"], inp["input_ids"]), pool)
+        return {"logits": model.compute_logits(hidden), "hidden": hidden}
+    return step
+
+
+def mtp_inputs(max_pages: int, hidden_size: int, dtype: torch.dtype) -> InputSpecs:
+    """target_inputs plus the per-token hidden state the head consumes."""
+    base = target_inputs(max_pages)
+    return lambda q: {**base(q), "hidden": BufferSpec(rows=q, trailing=(hidden_size,), dtype=dtype)}
+
+
+def mtp_draft_step(head: MTPHead, target: LlamaForCausalLM, pool: KVPool, num_steps: int) -> StepFn:
+    """draft (q = 1): `num_steps` greedy head steps in one graph, feeding its own hidden state forward.
+
+    Lane b starts from token input_ids[b] with hidden[b] at head position start[b]; step j runs at start + j.
+    """
+    def step(inp: Tensors, key: GraphKey) -> dict[str, torch.Tensor]:
+        layout = uniform_layout(inp["page_table"], 1, pool.page_size)
+        token, hidden = inp["input_ids"], inp["hidden"]
+        drafts = []
+        for j in range(num_steps):
+            fb = ForwardBatch.derive(layout, inp["start"] + j, token)
+            hidden = head(fb, pool, target.embed_tokens(token), hidden)
+            token = target.compute_logits(hidden).argmax(dim=-1)
+            drafts.append(token)
+        return {"drafts": torch.stack(drafts, dim=1), "hidden": hidden}
+    return step
+
+
+def mtp_refill_step(head: MTPHead, target: LlamaForCausalLM, pool: KVPool) -> StepFn:
+    """refill (q = k + 1): the head over the verified tokens with the target's hidden states."""
+    def step(inp: Tensors, key: GraphKey) -> dict[str, torch.Tensor]:
+        layout = uniform_layout(inp["page_table"], key.q, pool.page_size)
+        fb = ForwardBatch.derive(layout, inp["start"], inp["input_ids"])
+        hidden = head(fb, pool, target.embed_tokens(fb.input_ids), inp["hidden"])
+        return {"logits": target.compute_logits(hidden), "hidden": hidden}
+    return step
