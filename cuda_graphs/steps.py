@@ -1,4 +1,4 @@
-"""Graph-safe layouts and reference step functions (target decode/verify, MTP draft loop and refill).
+"""Graph-safe layouts and reference step functions (target decode/verify, draft loops, MTP refill).
 
 These are the step shapes the engine captures, written against the contract in `contract.py`; the tests and
 `scripts/gpu_bench.py` capture them, and StepEngine's own steps (with sampling and acceptance) follow the same
@@ -51,6 +51,20 @@ def target_step(model: LlamaForCausalLM, pool: KVPool) -> StepFn:
         layout = uniform_layout(inp["page_table"], key.q, pool.page_size)
         hidden = model(ForwardBatch.derive(layout, inp["start"], inp["input_ids"]), pool)
         return {"logits": model.compute_logits(hidden), "hidden": hidden}
+    return step
+
+
+def draft_model_step(draft: LlamaForCausalLM, pool: KVPool, num_steps: int) -> StepFn:
+    """draft (q = 1) for a draft model: `num_steps` greedy steps in one graph, each consuming the previous
+    token at start + j (target_inputs: input_ids [B] holds each lane's last token)."""
+    def step(inp: Tensors, key: GraphKey) -> dict[str, torch.Tensor]:
+        layout = uniform_layout(inp["page_table"], 1, pool.page_size)
+        token, drafts = inp["input_ids"], []
+        for j in range(num_steps):
+            hidden = draft(ForwardBatch.derive(layout, inp["start"] + j, token), pool)
+            token = draft.compute_logits(hidden).argmax(dim=-1)
+            drafts.append(token)
+        return {"drafts": torch.stack(drafts, dim=1)}
     return step
 
 

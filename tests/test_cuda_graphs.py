@@ -11,8 +11,16 @@ import torch
 
 from cuda_graphs import BufferSpec, GraphConfig, GraphContractError, GraphKey, GraphRunner, StepKind
 from cuda_graphs.buckets import bucket_for, default_buckets, plan_buckets
-from cuda_graphs.steps import mtp_draft_step, mtp_inputs, mtp_refill_step, target_inputs, target_step, uniform_layout
-from engine.batch_builder import build_layout
+from cuda_graphs.steps import (
+    draft_model_step,
+    mtp_draft_step,
+    mtp_inputs,
+    mtp_refill_step,
+    target_inputs,
+    target_step,
+    uniform_layout,
+)
+from engine.batch_builder import build_forward_batch, build_layout
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.model_loader import load_model
@@ -32,31 +40,37 @@ class Setup:
     head_pool: KVPool
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> Setup:
+def build_setup(checkpoint, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Setup:
+    """Target (from a checkpoint), a random MTP head, their pools filled with random 'existing context'."""
     torch.manual_seed(0)
-    target = load_model(make_checkpoint(tmp_path_factory.mktemp("graph_target"), seed=3), "cpu", "float32")
+    target = load_model(checkpoint, device, str(dtype).replace("torch.", ""))
     cfg = dataclasses.replace(target.cfg, architecture="mtp", num_layers=1)
-    head = MTPHead(cfg).eval()
-    pool = KVPool(target.cfg, target.cfg.num_layers, NUM_PAGES, PAGE, torch.float32, "cpu")
-    head_pool = KVPool(cfg, 1, NUM_PAGES, PAGE, torch.float32, "cpu")
-    for t in pool.k + pool.v + head_pool.k + head_pool.v:  # existing context: random keys/values
+    head = MTPHead(cfg).to(device=device, dtype=dtype).eval()
+    head.rotary.build_tables(device)
+    pool = KVPool(target.cfg, target.cfg.num_layers, NUM_PAGES, PAGE, dtype, device)
+    head_pool = KVPool(cfg, 1, NUM_PAGES, PAGE, dtype, device)
+    for t in pool.k + pool.v + head_pool.k + head_pool.v:
         t.normal_()
     return Setup(target, head, pool, head_pool)
 
 
-def make_runner(s: Setup, **cfg) -> GraphRunner:
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> Setup:
+    return build_setup(make_checkpoint(tmp_path_factory.mktemp("graph_target"), seed=3))
+
+
+def make_runner(s: Setup, device: str = "cpu", **cfg) -> GraphRunner:
     cfg.setdefault("buckets", BUCKETS)
     cfg.setdefault("max_batch", max(BUCKETS))
     cfg.setdefault("deep_check_replays", None)
-    runner = GraphRunner("cpu", GraphConfig(**cfg))
-    d = s.target.cfg.hidden_size
+    runner = GraphRunner(device, GraphConfig(**cfg))
+    d, dtype = s.target.cfg.hidden_size, s.pool.k[0].dtype
     runner.register(StepKind("decode", target_step(s.target, s.pool), target_inputs(MAX_PAGES), (1,)))
     runner.register(StepKind("verify", target_step(s.target, s.pool), target_inputs(MAX_PAGES), (K + 1,)))
     runner.register(StepKind("draft", mtp_draft_step(s.head, s.target, s.head_pool, K),
-                             mtp_inputs(MAX_PAGES, d, torch.float32), (1,)))
+                             mtp_inputs(MAX_PAGES, d, dtype), (1,)))
     runner.register(StepKind("refill", mtp_refill_step(s.head, s.target, s.head_pool),
-                             mtp_inputs(MAX_PAGES, d, torch.float32), (K + 1,)))
+                             mtp_inputs(MAX_PAGES, d, dtype), (K + 1,)))
     return runner
 
 
@@ -69,8 +83,8 @@ def live_inputs(s: Setup, kind: str, q: int, batch: int, seed: int) -> dict[str,
     inp = {"start": torch.randint(3, 13, (batch,), generator=g), "page_table": pt,
            "input_ids": torch.randint(0, s.target.cfg.vocab_size, (batch * q,), generator=g)}
     if kind in ("draft", "refill"):
-        inp["hidden"] = torch.randn(batch * q, s.target.cfg.hidden_size, generator=g)
-    return inp
+        inp["hidden"] = torch.randn(batch * q, s.target.cfg.hidden_size, generator=g).to(s.pool.k[0].dtype)
+    return {n: t.to(s.pool.k[0].device) for n, t in inp.items()}
 
 
 KINDS = [("decode", 1), ("verify", K + 1), ("draft", 1), ("refill", K + 1)]
@@ -84,42 +98,48 @@ def runner(setup) -> GraphRunner:
     return r
 
 
-@pytest.mark.parametrize("kind,q", KINDS)
-@pytest.mark.parametrize("batch", [1, 2, 3, 4])
-def test_replay_matches_eager(setup, runner, kind, q, batch):
+def check_replay_matches_eager(s: Setup, runner: GraphRunner, kind: str, q: int, batch: int, tol: float) -> None:
     step = runner._kinds[kind].fn
-    inp = live_inputs(setup, kind, q, batch, seed=batch)
-    expected = {n: t.clone() for n, t in step(dict(inp), GraphKey(kind, batch, q)).items()}
+    inp = live_inputs(s, kind, q, batch, seed=batch)
+    with torch.inference_mode():
+        expected = {n: t.clone() for n, t in step(dict(inp), GraphKey(kind, batch, q)).items()}
     assert runner.has_graph(kind, q, batch)
     got = runner.run(kind, q, inp, batch)
     assert got.keys() == expected.keys()
     for n in expected:
-        torch.testing.assert_close(got[n], expected[n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[n], expected[n], rtol=tol, atol=tol)
     # outputs are the graph's static outputs (sliced), not fresh tensors
     graph = runner._graphs[GraphKey(kind, runner.bucket_for(batch), q)]
     assert all(got[n].data_ptr() == graph.outputs[n].data_ptr() for n in got)
 
 
+@pytest.mark.parametrize("kind,q", KINDS)
+@pytest.mark.parametrize("batch", [1, 2, 3, 4])
+def test_replay_matches_eager(setup, runner, kind, q, batch):
+    check_replay_matches_eager(setup, runner, kind, q, batch, tol=1e-5)
+
+
 def _written_slots(inp: dict[str, torch.Tensor], q: int) -> torch.Tensor:
-    pos = inp["start"].unsqueeze(1) + torch.arange(q)
+    pos = inp["start"].unsqueeze(1) + torch.arange(q, device=inp["start"].device)
     return (inp["page_table"].gather(1, pos // PAGE) * PAGE + pos % PAGE).flatten()
 
 
-@pytest.mark.parametrize("kind,q", [("decode", 1), ("verify", K + 1)])
-def test_padding_lane_touches_only_the_dummy_page(setup, runner, kind, q):
-    inp = live_inputs(setup, kind, q, 3, seed=7)
-    pool = setup.pool
+def check_padding(s: Setup, runner: GraphRunner, kind: str, q: int, tol: float) -> None:
+    """Batch of 3 in bucket 4: real lanes match eager, the padding lane writes only the dummy page."""
+    inp = live_inputs(s, kind, q, 3, seed=7)
+    pool = s.pool
     before = [t.clone() for t in pool.k + pool.v]
-    expected = runner._kinds[kind].fn(dict(inp), GraphKey(kind, 3, q))["logits"].clone()
+    with torch.inference_mode():
+        expected = runner._kinds[kind].fn(dict(inp), GraphKey(kind, 3, q))["logits"].clone()
     after_eager = [t.clone() for t in pool.k + pool.v]
     for t, b in zip(pool.k + pool.v, before):
         b[:PAGE] = 7.0  # a sentinel in the dummy page: the padding lane must overwrite it (masked for real lanes)
         t.copy_(b)
-    got = runner.run(kind, q, inp, 3)  # bucket 4: one padding lane
+    got = runner.run(kind, q, inp, 3)
     assert runner.bucket_for(3) == 4
-    torch.testing.assert_close(got["logits"], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["logits"], expected, rtol=tol, atol=tol)
     written = _written_slots(inp, q)
-    keep = torch.ones(NUM_PAGES * PAGE, dtype=torch.bool)
+    keep = torch.ones(NUM_PAGES * PAGE, dtype=torch.bool, device=written.device)
     keep[written] = False
     keep[DUMMY_PAGE * PAGE:(DUMMY_PAGE + 1) * PAGE] = False
     dummy_changed = False
@@ -128,6 +148,11 @@ def test_padding_lane_touches_only_the_dummy_page(setup, runner, kind, q):
         torch.testing.assert_close(t[written], e[written])  # real lanes wrote what eager wrote
         dummy_changed |= not torch.equal(t[:PAGE], b[:PAGE])
     assert dummy_changed, "the padding lane should have written its KV into the dummy page"
+
+
+@pytest.mark.parametrize("kind,q", [("decode", 1), ("verify", K + 1)])
+def test_padding_lane_touches_only_the_dummy_page(setup, runner, kind, q):
+    check_padding(setup, runner, kind, q, tol=1e-5)
 
 
 def test_larger_batches_and_disabled_graphs_run_eagerly(setup, runner):
@@ -159,6 +184,82 @@ def test_uniform_layout_matches_host_layout():
     start, ids = torch.tensor([2, 5]), torch.arange(6)
     a, b = ForwardBatch.derive(dev, start, ids), ForwardBatch.derive(host, start, ids)
     assert torch.equal(a.slot_mapping, b.slot_mapping) and torch.equal(a.attn.mask, b.attn.mask)
+
+
+# ---- speculative greedy decoding over graph steps ---------------------------------------------------------
+
+def spec_runner(target, pool, draft, draft_pool, k: int, device: str = "cpu", **cfg) -> GraphRunner:
+    """decode (q = 1), verify (q = k + 1) and a draft-model loop of k + 1 steps (the last one only writes the
+    draft's KV for d_k, needed when every draft is accepted)."""
+    cfg.setdefault("buckets", BUCKETS)
+    cfg.setdefault("max_batch", max(BUCKETS))
+    r = GraphRunner(device, GraphConfig(**cfg))
+    r.register(StepKind("decode", target_step(target, pool), target_inputs(MAX_PAGES), (1,)))
+    r.register(StepKind("verify", target_step(target, pool), target_inputs(MAX_PAGES), (k + 1,)))
+    r.register(StepKind("draft", draft_model_step(draft, draft_pool, k + 1), target_inputs(MAX_PAGES), (1,)))
+    r.capture()
+    return r
+
+
+@torch.inference_mode()
+def greedy_generate(runner: GraphRunner, target, pool, draft, draft_pool, prompts: list[list[int]], n_new: int,
+                    k: int) -> list[list[int]]:
+    """Greedy decoding through `runner`; k > 0 speculates (draft loop, verify, accept while d_j == argmax).
+
+    Request b owns pages 1 + 6b .. 6 + 6b; the KV holds every token but the last, which each step feeds.
+    """
+    dev = pool.k[0].device
+    b = len(prompts)
+    tables = [list(range(1 + MAX_PAGES * i, 1 + MAX_PAGES * (i + 1))) for i in range(b)]
+    pt = torch.tensor(tables, device=dev)
+    fb = build_forward_batch([p[:-1] for p in prompts], [0] * b, tables, PAGE, dev)
+    target(fb, pool)
+    draft(fb, draft_pool)
+    seqs = [list(p) for p in prompts]
+    while min(len(s) - len(p) for s, p in zip(seqs, prompts)) < n_new:
+        inp = {"start": torch.tensor([len(s) - 1 for s in seqs], device=dev),
+               "input_ids": torch.tensor([s[-1] for s in seqs], device=dev), "page_table": pt}
+        if k == 0:
+            for s, t in zip(seqs, runner.run("decode", 1, inp, b)["logits"].argmax(-1).tolist()):
+                s.append(t)
+            continue
+        drafts = runner.run("draft", 1, inp, b)["drafts"][:, :k]
+        ids = torch.cat([inp["input_ids"][:, None], drafts], dim=1).reshape(-1)
+        logits = runner.run("verify", k + 1, {**inp, "input_ids": ids}, b)["logits"]
+        best = logits.argmax(-1).view(b, k + 1)
+        accepted = (drafts == best[:, :k]).long().cumprod(dim=1).sum(dim=1)
+        for s, d, g, a in zip(seqs, drafts.tolist(), best.tolist(), accepted.tolist()):
+            s.extend(d[:a] + [g[a]])
+    return [s[len(p): len(p) + n_new] for s, p in zip(seqs, prompts)]
+
+
+PROMPTS = [[5, 17, 42, 7], [9, 3], [100, 200, 50, 25, 60, 1]]  # three requests: bucket 4 has a padding lane
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("graph_draft"), seed=1, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    model = load_model(path, "cpu", "float32")
+    return model, KVPool(model.cfg, 1, NUM_PAGES, PAGE, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("which", ["small", "self"])
+def test_speculative_greedy_equals_plain_with_graphs(setup, small_draft, which):
+    """Lossless: speculative output == plain greedy output, through graph replays (and == eager plain).
+    'self' drafts with the target itself, so every draft is accepted (the bonus-token path)."""
+    target, pool = setup.target, setup.pool
+    if which == "small":
+        draft, draft_pool = small_draft
+    else:
+        draft, draft_pool = target, KVPool(target.cfg, target.cfg.num_layers, NUM_PAGES, PAGE, torch.float32, "cpu")
+    k, n_new = 2, 10
+    eager = spec_runner(target, pool, draft, draft_pool, k, enabled=False)
+    graphs = spec_runner(target, pool, draft, draft_pool, k)
+    plain = greedy_generate(eager, target, pool, draft, draft_pool, PROMPTS, n_new, 0)
+    assert greedy_generate(graphs, target, pool, draft, draft_pool, PROMPTS, n_new, 0) == plain
+    assert greedy_generate(graphs, target, pool, draft, draft_pool, PROMPTS, n_new, k) == plain
+    assert greedy_generate(graphs, target, pool, draft, draft_pool, PROMPTS[:1], n_new, k) == plain[:1]
 
 
 # ---- contract-breaking step functions ------------------------------------------------------------------------
