@@ -1,0 +1,177 @@
+"""CUDA checks (skipped without a GPU; `scripts/gpu_check.sh` runs them): graph replay vs eager for every
+step kind and bucket, padding on the dummy page, FlashInfer vs the torch backend (eager and under a graph),
+and speculative greedy equality (through graph replays, and through the engine)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine.attention import flashinfer_backend as fib  # noqa: E402
+from engine.attention.torch_backend import paged_attention  # noqa: E402
+from engine.batch_builder import build_layout  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.forward_batch import ForwardBatch  # noqa: E402
+from engine.kv_cache import KVPool  # noqa: E402
+from engine.model_loader import load_model  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from tests.helpers import make_checkpoint, make_core, run_to_completion  # noqa: E402
+from tests.test_cuda_graphs import (  # noqa: E402
+    BUCKETS,
+    KINDS,
+    NUM_PAGES,
+    PAGE,
+    PROMPTS,
+    build_setup,
+    check_padding,
+    check_replay_matches_eager,
+    greedy_generate,
+    make_runner,
+    spec_runner,
+)
+
+pytestmark = pytest.mark.gpu
+CUDA = "cuda"
+
+
+# ---- graphs ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def cuda_setup(request, tmp_path_factory):
+    return build_setup(make_checkpoint(tmp_path_factory.mktemp("gpu_target"), seed=3), CUDA, request.param)
+
+
+@pytest.fixture(scope="module")
+def cuda_runner(cuda_setup):
+    r = make_runner(cuda_setup, CUDA)
+    info = r.capture()
+    assert info.backend == "cuda" and info.buckets == BUCKETS and info.graphs == len(BUCKETS) * len(KINDS)
+    return r
+
+
+def _tol(s) -> float:
+    return 1e-4 if s.pool.k[0].dtype == torch.float32 else 2e-2
+
+
+@pytest.mark.parametrize("kind,q", KINDS)
+@pytest.mark.parametrize("batch", [1, 2, 3, 4])
+def test_cuda_graph_replay_matches_eager(cuda_setup, cuda_runner, kind, q, batch):
+    check_replay_matches_eager(cuda_setup, cuda_runner, kind, q, batch, _tol(cuda_setup))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("kind,q", [("decode", 1), ("verify", 3)])
+def test_cuda_padding_lane_touches_only_the_dummy_page(cuda_setup, cuda_runner, kind, q):
+    check_padding(cuda_setup, cuda_runner, kind, q, _tol(cuda_setup))
+
+
+def test_cuda_speculative_greedy_equals_plain_with_graphs(tmp_path):
+    target = load_model(make_checkpoint(tmp_path / "t", seed=3), CUDA, "float32")
+    draft = load_model(make_checkpoint(tmp_path / "d", seed=1, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1),
+                       CUDA, "float32")
+    pool = KVPool(target.cfg, target.cfg.num_layers, NUM_PAGES, PAGE, torch.float32, CUDA)
+    for d, dpool in ((draft, KVPool(draft.cfg, 1, NUM_PAGES, PAGE, torch.float32, CUDA)),
+                     (target, KVPool(target.cfg, target.cfg.num_layers, NUM_PAGES, PAGE, torch.float32, CUDA))):
+        eager = spec_runner(target, pool, d, dpool, 2, CUDA, enabled=False)
+        graphs = spec_runner(target, pool, d, dpool, 2, CUDA)
+        plain = greedy_generate(eager, target, pool, d, dpool, PROMPTS, 10, 0)
+        assert greedy_generate(graphs, target, pool, d, dpool, PROMPTS, 10, 0) == plain
+        assert greedy_generate(graphs, target, pool, d, dpool, PROMPTS, 10, 2) == plain
+
+
+@pytest.mark.parametrize("spec", ["draft_model", "ngram"])
+def test_cuda_engine_speculative_greedy_equality(tiny_target, tiny_draft, spec):
+    """Through the engine (StepEngine picks up graphs once the GraphRunner is wired in)."""
+    prompts = [[5, 17, 42, 7, 5, 17], [9, 3], [100, 200, 50, 25, 60, 1, 100, 200]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = run_to_completion(make_core(tiny_target, device=CUDA, dtype="float32"), prompts, params)
+    extra = {"draft": str(tiny_draft)} if spec == "draft_model" else {}
+    fast = run_to_completion(make_core(tiny_target, device=CUDA, dtype="float32", spec=spec, num_spec_tokens=3,
+                                       **extra), prompts, params)
+    assert [r.output_token_ids for r in fast] == [r.output_token_ids for r in plain]
+
+
+# ---- FlashInfer vs torch -------------------------------------------------------------------------------------
+
+needs_flashinfer = pytest.mark.skipif(not fib.AVAILABLE, reason="flashinfer is not importable (bring its wheel "
+                                                                  "in .whl/ for scripts/gpu_check.sh)")
+FI_PAGE, FI_MAX_PAGES = 16, 8
+FI_CFG = ModelConfig(architecture="llama", vocab_size=256, hidden_size=4096, intermediate_size=64, num_layers=1,
+                     num_heads=32, num_kv_heads=8, head_dim=128)
+
+
+def _fi_problem(q_lens, kv_lens, seed=0):
+    """Random bf16 pool, shuffled pages, queries; the torch reference output."""
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    pool = KVPool(FI_CFG, 1, 64, FI_PAGE, torch.bfloat16, CUDA)
+    pool.k[0].normal_(generator=g)
+    pool.v[0].normal_(generator=g)
+    perm = (torch.randperm(63, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+    tables = [perm[FI_MAX_PAGES * i: FI_MAX_PAGES * i + -(-kv // FI_PAGE)] for i, kv in enumerate(kv_lens)]
+    q = torch.randn(int(sum(q_lens)), FI_CFG.q_size, generator=g, device=CUDA, dtype=torch.bfloat16)
+    layout = build_layout(q_lens, tables, FI_PAGE, CUDA, max_kv_len=FI_MAX_PAGES * FI_PAGE)
+    start = torch.tensor(np.subtract(kv_lens, q_lens), device=CUDA)
+    meta = ForwardBatch.derive(layout, start, torch.zeros(len(q), dtype=torch.long, device=CUDA)).attn
+    scale = FI_CFG.head_dim**-0.5
+    ref = paged_attention(q, pool.k[0], pool.v[0], meta, FI_CFG.num_heads, scale)
+    pt = np.zeros((len(tables), FI_MAX_PAGES), np.int32)
+    for i, t in enumerate(tables):
+        pt[i, : len(t)] = t
+    return pool, q, ref, pt, meta, scale
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("slot,q_lens,kv_lens", [
+    ("decode", [1, 1, 1], [1, 37, 120]),
+    ("verify", [5, 5, 5], [5, 64, 121]),
+    ("prefill", [7, 30, 1], [7, 45, 16]),
+])
+def test_flashinfer_matches_torch(slot, q_lens, kv_lens):
+    pool, q, ref, pt, meta, scale = _fi_problem(q_lens, kv_lens)
+    fi = fib.FlashInferAttention(FI_CFG, FI_PAGE, torch.bfloat16, torch.device(CUDA), FI_MAX_PAGES)
+    prep = fi.prepare(slot, np.array(q_lens), pt)
+    fi.plan(prep, np.array(kv_lens) + 3)  # upper bounds first, as while the previous step runs ...
+    fi.plan(prep, np.array(kv_lens))  # ... then the exact lengths (PATCH)
+    fi.select(slot, len(q_lens), max(q_lens))
+    out = fi.forward(q, pool.k[0], pool.v[0], meta, FI_CFG.num_heads, scale)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("slot,q", [("decode", 1), ("verify", 5)])
+def test_flashinfer_under_cuda_graph_with_padding(slot, q):
+    """Capture at 4 lanes with padding-only plans, then plan 3 live lanes with new lengths and replay."""
+    dev = torch.device(CUDA)
+    fi = fib.FlashInferAttention(FI_CFG, FI_PAGE, torch.bfloat16, dev, FI_MAX_PAGES, graph_lanes=(4,))
+    pool, _, _, _, _, scale = _fi_problem([q] * 3, [q] * 3)
+    q_static = torch.zeros(4 * q, FI_CFG.q_size, dtype=torch.bfloat16, device=CUDA)
+    fi.plan_padding(slot, 4, q)
+
+    def step():
+        fi.select(slot, 4, q)
+        return fi.forward(q_static, pool.k[0], pool.v[0], None, FI_CFG.num_heads, scale)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed, kv_lens in enumerate(([q, 40, 100], [q + 20, 70, 128])):
+        pool2, qs, ref, pt, _, _ = _fi_problem([q] * 3, kv_lens, seed=seed)
+        pool.k[0].copy_(pool2.k[0])
+        pool.v[0].copy_(pool2.v[0])
+        prep = fi.prepare(slot, np.full(3, q), pt, lanes=4)
+        fi.plan(prep, np.array(kv_lens))
+        q_static[: 3 * q].copy_(qs)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out[: 3 * q].float(), ref.float(), rtol=2e-2, atol=2e-2)
