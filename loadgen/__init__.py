@@ -1,0 +1,1 @@
+"""The load generator: a ZMQ client that behaves like an upstream router, and throughput/latency sweeps."""

@@ -1,0 +1,84 @@
+"""Start and stop a `specstep serve` process (for sweeps across server settings, and for tests)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+_LISTENING = re.compile(r"listening on (\S+)")
+
+
+class ServerProcess:
+    """`specstep serve ARGS --address tcp://127.0.0.1:0`; `start()` returns the bound address once ready."""
+
+    def __init__(self, args: list[str], host: str = "127.0.0.1", log_path: str | Path | None = None) -> None:
+        self.args = list(args)
+        self.host = host
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="specstep-serve-",
+                                                                              suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+        self.address: str | None = None
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "scheduler.cli", "serve", "--address", f"tcp://{self.host}:0", *self.args],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=PROJECT_ROOT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = self.log()
+            if self.address is None and (m := _LISTENING.search(text)):
+                self.address = m.group(1)
+            if self.address is not None and "specstep serve: ready" in text:
+                return self.address
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"specstep serve exited with code {self.proc.returncode}:\n{self.log()[-4000:]}")
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"specstep serve not ready within {timeout_s:g}s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout_s: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM (drain), then SIGKILL after `timeout_s`. Returns the exit code."""
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

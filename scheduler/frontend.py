@@ -1,0 +1,358 @@
+"""The frontend process: asyncio (uvloop) over one ROUTER socket, facing upstream routers.
+
+    router DEALER ──▶ ROUTER ─[router loop: decode, check, register]─▶ one task per request
+                                                                        │ validate, tokenize, send to scheduler
+    scheduler ──▶ supervisor reader ─[route by request id]─▶ per-request queue ─▶ task: detokenize, stop strings,
+                                                                                  Delta/Final back on the ROUTER
+A request's task owns everything about it; errors (a rejection, the scheduler dying) reach it through its queue,
+and a client's abort or the shutdown deadline cancels it. Outputs that pile up while a task waits are merged
+into one Delta. A client that disappears is noticed on the next send (ROUTER_MANDATORY) and its request
+aborted. No torch in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from engine.tokenizer import Tokenizer
+from scheduler.detokenize import TextStream
+from scheduler.protocol import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    Delta,
+    EngineAbort,
+    EngineOutput,
+    EngineOutputs,
+    EngineReject,
+    Error,
+    ErrorCode,
+    Final,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+    ProtocolError,
+    SchedulerProcessConfig,
+    SpecStats,
+    StatsReply,
+    StatsRequest,
+    Timings,
+    Usage,
+    Wire,
+    decode_client,
+    encode,
+)
+from scheduler.sockets import ROUTER_HWM, bound_address, make_socket, send_now
+from scheduler.supervisor import SchedulerSupervisor
+from scheduler.validate import Limits, check_request_id, validate_generate
+from traces.ranges import DETOKENIZE, SEND
+from traces.tracer import Tracer, TraceRecorder
+
+log = logging.getLogger("specstep.frontend")
+DIED = object()  # queue item: the scheduler incarnation serving this request died
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    address: str
+    engine: dict  # EngineConfig fields, handed to the scheduler process
+    model_name: str = ""
+    max_tokens: int | None = None  # cap on a request's max_tokens (default: the model's length)
+    max_prompt_len: int | None = None
+    trace: str | None = None
+    startup_timeout_s: float = 300.0
+    max_restarts: int = 5
+    restart_window_s: float = 300.0
+    drain_timeout_s: float = 60.0
+    max_inflight: int = 4096
+
+
+@dataclass(eq=False, slots=True)
+class RequestState:
+    identity: bytes
+    msg: GenerateRequest
+    engine_id: str
+    arrival: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    task: asyncio.Task | None = None
+    incarnation: int = 0  # the scheduler incarnation it was sent to (0 = not sent)
+    engine_done: bool = False  # the scheduler has finished or forgotten it (no abort needed)
+    cancel_reason: str = ""
+    text: TextStream | None = None
+    num_prompt: int = 0
+    num_output: int = 0
+    unsent: list[int] = field(default_factory=list)
+    sent_time: float = 0.0
+    first_token: float = 0.0
+    last_token: float = 0.0
+    max_gap: float = 0.0
+
+
+class Frontend:
+    def __init__(self, cfg: FrontendConfig, tokenizer: Tokenizer | None) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.recorder = TraceRecorder() if cfg.trace else None
+        self.tracer = Tracer(self.recorder)
+        self.requests: dict[tuple[bytes, str], RequestState] = {}
+        self.by_engine_id: dict[str, RequestState] = {}
+        self._ids = itertools.count(1)
+        self.draining = False
+        self._done: asyncio.Event | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------
+    async def serve(self, on_listening=print) -> int:
+        self._done = asyncio.Event()
+        self.ctx = zmq.asyncio.Context()
+        self.router = make_socket(self.ctx, zmq.ROUTER, bind=self.cfg.address, hwm=ROUTER_HWM,
+                                  router_mandatory=True)
+        self.address = bound_address(self.router)
+        self.supervisor = SchedulerSupervisor(self.ctx, self._process_config, self, self.cfg.startup_timeout_s,
+                                              self.cfg.max_restarts, self.cfg.restart_window_s)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.begin_drain)
+        loop.add_signal_handler(signal.SIGINT, self._on_sigint)
+        router_task = asyncio.create_task(self._router_loop())
+        on_listening(f"specstep serve: listening on {self.address}")
+        if not await self.supervisor.start():
+            on_listening("specstep serve: error: the scheduler process did not start (see its log above)")
+            code = 1
+        else:
+            on_listening(f"specstep serve: ready ({self.supervisor.ready.spec}, "
+                         f"{self.supervisor.ready.num_pages} KV pages) on {self.address}")
+            await self._done.wait()
+            code = 0
+        router_task.cancel()
+        await self.supervisor.stop(drain=False, timeout_s=5.0)
+        self.router.close(linger=0)
+        self.ctx.destroy(linger=0)
+        self._save_trace()
+        return code
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new requests, let in-flight ones finish (up to the drain timeout), then exit."""
+        if not self.draining:
+            log.info("draining %d in-flight requests", len(self.requests))
+            self.draining = True
+            asyncio.get_running_loop().create_task(self._drain())
+
+    def _on_sigint(self) -> None:
+        if self.draining:  # a second Ctrl-C: stop now
+            for st in list(self.requests.values()):
+                self._cancel(st, "shutdown")
+            self._done.set()
+        self.begin_drain()
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for st in list(self.requests.values()):
+            self._cancel(st, "shutdown")
+        await asyncio.sleep(0)  # let the cancelled tasks send their errors
+        await self.supervisor.stop(drain=True, timeout_s=10.0)
+        self._done.set()
+
+    def _process_config(self, input_address: str, output_address: str) -> SchedulerProcessConfig:
+        return SchedulerProcessConfig(engine=self.cfg.engine, input_address=input_address,
+                                      output_address=output_address, parent_pid=os.getpid(),
+                                      max_prompt_len=self.cfg.max_prompt_len, trace=self.cfg.trace)
+
+    def _save_trace(self) -> None:
+        """Our ranges go into the scheduler's trace file (one file, one pid per process)."""
+        if self.recorder is None or not self.cfg.trace:
+            return
+        path = Path(self.cfg.trace)
+        data = json.loads(path.read_text()) if path.is_file() else {"traceEvents": [], "displayTimeUnit": "ms"}
+        data["traceEvents"].extend(self.recorder.to_json()["traceEvents"])
+        path.write_text(json.dumps(data))
+
+    # ---- messages from clients -----------------------------------------------------------------------------
+    async def _router_loop(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart()
+            try:
+                self._on_frames(frames[0], frames[1:])
+            except Exception as e:  # never let one message take the server down
+                log.exception("internal error handling a client message")
+                self._reply(frames[0], Error(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
+
+    def _on_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            msg = decode_client(frames)
+            if isinstance(msg, GenerateRequest):
+                self._on_generate(identity, msg)
+            elif isinstance(msg, AbortRequest):
+                st = self.requests.get((identity, msg.request_id))
+                if st is not None:  # aborting an unknown or finished request is a no-op
+                    self._cancel(st, "abort")
+            elif isinstance(msg, HealthRequest):
+                self._reply(identity, self._health())
+            elif isinstance(msg, StatsRequest):
+                asyncio.get_running_loop().create_task(self._reply_stats(identity))
+        except ProtocolError as e:
+            self._reply(identity, e.to_wire())
+
+    def _on_generate(self, identity: bytes, msg: GenerateRequest) -> None:
+        check_request_id(msg.request_id)
+        key = (identity, msg.request_id)
+        if self.draining:
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the server is shutting down", msg.request_id)
+        if key in self.requests:
+            raise ProtocolError(ErrorCode.DUPLICATE_REQUEST_ID,
+                                f"request id {msg.request_id!r} is already in flight", msg.request_id)
+        if len(self.requests) >= self.cfg.max_inflight:
+            raise ProtocolError(ErrorCode.OVERLOADED, f"{len(self.requests)} requests in flight; retry later",
+                                msg.request_id)
+        st = RequestState(identity, msg, str(next(self._ids)), time.monotonic())
+        self.requests[key] = st
+        self.by_engine_id[st.engine_id] = st
+        st.task = asyncio.get_running_loop().create_task(self._serve_request(st))
+
+    def _health(self) -> HealthReply:
+        ready = self.supervisor.ready
+        status = self._status()
+        if ready is None:
+            return HealthReply(PROTOCOL_VERSION, status, self.cfg.model_name)
+        return HealthReply(PROTOCOL_VERSION, status, self.cfg.model_name, ready.spec, ready.max_model_len,
+                           ready.max_prompt_len, Limits.from_ready(ready, self.cfg.max_tokens).max_tokens,
+                           ready.vocab_size)
+
+    def _status(self) -> str:
+        if self.draining:
+            return "draining"
+        return "ok" if self.supervisor.state == "ready" else self.supervisor.state
+
+    async def _reply_stats(self, identity: bytes) -> None:
+        engine = await self.supervisor.stats()
+        self._reply(identity, StatsReply(PROTOCOL_VERSION, self._status(), self.supervisor.restarts, len(self.requests),
+                                         engine))
+
+    def _reply(self, identity: bytes, msg: Wire) -> bool:
+        with self.tracer.range(SEND):
+            return send_now(self.router, [identity, *encode(msg)])
+
+    # ---- messages from the scheduler (via the supervisor's reader task) ---------------------------------------
+    def on_outputs(self, msg: EngineOutputs) -> None:
+        for out in msg.outputs:
+            st = self.by_engine_id.get(out.request_id)
+            if st is not None:
+                st.queue.put_nowait(out)
+
+    def on_reject(self, msg: EngineReject) -> None:
+        st = self.by_engine_id.get(msg.request_id)
+        if st is not None:
+            st.queue.put_nowait(msg)
+
+    def on_engine_died(self, incarnation: int) -> None:
+        for st in self.by_engine_id.values():
+            if st.incarnation == incarnation:
+                st.queue.put_nowait(DIED)
+
+    # ---- one request ---------------------------------------------------------------------------------------
+    async def _serve_request(self, st: RequestState) -> None:
+        try:
+            ready = await self.supervisor.wait_ready()
+            ereq = validate_generate(st.msg, Limits.from_ready(ready, self.cfg.max_tokens), self.tokenizer,
+                                     st.engine_id)
+            st.text = TextStream(self.tokenizer, ereq.prompt_token_ids, st.msg.stop)
+            st.num_prompt = len(ereq.prompt_token_ids)
+            st.sent_time = time.monotonic()
+            st.incarnation = self.supervisor.send(ereq)
+            if st.incarnation == 0:
+                raise ProtocolError(ErrorCode.ENGINE_DIED, "the scheduler process died; retry", st.msg.request_id)
+            while True:
+                items = [await st.queue.get()]
+                while not st.queue.empty():  # merge whatever piled up into one delta
+                    items.append(st.queue.get_nowait())
+                for item in items:
+                    if self._consume(st, item):
+                        return
+                if st.msg.stream and not self._send_delta(st):
+                    log.info("client of request %r is gone; aborting it", st.msg.request_id)
+                    return
+        except ProtocolError as e:
+            e.request_id = st.msg.request_id
+            self._reply(st.identity, e.to_wire())
+        except asyncio.CancelledError:
+            if st.cancel_reason == "abort":
+                self._send_final(st, "abort")
+            else:
+                self._reply(st.identity, Error(ErrorCode.SHUTTING_DOWN, "the server shut down before the request "
+                                               "finished", st.msg.request_id))
+        finally:
+            self._forget(st)
+
+    def _consume(self, st: RequestState, item: object) -> bool:
+        """Apply one item from the request's queue; True when the request is over (final or error sent)."""
+        if item is DIED:
+            st.engine_done = True
+            raise ProtocolError(ErrorCode.ENGINE_DIED, "the scheduler process died while serving the request; "
+                                "retry", st.msg.request_id)
+        if isinstance(item, EngineReject):
+            st.engine_done = True
+            raise ProtocolError(ErrorCode(item.code), item.message, st.msg.request_id)
+        assert isinstance(item, EngineOutput)
+        if item.token_ids:
+            now = time.monotonic()
+            if st.first_token == 0.0:
+                st.first_token = now
+            else:
+                st.max_gap = max(st.max_gap, now - st.last_token)
+            st.last_token = now
+        with self.tracer.range(DETOKENIZE):
+            for tok in item.token_ids:
+                st.unsent.append(tok)
+                st.num_output += 1
+                if st.text.add(tok):  # a stop string: the engine is told to stop in _forget
+                    self._send_final(st, "stop")
+                    return True
+        if item.finish_reason is not None:
+            st.engine_done = True
+            self._send_final(st, item.finish_reason, item.spec, item.queue_s, item.num_preemptions)
+            return True
+        return False
+
+    def _send_delta(self, st: RequestState) -> bool:
+        with self.tracer.range(DETOKENIZE):
+            text = st.text.take()
+        if not st.unsent and not text:
+            return True
+        ids, st.unsent = st.unsent, []
+        return self._reply(st.identity, Delta(st.msg.request_id, ids, text))
+
+    def _send_final(self, st: RequestState, reason: str, spec: SpecStats | None = None, queue_s: float = 0.0,
+                    num_preemptions: int = 0) -> None:
+        now = time.monotonic()
+        text = st.text.take(final=True) if st.text is not None else ""
+        n = st.num_output
+        timings = Timings(
+            queue_s=(st.sent_time - st.arrival if st.sent_time else now - st.arrival) + queue_s,
+            ttft_s=st.first_token - st.arrival if st.first_token else 0.0,
+            mean_itl_s=(st.last_token - st.first_token) / (n - 1) if n > 1 else 0.0,
+            max_itl_s=st.max_gap, total_s=now - st.arrival)
+        final = Final(st.msg.request_id, reason, st.unsent, text, Usage(st.num_prompt, n), spec or SpecStats(),
+                      timings, num_preemptions)
+        st.unsent = []
+        self._reply(st.identity, final)
+
+    def _cancel(self, st: RequestState, reason: str) -> None:
+        if st.task is not None and not st.task.done() and not st.cancel_reason:
+            st.cancel_reason = reason
+            st.task.cancel()
+
+    def _forget(self, st: RequestState) -> None:
+        self.requests.pop((st.identity, st.msg.request_id), None)
+        self.by_engine_id.pop(st.engine_id, None)
+        if st.incarnation and not st.engine_done and st.incarnation == self.supervisor.incarnation:
+            self.supervisor.send(EngineAbort([st.engine_id]))  # frees its KV pages in the scheduler at once

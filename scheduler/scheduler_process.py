@@ -1,0 +1,268 @@
+"""The scheduler process: one EngineCore driven by a loop that blocks only when idle.
+
+    frontend PUSH ──▶ PULL ─[recv thread: decode]─▶ inbox ─▶ loop: handle messages, core.step() ─▶ outbox
+    frontend PULL ◀── PUSH ◀─[send thread: encode]─────────────────────────────────────────────────┘
+
+Socket I/O and (de)serialisation live in two threads, so the loop only moves Python objects through queues.
+Started by the supervisor as `python -m scheduler.scheduler_process CONFIG_JSON`; it connects both sockets,
+builds the engine, and announces itself with a Ready message carrying the values learned at start-up.
+SIGTERM (or a SHUTDOWN message) drains: new requests are rejected, running ones finish, then it exits.
+SIGINT is ignored: the frontend coordinates shutdown. If the frontend dies, it exits at once.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning OpenMP threads starve the other core
+
+import dataclasses  # noqa: E402
+import logging  # noqa: E402
+import queue  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+
+from engine.engine_config import EngineConfig  # noqa: E402
+from engine.errors import InvalidRequestError  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from scheduler.build import build_engine  # noqa: E402
+from scheduler.engine_core import EngineCore, RequestOutput  # noqa: E402
+from scheduler.protocol import (  # noqa: E402
+    PROTOCOL_VERSION,
+    EngineAbort,
+    EngineOutput,
+    EngineOutputs,
+    EngineReject,
+    EngineRequest,
+    EngineShutdown,
+    EngineStats,
+    EngineStatsQuery,
+    ErrorCode,
+    ProtocolError,
+    Ready,
+    SchedulerProcessConfig,
+    SpecStats,
+    decode_to_engine,
+    encode_engine,
+)
+from scheduler.request import Request  # noqa: E402
+from scheduler.sockets import make_socket  # noqa: E402
+from traces.ranges import SEND  # noqa: E402
+from traces.tracer import NULL_TRACER, Tracer, TraceRecorder  # noqa: E402
+
+log = logging.getLogger("specstep.scheduler")
+IDLE_POLL_S = 0.5  # while idle: how often to re-check page integrity and that the frontend is alive
+
+
+class SocketIO:
+    """The two socket threads. Each socket is used by exactly one thread (ZMQ sockets are not thread-safe)."""
+
+    def __init__(self, ctx: zmq.Context, cfg: SchedulerProcessConfig) -> None:
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._parent_pid = cfg.parent_pid
+        self._closing = threading.Event()
+        self._pull = make_socket(ctx, zmq.PULL, connect=cfg.input_address)
+        self._push = make_socket(ctx, zmq.PUSH, connect=cfg.output_address)
+        self._recv = threading.Thread(target=self._recv_loop, name="recv", daemon=True)
+        self._send = threading.Thread(target=self._send_loop, name="send", daemon=True)
+        self._recv.start()
+        self._send.start()
+
+    def _recv_loop(self) -> None:
+        while not self._closing.is_set():
+            if not self._pull.poll(int(IDLE_POLL_S * 1000)):
+                if os.getppid() != self._parent_pid:
+                    log.warning("the frontend is gone; exiting")
+                    self.inbox.put(EngineShutdown(drain=False))
+                    return
+                continue
+            frames = self._pull.recv_multipart()
+            try:
+                self.inbox.put(decode_to_engine(frames))
+            except ProtocolError as e:  # only our own frontend talks to us: a bug, but not worth dying for
+                log.error("dropped a malformed message from the frontend: %s", e.message)
+
+    def _send_loop(self) -> None:
+        while (msg := self.outbox.get()) is not None:
+            self._push.send_multipart(encode_engine(msg), copy=False)
+
+    def close(self) -> None:
+        self.outbox.put(None)
+        self._send.join(timeout=5)
+        self._closing.set()
+        self._recv.join(timeout=2 * IDLE_POLL_S + 1)
+        self._pull.close(linger=0)
+        self._push.close(linger=2000)  # let the last outputs reach the frontend
+
+
+class SchedulerLoop:
+    def __init__(self, core: EngineCore, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue,
+                 tracer: Tracer = NULL_TRACER) -> None:
+        self.core = core
+        self.inbox = inbox
+        self.outbox = outbox
+        self.tracer = tracer
+        self.draining = False
+        self.exit_now = False
+        self._queue_s: dict[str, float] = {}  # request -> arrival to first scheduled step
+        self.num_steps = self.num_finished = self.num_output_tokens = self.drafted = self.accepted = 0
+
+    def run(self) -> None:
+        core = self.core
+        was_busy = False
+        while not self.exit_now:
+            busy = core.has_unfinished()
+            if not busy:
+                if self.draining:
+                    return
+                if was_busy:
+                    core.check_integrity()  # every page is free or owned once; a failure is a bug: crash loudly
+            self._handle_inbox(block=not busy)
+            if core.has_unfinished():
+                self._step()
+            was_busy = busy
+
+    # ---- messages from the frontend ------------------------------------------------------------------------
+    def _handle_inbox(self, block: bool) -> None:
+        try:
+            msg = self.inbox.get(timeout=IDLE_POLL_S) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            if block:
+                self.core.check_integrity()
+            return
+        while True:
+            self._handle(msg)
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, EngineRequest):
+            self._add(msg)
+        elif isinstance(msg, EngineAbort):
+            for rid in msg.request_ids:
+                self.core.abort(rid)  # frees its pages now
+                self._queue_s.pop(rid, None)
+        elif isinstance(msg, EngineStatsQuery):
+            self.outbox.put(self.stats(msg.tag))
+        elif isinstance(msg, EngineShutdown):
+            self.drain()
+            if not msg.drain:
+                for req in list(self.core.running) + list(self.core.waiting):
+                    self.core.abort(req.request_id)
+                self.exit_now = True
+
+    def _add(self, m: EngineRequest) -> None:
+        if self.draining:
+            self.outbox.put(EngineReject(m.request_id, ErrorCode.SHUTTING_DOWN, "the server is shutting down"))
+            return
+        params = SamplingParams(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, max_tokens=m.max_tokens,
+                                seed=m.client_seed, stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos)
+        req = Request(m.request_id, list(m.prompt_token_ids), params, seed=m.seed, num_spec_tokens=m.num_spec_tokens)
+        try:
+            self.core.add_request(req)
+        except InvalidRequestError as e:
+            self.outbox.put(EngineReject(m.request_id, ErrorCode.INVALID_PARAMS, str(e)))
+
+    def drain(self) -> None:
+        if not self.draining:
+            log.info("draining: %d running, %d waiting", len(self.core.running), len(self.core.waiting))
+        self.draining = True
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def _step(self) -> None:
+        start = time.monotonic()
+        outputs = self.core.step()
+        self.num_steps += 1
+        if outputs:
+            with self.tracer.range(SEND):
+                self.outbox.put(EngineOutputs([self._to_wire(o, start) for o in outputs]))
+
+    def _to_wire(self, out: RequestOutput, step_start: float) -> EngineOutput:
+        req = out.request
+        rid = req.request_id
+        self._queue_s.setdefault(rid, step_start - req.arrival_time)
+        self.num_output_tokens += len(out.new_token_ids)
+        if not out.finished:
+            return EngineOutput(rid, list(out.new_token_ids))
+        stats = req.stats
+        self.num_finished += 1
+        self.drafted += stats.drafted
+        self.accepted += stats.accepted
+        spec = SpecStats(**{k: v for k, v in stats.to_dict().items() if k in SpecStats.__struct_fields__})
+        return EngineOutput(rid, list(out.new_token_ids), req.finish_reason.value, spec,
+                            self._queue_s.pop(rid, 0.0), req.num_preemptions)
+
+    def stats(self, tag: int = 0) -> EngineStats:
+        core = self.core
+        try:
+            core.check_integrity()
+            ok, err = True, ""
+        except Exception as e:  # reported, not raised: the stats query is how tests look for leaks
+            ok, err = False, f"{type(e).__name__}: {e}"
+        alloc = core.allocator
+        return EngineStats(num_running=len(core.running), num_waiting=len(core.waiting),
+                           num_free_pages=alloc.num_free, num_usable_pages=alloc.num_usable,
+                           num_pages=alloc.num_pages, page_size=alloc.page_size, integrity_ok=ok,
+                           integrity_error=err, num_preemptions=core.num_preemptions, num_steps=self.num_steps,
+                           num_finished=self.num_finished, num_output_tokens=self.num_output_tokens,
+                           drafted_tokens=self.drafted, accepted_tokens=self.accepted, pid=os.getpid(), tag=tag)
+
+
+def ready_message(core: EngineCore, info, max_prompt_len: int | None) -> Ready:
+    alloc = core.allocator
+    # add_request admits a prompt of n tokens when pages_for(n + 2 + look-ahead) <= usable pages.
+    kv_limit = alloc.num_usable * alloc.page_size - 2 - core.lookahead
+    limit = min(info.max_model_len - 1, kv_limit, max_prompt_len or kv_limit)
+    return Ready(protocol_version=PROTOCOL_VERSION, pid=os.getpid(), num_pages=alloc.num_pages,
+                 page_size=alloc.page_size, max_model_len=info.max_model_len, max_prompt_len=limit,
+                 vocab_size=info.vocab_size, max_batch_size=core.config.max_batch_size, device=info.device,
+                 dtype=info.dtype, spec=info.spec, num_spec_tokens=core.config.num_spec_tokens,
+                 eos_token_ids=list(info.eos_token_ids))
+
+
+def engine_config(cfg: SchedulerProcessConfig) -> EngineConfig:
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in cfg.engine.items() if k in fields})
+
+
+def run(cfg: SchedulerProcessConfig) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    recorder = TraceRecorder() if cfg.trace else None
+    tracer = Tracer(recorder)
+    core, _, info = build_engine(engine_config(cfg), tracer)
+    ctx = zmq.Context()
+    io = SocketIO(ctx, cfg)
+    loop = SchedulerLoop(core, io.inbox, io.outbox, tracer)
+    signal.signal(signal.SIGTERM, lambda *_: loop.drain())
+    io.outbox.put(ready_message(core, info, cfg.max_prompt_len))
+    log.info("ready: %s, %d KV pages of %d tokens", info.spec, core.allocator.num_pages, core.allocator.page_size)
+    try:
+        loop.run()
+    finally:
+        io.close()
+        ctx.term()
+        if recorder is not None:
+            recorder.save(cfg.trace)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=os.environ.get("SPECSTEP_LOG_LEVEL", "INFO"),
+                        format=f"specstep scheduler[{os.getpid()}] %(levelname)s: %(message)s")
+    if len(argv) != 2:
+        print("usage: python -m scheduler.scheduler_process CONFIG_JSON (started by `specstep serve`)",
+              file=sys.stderr)
+        return 2
+    return run(msgspec.json.decode(argv[1], type=SchedulerProcessConfig))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

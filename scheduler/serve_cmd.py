@@ -1,0 +1,92 @@
+"""`specstep serve`: the frontend in this process, the scheduler in a supervised child process.
+
+Protocol: docs/protocol.md. This process never imports torch; the scheduler process does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from engine.engine_config import DEFAULT_DRAFTS, DEFAULT_TARGET, EngineConfig
+from engine.errors import CheckpointError, SpecstepError
+from scheduler.generate_cmd import add_engine_arguments, engine_config_from_args
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.set_defaults(spec=None)  # resolved by default_spec()
+    s = p.add_argument_group("server")
+    s.add_argument("--address", default=DEFAULT_ADDRESS,
+                   help=f"ROUTER address to bind (default {DEFAULT_ADDRESS}, loopback only; port 0 = any free port)")
+    s.add_argument("--max-prompt-len", type=int, default=None, help="longest prompt accepted, in tokens")
+    s.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="largest max_tokens a request may ask for (default: the model's length)")
+    s.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the server here on exit")
+    s.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for the scheduler to get ready")
+    s.add_argument("--max-restarts", type=int, default=5,
+                   help="scheduler restarts allowed within --restart-window seconds before giving up")
+    s.add_argument("--restart-window", type=float, default=300.0)
+    s.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish")
+    s.add_argument("--max-inflight", type=int, default=4096, help="unfinished requests before OVERLOADED")
+    s.add_argument("--log-level", default="INFO")
+
+
+def default_spec(model: str) -> str:
+    """The embedded target is served with its best embedded proposer; any other model without speculation."""
+    if Path(model).resolve() != DEFAULT_TARGET.resolve():
+        return "none"
+    for kind in ("mtp", "draft_model"):
+        if (DEFAULT_DRAFTS[kind] / "config.json").is_file():
+            return kind
+    return "ngram"
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="specstep serve %(levelname)s: %(message)s")
+    try:
+        cfg, tokenizer = _check(args)
+    except (SpecstepError, ValueError) as e:
+        print(f"specstep serve: error: {e}", file=sys.stderr)
+        return 2
+    import uvloop
+
+    from scheduler.frontend import Frontend, FrontendConfig
+
+    fcfg = FrontendConfig(address=args.address, engine=dataclasses.asdict(cfg), model_name=Path(cfg.model).name,
+                          max_tokens=args.max_tokens_limit, max_prompt_len=args.max_prompt_len,
+                          trace=args.trace, startup_timeout_s=args.startup_timeout,
+                          max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+                          drain_timeout_s=args.drain_timeout, max_inflight=args.max_inflight)
+    printer = lambda line: print(line, flush=True)
+    return uvloop.run(Frontend(fcfg, tokenizer).serve(printer))
+
+
+def _check(args: argparse.Namespace) -> tuple[EngineConfig, object]:
+    """Fail fast, before any process starts, on what can be checked without loading a model."""
+    from engine.tokenizer import Tokenizer
+
+    if args.spec is None:
+        args.spec = default_spec(args.model)
+    cfg = engine_config_from_args(args)
+    if not Path(cfg.model).is_dir():
+        raise SpecstepError(f"model folder {cfg.model!r} does not exist")
+    if cfg.draft_path is not None and not Path(cfg.draft_path).is_dir():
+        raise SpecstepError(f"draft folder {cfg.draft_path!r} does not exist")
+    for name in ("max_prompt_len", "max_tokens_limit", "max_inflight"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SpecstepError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_restarts < 0:
+        raise SpecstepError("--max-restarts must be >= 0")
+    try:
+        tokenizer = Tokenizer.from_folder(cfg.model)
+    except CheckpointError:
+        tokenizer = None  # token-id prompts only
+    return cfg, tokenizer

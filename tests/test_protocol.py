@@ -1,0 +1,193 @@
+"""The wire protocol, request validation and streaming text, without processes (fast)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.tokenizer import Tokenizer
+from scheduler.detokenize import TextStream
+from scheduler.protocol import (
+    CLIENT_TYPES,
+    FROM_ENGINE_TYPES,
+    SERVER_TYPES,
+    TO_ENGINE_TYPES,
+    AbortRequest,
+    Delta,
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    Error,
+    ErrorCode,
+    Final,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+    ProtocolError,
+    Ready,
+    SpecStats,
+    StatsReply,
+    Timings,
+    Usage,
+    decode_client,
+    decode_from_engine,
+    decode_server,
+    decode_to_engine,
+    encode,
+    encode_engine,
+)
+from scheduler.validate import Limits, validate_generate
+from tests.helpers import write_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    write_tokenizer(folder)
+    return Tokenizer.from_folder(folder)
+
+
+def test_type_codes_are_one_byte_and_unique():
+    codes = [*CLIENT_TYPES, *SERVER_TYPES]
+    assert len(set(codes)) == len(codes) and all(0 < c < 256 for c in codes)
+    assert len(set(TO_ENGINE_TYPES) | set(FROM_ENGINE_TYPES)) == len(TO_ENGINE_TYPES) + len(FROM_ENGINE_TYPES)
+
+
+def test_round_trips():
+    final = Final("r", "length", [1, 2], "ab", Usage(3, 2), SpecStats(4, 2, 2, 0.5, 2.0, [0.5, 0.5]),
+                  Timings(0.001, 0.01, 0.002, 0.003, 0.02), 1)
+    for msg in (GenerateRequest("r", prompt="hi", stop=["\n"], num_spec_tokens=0), AbortRequest("r"),
+                HealthRequest()):
+        assert decode_client(encode(msg)) == msg
+    for msg in (Delta("r", [1], "a"), final, Error(ErrorCode.MALFORMED, "bad", None),
+                HealthReply(1, "ok", "m"), StatsReply(1, "ok", 0, 0, None)):
+        assert decode_server(encode(msg)) == msg
+    assert decode_to_engine(encode_engine(EngineRequest("1", [1, 2], seed=5))) == EngineRequest("1", [1, 2], seed=5)
+    outs = EngineOutputs([EngineOutput("1", [3]), EngineOutput("2", [4, 5], "stop", SpecStats(), 0.1, 0)])
+    assert decode_from_engine(encode_engine(outs)) == outs
+    ready = Ready(1, 2, 3, 16, 512, 500, 320, 8, "cpu", "float32", "none", 0, [0])
+    assert decode_from_engine(encode_engine(ready)) == ready
+
+
+def test_wire_format_is_positional_arrays_with_trailing_defaults_optional():
+    """What docs/protocol.md promises a client in another language."""
+    frames = encode(GenerateRequest("r", prompt_token_ids=[1, 2], max_tokens=4, temperature=0.0))
+    assert frames[0] == b"\x01"
+    body = msgspec.msgpack.decode(frames[1])
+    assert body[:5] == ["r", None, [1, 2], 4, 0.0]
+    # A minimal client sends only the leading fields it needs.
+    short = decode_client([b"\x01", msgspec.msgpack.encode(["r", "hello"])])
+    assert short == GenerateRequest("r", prompt="hello")
+    # Integers are accepted where floats are expected.
+    assert decode_client([b"\x01", msgspec.msgpack.encode(["r", "x", None, 4, 0])]).temperature == 0.0
+
+
+@pytest.mark.parametrize("frames, code, rid", [
+    ([b"\x01"], ErrorCode.MALFORMED, None),
+    ([b"\x01", b"", b""], ErrorCode.MALFORMED, None),
+    ([b"\x09", b"\x90"], ErrorCode.UNKNOWN_TYPE, None),
+    ([b"\x81", b"\x90"], ErrorCode.UNKNOWN_TYPE, None),  # a server message sent by a client
+    ([b"", b"\x90"], ErrorCode.UNKNOWN_TYPE, None),
+    ([b"\x01", b"\xc1"], ErrorCode.MALFORMED, None),  # not msgpack
+    ([b"\x01", msgspec.msgpack.encode({"request_id": "a"})], ErrorCode.MALFORMED, None),  # a map, not an array
+    ([b"\x01", msgspec.msgpack.encode(["a", None, ["x"]])], ErrorCode.MALFORMED, "a"),  # wrong element type
+    ([b"\x01", msgspec.msgpack.encode(["a"] + [None] * 20)], ErrorCode.MALFORMED, "a"),  # too many fields
+    ([b"\x02", msgspec.msgpack.encode([])], ErrorCode.MALFORMED, None),  # abort without an id
+])
+def test_decode_errors(frames, code, rid):
+    with pytest.raises(ProtocolError) as e:
+        decode_client(frames)
+    assert (e.value.code, e.value.request_id) == (code, rid)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=30), max_size=4))
+def test_decode_client_only_ever_raises_protocol_error(frames):
+    try:
+        decode_client(frames)
+    except ProtocolError as e:
+        assert e.code in (ErrorCode.MALFORMED, ErrorCode.UNKNOWN_TYPE)
+
+
+LIMITS = Limits(vocab_size=320, max_prompt_len=50, max_tokens=100)
+
+
+def test_validate_builds_the_engine_request(tokenizer):
+    req = validate_generate(GenerateRequest("r", prompt="def f():", max_tokens=7, temperature=0, top_k=5,
+                                            stop_token_ids=[3], num_spec_tokens=2), LIMITS, tokenizer, "42")
+    assert req.request_id == "42" and req.prompt_token_ids == tokenizer.encode("def f():")
+    assert (req.max_tokens, req.temperature, req.top_k, req.stop_token_ids, req.num_spec_tokens) == (7, 0.0, 5, [3], 2)
+    assert req.client_seed is None and 0 <= req.seed < 2**63  # drawn when the client gives none
+    assert validate_generate(GenerateRequest("r", prompt_token_ids=[1], seed=9), LIMITS, None, "1").seed == 9
+
+
+@pytest.mark.parametrize("fields, code", [
+    (dict(prompt_token_ids=[1] * 51), ErrorCode.PROMPT_TOO_LONG),
+    (dict(prompt="x" * 400), ErrorCode.PROMPT_TOO_LONG),
+    (dict(prompt=""), ErrorCode.INVALID_PARAMS),
+    (dict(prompt_token_ids=[1], max_tokens=101), ErrorCode.INVALID_PARAMS),
+    (dict(prompt_token_ids=[1], top_p=float("inf")), ErrorCode.INVALID_PARAMS),
+    (dict(prompt_token_ids=[1], seed=2**63), ErrorCode.INVALID_PARAMS),
+    (dict(prompt_token_ids=[1], stop=["a"] * 17), ErrorCode.INVALID_PARAMS),
+    (dict(prompt_token_ids=[1], num_spec_tokens=-1), ErrorCode.INVALID_PARAMS),
+])
+def test_validate_rejects(tokenizer, fields, code):
+    with pytest.raises(ProtocolError) as e:
+        validate_generate(GenerateRequest("r", **fields), LIMITS, tokenizer, "1")
+    assert e.value.code == code and e.value.request_id == "r"
+
+
+def test_text_requests_need_a_tokenizer():
+    with pytest.raises(ProtocolError, match="no tokenizer"):
+        validate_generate(GenerateRequest("r", prompt="hi"), LIMITS, None, "1")
+
+
+def stream_all(tokenizer, prompt_ids, out_ids, stop, chunk=1):
+    ts = TextStream(tokenizer, prompt_ids, stop)
+    text, used = "", 0
+    for i in range(0, len(out_ids), chunk):
+        for tok in out_ids[i:i + chunk]:
+            used += 1
+            if ts.add(tok):
+                return text + ts.take(final=True), used, True
+        text += ts.take()
+    return text + ts.take(final=True), used, False
+
+
+def test_text_stream_is_utf8_safe_and_complete(tokenizer):
+    prompt = tokenizer.encode("x = ")
+    out = tokenizer.encode("'héllo wörld ✓ ünïcode' + \"日本\"\n")
+    text, used, stopped = stream_all(tokenizer, prompt, out, [])
+    assert (text, used, stopped) == (tokenizer.decode(out), len(out), False)
+    ts = TextStream(tokenizer, prompt, [])
+    for tok in out:
+        ts.add(tok)
+        assert "\ufffd" not in ts.take()
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_stop_strings_cut_text_even_across_tokens(tokenizer, chunk):
+    out = tokenizer.encode("return value\n\ndef next_function():\n    pass\n")
+    full = tokenizer.decode(out)
+    text, used, stopped = stream_all(tokenizer, [], out, ["\n\ndef", "zzz"], chunk)
+    assert stopped and text == full[: full.index("\n\ndef")]
+    assert "\n\ndef" in tokenizer.decode(out[:used]) and "\n\ndef" not in tokenizer.decode(out[:used - 1])
+    # Text that only starts like a stop string is held back, then released.
+    ts = TextStream(tokenizer, [], ["abcdef"])
+    for tok in tokenizer.encode("abc"):
+        assert not ts.add(tok)
+    assert ts.take() == ""  # 3 characters < the 5 held back
+    for tok in tokenizer.encode("xyz0123"):
+        assert not ts.add(tok)
+    assert ts.take() + ts.take(final=True) == "abcxyz0123"
+
+
+def test_frontend_process_imports_no_torch():
+    code = ("import sys; import scheduler.frontend, scheduler.serve_cmd, scheduler.supervisor, loadgen.client; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
