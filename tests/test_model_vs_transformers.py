@@ -41,15 +41,8 @@ SHAPES = {
     "mistral": ("mistral", dict(sliding_window=None)),
 }
 PROMPT_LENS = [1, 7, 16, 17, 40]
-# transformers' Llama gives o_proj a bias too when attention_bias is set (Qwen2 does not); ours never does.
-O_PROJ_BIAS_BUG = pytest.mark.xfail(
-    reason="BUG: engine/models/llama.py LlamaAttention.o_proj is built with bias=False, but a Llama with "
-           "attention_bias=True has o_proj.bias in transformers, so the loader rejects the checkpoint",
-    strict=True, raises=CheckpointError)
-
-
 def shape_params(names):
-    return [pytest.param(n, marks=O_PROJ_BIAS_BUG) if n == "llama_attention_bias" else n for n in names]
+    return list(names)
 
 
 @pytest.fixture(scope="module")

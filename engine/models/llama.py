@@ -38,7 +38,8 @@ class LlamaAttention(nn.Module):
         self.cfg = cfg
         self.layer_id = layer_id
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        # Llama with attention_bias has an o_proj bias too; Qwen2 has q/k/v biases only.
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.architecture != "qwen2")
         self.scale = cfg.head_dim**-0.5
 
     def _qkv(self, x: torch.Tensor, rope: Rope):
