@@ -58,12 +58,18 @@ InputSpecs = Callable[[int], Mapping[str, BufferSpec]]  # tokens per request -> 
 
 @dataclass(frozen=True, slots=True)
 class StepKind:
-    """A step the runner may capture: one graph per (bucket, q) for q in `q_values`."""
+    """A step the runner may capture: one graph per (bucket, q) for q in `q_values`.
+
+    `prepare(key)`, if given, runs before the warm-up and capture of each key: e.g. plan the attention backend
+    for an all-padding batch of key.batch lanes (FlashInferAttention.plan_padding), so the graph captures the
+    wrapper that later plans rewrite in place.
+    """
 
     name: str
     fn: StepFn
     inputs: InputSpecs
     q_values: tuple[int, ...] = (1,)
+    prepare: Callable[[GraphKey], None] | None = None
 
 
 def lanes_of(t: torch.Tensor, bucket: int) -> int:

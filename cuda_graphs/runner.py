@@ -132,7 +132,10 @@ class GraphRunner:
                     for n, s in specs.items()}
 
     def _output_bytes_per_lane(self, kind: str, q: int) -> int:
-        outs = self._kinds[kind].fn(self._allocate(kind, q, 1), GraphKey(kind, 1, q))
+        step, key = self._kinds[kind], GraphKey(kind, 1, q)
+        if step.prepare is not None:
+            step.prepare(key)
+        outs = step.fn(self._allocate(kind, q, 1), key)
         return sum(t.numel() * t.element_size() for t in outs.values())
 
     def _capture_one(self, key: GraphKey) -> int:
@@ -141,6 +144,8 @@ class GraphRunner:
         static = self._static[(key.kind, key.q)]
         inputs = {n: static[n][: s.rows * key.batch] for n, s in specs.items()}
         t = time.perf_counter()
+        if step.prepare is not None:
+            step.prepare(key)
         self.backend.warmup(step.fn, inputs, key, self.config.warmup_runs)
         graph = self.backend.capture(step.fn, inputs, key)
         self._graphs[key] = graph

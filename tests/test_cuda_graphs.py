@@ -383,3 +383,35 @@ def test_memory_budget_drops_largest_buckets(setup, caplog):
     assert any("keeps buckets" in m for m in caplog.messages)
     assert any("captured" in m and "MiB" in m for m in caplog.messages)
     assert r.bucket_for(3) is None
+
+
+def test_prepare_hook_runs_before_each_capture():
+    seen = []
+    r = GraphRunner("cpu", GraphConfig(buckets=(1, 2), max_batch=2, warmup_runs=0))
+    r.register(StepKind("s", lambda inp, key: {"y": inp["x"] + 1}, SPECS, (1,), prepare=seen.append))
+    r.capture()
+    assert seen == [GraphKey("s", 1, 1), GraphKey("s", 2, 1), GraphKey("s", 1, 1)]  # estimate, then 2, 1
+
+
+# ---- the GPU check scripts, CPU side ---------------------------------------------------------------------------
+
+def test_gpu_check_scripts_parse_and_bench_runs_on_cpu(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    assert subprocess.run(["bash", "-n", str(root / "scripts/gpu_check.sh")]).returncode == 0
+    help_out = subprocess.run([sys.executable, str(root / "scripts/gpu_bench.py"), "--help"], capture_output=True,
+                              text=True)
+    assert help_out.returncode == 0 and "--time-budget" in help_out.stdout
+    from scripts.gpu_bench import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--device", "cpu", "--shapes", "tiny", "--dtype", "float32", "--buckets", "1,2", "--iters", "1",
+                 "--ctx", "8", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    kinds = {(r["kind"], r["batch"], r["graphs"]) for r in data["results"]["tiny"]["steps"]}
+    assert kinds == {(k, b, g) for k in ("decode", "verify", "draft", "refill") for b in (1, 2) for g in ("on", "off")}
+    assert data["results"]["tiny"]["capture"]["graphs"] == 8 and data["summary"]["tiny"]["floor_ms"] > 0

@@ -51,6 +51,7 @@ Staging and syncs (the one place that knows these FlashInfer details):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -98,18 +99,19 @@ class _StagingPair:
     Wrappers of one slot at different buckets share the pair: one step plans a slot once (twice with the
     upper-bound plan), never at two buckets."""
 
-    def __init__(self, max_pages: int) -> None:
+    def __init__(self, max_pages: int, pinned: bool) -> None:
         self._max_pages = max_pages
+        self._pinned = pinned
         self._sets: list[_Staging] = []
         self._lanes = 0
         self._turn = 0
 
     def next(self, lanes: int) -> _Staging:
         if lanes > self._lanes:  # grow; pinned blocks still read by in-flight copies stay alive until done
-            pin = dict(dtype=torch.int32, pin_memory=True)
+            pin = dict(dtype=torch.int32, pin_memory=self._pinned)
             self._sets = [_Staging(torch.empty(lanes + 1, **pin), torch.empty(lanes + 1, **pin),
                                    torch.empty(lanes * self._max_pages, **pin), torch.empty(lanes, **pin),
-                                   torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True))
+                                   torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=self._pinned))
                           for _ in range(2)]
             self._lanes = lanes
         self._turn ^= 1
@@ -172,7 +174,7 @@ class FlashInferAttention:
             raise RuntimeError("flashinfer is not installed (pip install flashinfer-python, or its wheel)")
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.page_size, self.dtype, self.device = page_size, dtype, device
+        self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
         self.max_pages = max_pages_per_request
         self.graph_lanes = tuple(sorted(graph_lanes))
         # One float workspace for every wrapper (and model, if passed in): kernels run in stream order.
@@ -228,7 +230,8 @@ class FlashInferAttention:
         key = self._key(prep.slot, prep.lanes, q)
         decode = q == 1 and prep.slot != "prefill"
         w = self._wrapper(key, decode)
-        s = self._staging.setdefault(prep.slot, _StagingPair(self.max_pages)).next(prep.lanes)
+        cuda = self.device.type == "cuda"  # False only in the CPU tests of the host logic (fake flashinfer)
+        s = self._staging.setdefault(prep.slot, _StagingPair(self.max_pages, cuda)).next(prep.lanes)
         b, total = prep.lanes, int(n_pages.sum())
         s.kv_indptr[0] = 0
         s.kv_indptr[1: b + 1] = torch.from_numpy(np.cumsum(n_pages, dtype=np.int32))
@@ -236,8 +239,9 @@ class FlashInferAttention:
         s.last_page_len[:b] = torch.from_numpy(kv - (n_pages - 1) * ps)
         s.qo_indptr[0] = 0
         s.qo_indptr[1: b + 1] = torch.from_numpy(np.cumsum(prep.q_lens, dtype=np.int32))
-        stream = stream or torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(stream):
+        if cuda:
+            stream = stream or torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             indices = w.indices(total)
             indices.copy_(s.kv_indices[:total], non_blocking=True)
             w.w._pin_memory_int_workspace_buffer = s.int_workspace  # FlashInfer's own pinned staging
@@ -248,8 +252,9 @@ class FlashInferAttention:
                 _call(w.w.plan, *args, pos_encoding_mode="NONE", **common)
             else:
                 _call(w.w.plan, s.qo_indptr[: b + 1], *args, causal=True, **common)
-            s.event = torch.cuda.Event()
-            s.event.record(stream)
+            if cuda:
+                s.event = torch.cuda.Event()
+                s.event.record(stream)
         prep.planned_lens = kv
 
     def select(self, slot: str, lanes: int, q: int) -> None:

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One prepared GPU check for an H200 machine without internet: `scripts/gpu_check.sh OUTDIR`.
+#
+#   1. environment: nvidia-smi, torch/CUDA versions, which optional modules import       -> OUTDIR/env.txt
+#   2. wheels in .whl/ (FlashInfer and anything else missing: pytest, transformers, ...) are installed with
+#      `pip install --no-index --no-deps --target /tmp/site` and put on PYTHONPATH; without them FlashInfer
+#      checks are skipped with a message. Bring flashinfer-python together with its kernel wheels
+#      (flashinfer-cubin / flashinfer-jit-cache) so nothing is JIT-compiled inside the time budget.
+#   3. pytest -m gpu (graph replay vs eager per kind and bucket, padding, FlashInfer vs torch, speculative
+#      greedy equality)                                                                      -> OUTDIR/pytest.txt
+#   4. scripts/gpu_bench.py: step times per kind/bucket, graphs on/off, verify/decode, bandwidth floor
+#                                                                -> OUTDIR/bench.json, OUTDIR/bench.txt
+# The project runs from the checkout (PYTHONPATH=.), nothing is installed into site-packages.
+# Every stage has a timeout (60 + 150 + 210 s at worst; a few minutes normally), so the script ends well inside
+# 8 minutes. The bench writes its JSON after every shape, so a timeout keeps what was measured. Table last.
+set -uo pipefail
+
+OUT="${1:?usage: scripts/gpu_check.sh OUTDIR}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+cd "$(dirname "$0")/.."
+export OMP_WAIT_POLICY=PASSIVE
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python}"
+start=$SECONDS
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    if timeout 60 "$PY" -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1; then
+        export PYTHONPATH="$PYTHONPATH:/tmp/site"
+        echo "installed $(ls .whl/*.whl | wc -l) wheel(s) from .whl/ into /tmp/site"
+    else
+        echo "WARNING: installing .whl/ wheels failed (see $OUT/pip.log); continuing without them"
+    fi
+else
+    echo "no .whl/ directory with wheels: FlashInfer checks and the fi_* benchmarks will be skipped"
+fi
+
+{
+    nvidia-smi || echo "nvidia-smi failed"
+    "$PY" - <<'EOF'
+import importlib
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+for mod in ("numpy", "pytest", "transformers", "safetensors", "tokenizers", "msgspec", "zmq", "nvtx", "flashinfer",
+            "triton"):
+    try:
+        m = importlib.import_module(mod)
+        print(f"{mod:<13}", getattr(m, "__version__", "ok"))
+    except Exception as e:  # noqa: BLE001
+        print(f"{mod:<13} MISSING ({type(e).__name__}: {e})")
+EOF
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if "$PY" -c "import pytest" 2> /dev/null; then
+    timeout 150 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_gpu.py \
+        --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.txt"
+    tests_rc=${PIPESTATUS[0]}
+else
+    echo "pytest is not installed (bring its wheels in .whl/): GPU tests skipped" | tee "$OUT/pytest.txt"
+    tests_rc=3
+fi
+echo "gpu tests: rc=$tests_rc ($((SECONDS - start)) s so far)"
+
+timeout 210 "$PY" scripts/gpu_bench.py --out "$OUT/bench.json" --time-budget 140 > "$OUT/bench.txt" 2>&1
+bench_rc=$?
+echo "gpu bench: rc=$bench_rc ($((SECONDS - start)) s total)"
+echo "tests_rc=$tests_rc bench_rc=$bench_rc seconds=$((SECONDS - start))" > "$OUT/status.txt"
+echo
+cat "$OUT/bench.txt"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
