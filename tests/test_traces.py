@@ -58,6 +58,8 @@ def test_hand_made_trace_exact_figures():
     decode = next(s for s in r.per_kind if s.kind == ranges.DECODE)
     assert (decode.batch, decode.k, decode.count, decode.total_us) == (8, 3, 2, 300.0)
     assert {s.kind for s in r.per_kind} == {ranges.DECODE, ranges.DRAFT, ranges.VERIFY, ranges.PREFILL}
+    verify = next(s for s in r.per_kind if s.kind == ranges.VERIFY)  # a stage takes its step's batch and k
+    assert (verify.batch, verify.k, verify.count, verify.total_us) == (8, 3, 1, 100.0)
 
 
 def test_kind_arg_overrides_name():
@@ -169,3 +171,29 @@ def test_null_tracer_records_nothing_and_ranges_are_reentrant():
     spans = spans_from_events(rec.to_json()["traceEvents"])
     assert {s.track for s in spans if s.name == ranges.DECODE} == {ranges.DEVICE_TRACK}
     assert_nested(spans)
+
+
+def test_offline_generate_trace(tmp_path, capsys):
+    """`specstep generate --trace` writes a trace whose ranges nest and whose report matches its intervals."""
+    from tests.helpers import make_checkpoint
+
+    target = make_checkpoint(tmp_path / "t", seed=0)
+    draft = make_checkpoint(tmp_path / "d", seed=1, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_token_ids": [5, 6, 7, i]}) for i in range(4)))
+    trace = tmp_path / "run.trace.json"
+    assert cli_main(["generate", "--model", str(target), "--spec", "draft_model", "--draft", str(draft),
+                     "--prompts", str(prompts), "--max-tokens", "8", "--kv-cache-tokens", "1024", "--device", "cpu",
+                     "--trace", str(trace), "--output", str(tmp_path / "out.jsonl")]) == 0
+    spans = load_trace(trace)
+    assert_nested(spans)
+    r = analyze(spans)
+    prep, hidden, busy = _brute_force(spans)
+    assert r.prep_us == pytest.approx(prep) and r.prep_hidden_us == pytest.approx(hidden)
+    assert r.device_busy_us == pytest.approx(busy)
+    steps = [s for s in spans if s.track == ranges.DEVICE_TRACK and s.name in ranges.DEVICE_STEPS]
+    assert r.num_steps == len(steps) > 1 and r.host_syncs >= 1
+    assert {ranges.PREFILL, ranges.DECODE, ranges.VERIFY} <= {s.kind for s in r.per_kind}
+    capsys.readouterr()
+    assert cli_main(["trace", "report", str(trace)]) == 0 and "hidden behind device work" in capsys.readouterr().out

@@ -17,7 +17,8 @@ Input: a Chrome trace-event JSON as written by `TraceRecorder` (or any file with
                  positive gaps, p99 is over all consecutive pairs
   host syncs     WAIT ranges; each is charged to the device step running when it ended (or the last one
                  started before it), giving syncs per step (mean and max)
-  per kind       every device range grouped by (kind, batch, k): kind = args["kind"] or the range name
+  per kind       every device range grouped by (kind, batch, k): kind = args["kind"] or the range name; a stage
+                 without its own batch / k takes its step's
 """
 
 from __future__ import annotations
@@ -238,7 +239,9 @@ def analyze(spans: list[Span], device_track: str = DEVICE_TRACK) -> TraceReport:
 
     groups: dict[tuple[str, int | None, int | None], list[float]] = defaultdict(list)
     for s in device:
-        groups[(str(s.args.get("kind", s.name)), _int_arg(s.args, "batch"), _int_arg(s.args, "k"))].append(s.dur)
+        top = steps[max(int(np.searchsorted(starts, s.start, side="right")) - 1, 0)] if steps else s
+        args = {**top.args, **s.args} if top.start <= s.start and s.end <= top.end + EPS_US else s.args
+        groups[(str(s.args.get("kind", s.name)), _int_arg(args, "batch"), _int_arg(args, "k"))].append(s.dur)
     per_kind = [KindStats(kind, b, k, len(d), float(sum(d)), float(np.mean(d)), float(np.percentile(d, 50)),
                           float(np.percentile(d, 99)))
                 for (kind, b, k), d in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0,
