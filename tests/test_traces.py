@@ -62,6 +62,14 @@ def test_hand_made_trace_exact_figures():
     assert (verify.batch, verify.k, verify.count, verify.total_us) == (8, 3, 1, 100.0)
 
 
+def test_same_thread_name_in_two_processes_are_two_tracks():
+    meta = [{"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "MainThread"}}
+            for pid in (1, 2)]
+    events = meta + [_x(ranges.SEND, 1, 0, 10), {**_x(ranges.BUILD_BATCH, 1, 5, 10), "pid": 2}]
+    spans = spans_from_events(events)
+    assert len({s.track for s in spans}) == 2 and nesting_errors(spans) == []
+
+
 def test_kind_arg_overrides_name():
     spans = [Span("step", ranges.DEVICE_TRACK, 0, 10, {"kind": "verify", "batch": 4, "k": 4})]
     (s,) = analyze(spans).per_kind

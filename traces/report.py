@@ -50,10 +50,16 @@ class Span:
 
 
 def spans_from_events(events: list[dict[str, Any]]) -> list[Span]:
+    """Complete ("X") events as spans; a track is a thread name, made unique per (pid, tid) when two threads
+    share one (traces merged from the frontend and scheduler processes both have a MainThread)."""
     names: dict[tuple[Any, Any], str] = {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "thread_name":
             names[(e.get("pid"), e.get("tid"))] = str(e.get("args", {}).get("name"))
+    counts: dict[str, int] = defaultdict(int)
+    for name in names.values():
+        counts[name] += 1
+    names = {k: (n if counts[n] == 1 else f"{n} [{k[0]}:{k[1]}]") for k, n in names.items()}
     spans = []
     for e in events:
         if e.get("ph") != "X":
