@@ -11,9 +11,10 @@ Start-up (after the KV pools are sized, so graph memory comes out of what is lef
 Each step:   outputs = runner.run("verify", q=k + 1, inputs={...live tensors...}, batch=len(seqs))
 
 `run` picks the smallest bucket >= batch, copies each live input into the bucket's slice of that input's
-static buffer (`copy_`, non-blocking), fills the padding lanes with the input's pad value, replays, and
-returns the static outputs sliced to the live lanes. Batches above the largest bucket, kinds or q values
-not registered, and every call when `GraphConfig.enabled` is False run the same step function eagerly.
+static buffer (`copy_`, non-blocking: pass device or pinned tensors), fills the padding lanes with the
+input's pad value, replays, and returns the static outputs sliced to the live lanes. Batches above the
+largest bucket, kinds or q values not registered, and every call when `GraphConfig.enabled` is False run
+the same step function eagerly.
 
 Integration note for StepEngine (the lead wires it):
   * Step functions take only tensors (see `contract.py`): per lane `start` [B], token ids [B * q], the page
@@ -44,7 +45,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from cuda_graphs.buckets import bucket_for, default_buckets, plan_buckets
-from cuda_graphs.contract import GraphContractError, GraphKey, StepKind, lanes_of
+from cuda_graphs.contract import BufferSpec, GraphContractError, GraphKey, StepKind, lanes_of
 from cuda_graphs.cpu_standin import StandInBackend
 from traces import ranges
 from traces.tracer import NULL_TRACER, Tracer
@@ -90,6 +91,7 @@ class GraphRunner:
         self._static: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         self._graphs: dict[GraphKey, object] = {}
         self._dirty: dict[tuple[str, int], int] = {}  # lanes that may hold live data (not padding)
+        self._spec_cache: dict[tuple[str, int], dict[str, BufferSpec]] = {}
 
     def register(self, kind: StepKind) -> None:
         if self._graphs:
@@ -126,7 +128,7 @@ class GraphRunner:
         return info
 
     def _allocate(self, kind: str, q: int, lanes: int) -> dict[str, torch.Tensor]:
-        specs = self._kinds[kind].inputs(q)
+        specs = self._specs(kind, q)
         with torch.inference_mode(False):  # normal tensors: `run` may update them outside inference mode
             return {n: torch.full(s.shape(lanes), s.pad, dtype=s.dtype, device=self.device)
                     for n, s in specs.items()}
@@ -140,7 +142,7 @@ class GraphRunner:
 
     def _capture_one(self, key: GraphKey) -> int:
         step = self._kinds[key.kind]
-        specs = step.inputs(key.q)
+        specs = self._specs(key.kind, key.q)
         static = self._static[(key.kind, key.q)]
         inputs = {n: static[n][: s.rows * key.batch] for n, s in specs.items()}
         t = time.perf_counter()
@@ -151,6 +153,12 @@ class GraphRunner:
         self._graphs[key] = graph
         log.info("captured %s in %.1f ms, %.2f MiB", key, (time.perf_counter() - t) * 1e3, graph.nbytes / 2**20)
         return graph.nbytes
+
+    def _specs(self, kind: str, q: int) -> Mapping[str, BufferSpec]:
+        specs = self._spec_cache.get((kind, q))
+        if specs is None:
+            specs = self._spec_cache[(kind, q)] = dict(self._kinds[kind].inputs(q))
+        return specs
 
     # ---- per step ----------------------------------------------------------------------------------------
 
@@ -164,7 +172,7 @@ class GraphRunner:
     def run(self, kind: str, q: int, inputs: Mapping[str, torch.Tensor], batch: int) -> Mapping[str, torch.Tensor]:
         """Outputs of step `kind` over `batch` live lanes: replayed from a graph when one fits, else eager."""
         step = self._kinds[kind]
-        specs = step.inputs(q)
+        specs = self._specs(kind, q)
         if inputs.keys() != specs.keys():
             raise GraphContractError(f"{kind}: inputs {sorted(inputs)} do not match the registered {sorted(specs)}")
         for n, s in specs.items():
