@@ -27,11 +27,14 @@ class EngineConfig:
     device: str = "auto"
     threads: int | None = None  # torch intra-op threads; default 1 on CPU (see CPU_NOTES.md)
     spec_policy: str = "fixed"  # fixed (k = num_spec_tokens) | adaptive (k <= num_spec_tokens, from measurements)
-    overlap: bool = True  # prepare step N+1 on the host while step N runs on the device stream
+    overlap: bool = True
+    graphs: str = "auto"  # auto (CUDA: on, CPU: off) | on (CPU: the contract-checking stand-in) | off  # prepare step N+1 on the host while step N runs on the device stream
 
     def __post_init__(self) -> None:
         if self.spec not in SPEC_KINDS:
             raise ValueError(f"--spec must be one of {', '.join(SPEC_KINDS)}, got {self.spec!r}")
+        if self.graphs not in ("auto", "on", "off"):
+            raise ValueError(f"--graphs must be auto, on or off, got {self.graphs!r}")
         if self.page_size < 1:
             raise ValueError("page size must be >= 1")
         if self.spec_policy not in ("fixed", "adaptive"):

@@ -27,7 +27,8 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors, rows: torch.Tenso
         sorted_p = sorted_x.softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
         before = sorted_p.cumsum(dim=-1) - sorted_p
-        sorted_x = sorted_x.masked_fill(before >= top_p.unsqueeze(-1), float("-inf"))
+        # (top_p == 1 keeps everything even where rounding pushes the cumulative mass past 1.)
+        sorted_x = sorted_x.masked_fill((before >= top_p.unsqueeze(-1)) & (top_p < 1).unsqueeze(-1), float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
     return x.softmax(dim=-1)
 

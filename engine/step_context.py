@@ -49,24 +49,26 @@ class DecodeContext:
     The verify layout (q = num_draft + 1 per request) is shared by verify and by the proposer's refill.
     """
 
-    seqs: list[SeqState]
+    seqs: list[SeqState] | None  # None inside a graph-captured step (only tensors there)
     k: int  # drafts per request in this step's layout (max of num_draft)
-    num_draft: np.ndarray  # [B] int64, <= k
-    base_pos: np.ndarray  # [B] int64 (host copy)
+    num_draft: np.ndarray | None  # [B] int64, <= k (host; None inside a captured step)
+    base_pos: np.ndarray | None  # [B] int64 (host copy)
     start: torch.Tensor  # [B] device copy of base_pos
     st: SamplingTensors
     slots: torch.Tensor  # [B] long, device: rows of the proposer's carried state
     verify_layout: BatchLayout
     single_layout: BatchLayout  # one token per request (the draft loop)
     device: torch.device
-    input_grid: np.ndarray  # [B, k + 1] host: last token, then host drafts (n-gram) where known
+    input_grid: np.ndarray | None  # [B, k + 1] host: last token, then host drafts (n-gram) where known
     num_draft_dev: torch.Tensor  # [B] device copy of num_draft
     chain: Chain | None = None  # rows whose start/last token come from the previous, still running step
     refill: bool = True  # keep the proposer's KV current (the policy may drop it while nobody speculates)
 
+    graph: bool = False  # replay a captured graph (uniform q = k + 1 per lane, fixed page-table width)
+
     @property
     def batch_size(self) -> int:
-        return len(self.seqs)
+        return self.start.shape[0]
 
     def verify_flat_index(self) -> torch.Tensor:
         """[T] index into a [B, k + 1] grid for each token of the ragged verify layout."""

@@ -14,6 +14,7 @@ sync is the caller reading `StepOutput` back, as late as it likes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,9 +28,13 @@ from engine.rejection_sampler import rejection_sample
 from engine.sampler import sample
 from engine.sampling_params import SamplingTensors
 from engine.step_context import Chain, DecodeContext, SeqState
+from engine.step_graphs import flavour, graph_inputs, register_decode_graphs
 from traces import ranges
 from traces.ranges import DEVICE_TRACK
 from traces.tracer import NULL_TRACER, Tracer
+
+if TYPE_CHECKING:
+    from cuda_graphs.runner import GraphRunner
 
 
 @dataclass(slots=True)
@@ -46,11 +51,21 @@ class StepEngine:
     def __init__(self, target: LlamaForCausalLM, pool: KVPool, proposer: Proposer | None,
                  device: torch.device, tracer: Tracer = NULL_TRACER) -> None:
         self.tracer = tracer
+        self.graphs: GraphRunner | None = None  # set by `use_graphs` after the KV pools are sized
+        self.graph_max_len = 0
         self.target = target
         self.pool = pool
         self.proposer = proposer
         self.device = device
         self.vocab_size = target.cfg.vocab_size
+
+    def use_graphs(self, runner: GraphRunner, ks: tuple[int, ...], max_model_len: int, scratch_slot: int):
+        """Register the decode step for every k in `ks` and capture (largest bucket first)."""
+        self.graph_max_len = max_model_len
+        max_pages = -(-max_model_len // self.page_size)
+        register_decode_graphs(runner, self, ks, max_pages, scratch_slot)
+        self.graphs = runner
+        return runner.capture(self.tracer)
 
     @property
     def page_size(self) -> int:
@@ -99,14 +114,21 @@ class StepEngine:
         if host_drafts is not None and k > 0:
             for i, d in enumerate(host_drafts):
                 grid[i, 1: 1 + num_draft[i]] = d[: num_draft[i]]
+        st = self.sampling_tensors(seqs)
+        graph = self.graphs is not None and self.graphs.has_graph(flavour(st, refill), k + 1, b)
+        if graph:
+            # Fixed shapes: q = k + 1 for every lane, page tables at the captured width. The step function
+            # derives its layouts on device; `single_layout.page_table` carries the table in.
+            q_lens = np.full(b, k + 1, dtype=np.int64)
+            verify = single = build_layout(q_lens, tables, self.page_size, self.device, self.graph_max_len)
+        else:
+            verify = build_layout(num_draft + 1, tables, self.page_size, self.device)
+            single = build_layout(np.ones(b, np.int64), tables, self.page_size, self.device)
         return DecodeContext(
-            seqs=seqs, k=k, num_draft=num_draft, base_pos=base,
-            start=to_device(base, self.device), st=self.sampling_tensors(seqs),
+            seqs=seqs, k=k, num_draft=num_draft, base_pos=base, start=to_device(base, self.device), st=st,
             slots=to_device(np.array([s.slot for s in seqs], dtype=np.int64), self.device),
-            verify_layout=build_layout(num_draft + 1, tables, self.page_size, self.device),
-            single_layout=build_layout(np.ones(b, np.int64), tables, self.page_size, self.device),
-            device=self.device, input_grid=grid, num_draft_dev=to_device(num_draft, self.device), chain=chain,
-            refill=refill,
+            verify_layout=verify, single_layout=single, device=self.device, input_grid=grid,
+            num_draft_dev=to_device(num_draft, self.device), chain=chain, refill=refill, graph=graph,
         )
 
     def plan_decode(self, seqs: list[SeqState], num_draft: np.ndarray, chain: Chain | None = None,
@@ -129,38 +151,50 @@ class StepEngine:
         return self.run_decode(self.plan_decode(seqs, num_draft))
 
     def run_decode(self, ctx: DecodeContext) -> StepOutput:
-        """The device part of a decode step (no host sync)."""
+        """The device part of a decode step (no host sync): patch a chained step's inputs, then run the body
+        eagerly or as a graph replay."""
         b, k = ctx.batch_size, ctx.k
-        tr, dev = self.tracer, DEVICE_TRACK
-        with tr.range(ranges.DECODE, track=dev, batch=b, k=k):
+        with self.tracer.range(ranges.DECODE, track=DEVICE_TRACK, batch=b, k=k, graph=ctx.graph):
             grid = to_device(ctx.input_grid, self.device)
             if ctx.chain is not None:
                 c, prev = ctx.chain, ctx.chain.prev.result()
                 acc = prev.num_accepted[c.src]
                 ctx.start[c.dst] = prev.start[c.src] + acc + 1
                 grid[c.dst, 0] = prev.out_tokens[c.src, acc]
-            drafts = draft_probs = None
-            if k > 0:
-                if self.proposer.has_model:
-                    with tr.range(ranges.DRAFT, track=dev):
-                        drafts, draft_probs = self.proposer.propose(ctx)
-                    grid[:, 1:] = drafts
-                else:
-                    drafts = grid[:, 1:]
-            with tr.range(ranges.VERIFY, track=dev):
-                # [last, d1 .. d_num_draft] per request, drafts plugged in on device.
-                fb = ForwardBatch.derive(ctx.verify_layout, ctx.start, grid.reshape(-1)[ctx.verify_flat_index()])
-                hidden = self.target(fb, self.pool)
-            with tr.range(ranges.ACCEPT, track=dev):
-                first_pos = ctx.start + 1
-                if k == 0:
-                    out = sample(self.target.compute_logits(hidden), ctx.st, first_pos).unsqueeze(1)
-                    accepted = torch.zeros(b, dtype=torch.long, device=self.device)
-                else:
-                    logits = self.target.compute_logits(hidden)[ctx.verify_rows()]  # [B, k + 1, V]
-                    out, accepted = rejection_sample(drafts, draft_probs, logits, ctx.num_draft_dev, ctx.st,
-                                                     first_pos)
-            if self.has_draft_model and ctx.refill:
-                with tr.range(ranges.REFILL, track=dev):
-                    self.proposer.refill(ctx, out, accepted, hidden)
+            if ctx.graph:
+                outs = self.graphs.run(flavour(ctx.st, ctx.refill), k + 1,
+                                       graph_inputs(ctx, grid, ctx.single_layout.page_table), b)
+                # Static outputs are rewritten by the next replay, which may run before the host reads these.
+                out, accepted = outs["out_tokens"].clone(), outs["num_accepted"].clone()
+            else:
+                out, accepted = self.decode_body(ctx, grid)
         return StepOutput(out_tokens=out, num_accepted=accepted, num_draft=ctx.num_draft, start=ctx.start)
+
+    def decode_body(self, ctx: DecodeContext, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft -> verify -> accept -> refill over tensors only (graph-capturable)."""
+        b, k = ctx.batch_size, ctx.k
+        tr, dev = self.tracer, DEVICE_TRACK
+        drafts = draft_probs = None
+        if k > 0:
+            if self.proposer.has_model:
+                with tr.range(ranges.DRAFT, track=dev):
+                    drafts, draft_probs = self.proposer.propose(ctx)
+                grid[:, 1:] = drafts
+            else:
+                drafts = grid[:, 1:]
+        with tr.range(ranges.VERIFY, track=dev):
+            # [last, d1 .. d_num_draft] per request, drafts plugged in on device.
+            ids = grid.reshape(-1) if ctx.graph else grid.reshape(-1)[ctx.verify_flat_index()]
+            hidden = self.target(ForwardBatch.derive(ctx.verify_layout, ctx.start, ids), self.pool)
+        with tr.range(ranges.ACCEPT, track=dev):
+            first_pos = ctx.start + 1
+            if k == 0:
+                out = sample(self.target.compute_logits(hidden), ctx.st, first_pos).unsqueeze(1)
+                accepted = torch.zeros(b, dtype=torch.long, device=self.device)
+            else:
+                logits = self.target.compute_logits(hidden)[ctx.verify_rows()]  # [B, k + 1, V]
+                out, accepted = rejection_sample(drafts, draft_probs, logits, ctx.num_draft_dev, ctx.st, first_pos)
+        if self.has_draft_model and ctx.refill:
+            with tr.range(ranges.REFILL, track=dev):
+                self.proposer.refill(ctx, out, accepted, hidden)
+        return out, accepted

@@ -38,6 +38,7 @@ class EngineInfo:
     dtype: str
     spec: str
     eos_token_ids: tuple[int, ...]
+    graphs: dict | None = None  # what capture learned (buckets, graph count, seconds, bytes)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -60,6 +61,14 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     pool = KVPool(target.cfg, target.cfg.num_layers, num_pages, cfg.page_size, dtype, device)
     proposer = build_proposer(cfg, target, num_pages, dtype, device)
     step_engine = StepEngine(target, pool, proposer, device, tracer)
+    k_max = cfg.num_spec_tokens if proposer else 0
+    ks = graph_ks(k_max)
+    capture = None
+    if cfg.graphs == "on" or (cfg.graphs == "auto" and device.type == "cuda"):
+        from cuda_graphs.runner import GraphConfig, GraphRunner
+
+        runner = GraphRunner(device, GraphConfig(max_batch=cfg.max_batch_size))
+        capture = step_engine.use_graphs(runner, ks, max_len, scratch_slot=cfg.max_batch_size)
     try:
         tokenizer = Tokenizer.from_folder(cfg.model)
     except CheckpointError:
@@ -68,14 +77,21 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     sched = SchedulerConfig(max_batch_size=cfg.max_batch_size, max_prefill_tokens=cfg.max_prefill_tokens,
                             num_spec_tokens=cfg.num_spec_tokens if proposer else 0, max_model_len=max_len)
     policy = AdaptivePolicy(PolicyConfig(kind=cfg.spec_policy, k_max=sched.num_spec_tokens,
+                                         candidates=ks if capture is not None else None,
                                          can_drop_refill=cfg.spec == "draft_model",
                                          keeps_draft_kv=cfg.spec in ("draft_model", "mtp")))
     core = EngineCore(step_engine, PageAllocator(num_pages, cfg.page_size), sched, eos, policy=policy,
                       stream=make_stream(device, cfg.overlap), tracer=tracer)
     info = EngineInfo(num_pages=num_pages, page_size=cfg.page_size, max_model_len=max_len,
                       vocab_size=target.cfg.vocab_size, device=str(device), dtype=str(dtype).replace("torch.", ""),
-                      spec=cfg.spec, eos_token_ids=tuple(eos))
+                      spec=cfg.spec, eos_token_ids=tuple(eos),
+                      graphs=capture.to_dict() if capture is not None else None)
     return core, tokenizer, info
+
+
+def graph_ks(k_max: int) -> tuple[int, ...]:
+    """k values to capture: 0, powers of two below k_max, and k_max (speculation multiplies graph count)."""
+    return tuple(sorted({0, k_max, *(2**i for i in range(5) if 2**i < k_max)}))
 
 
 def build_proposer(cfg: EngineConfig, target, num_pages: int, dtype: torch.dtype,
@@ -88,7 +104,7 @@ def build_proposer(cfg: EngineConfig, target, num_pages: int, dtype: torch.dtype
     if cfg.spec == "draft_model":
         draft = load_model(path, device, str(dtype).replace("torch.", ""))
         pool = KVPool(draft.cfg, draft.cfg.num_layers, num_pages, cfg.page_size, dtype, device)
-        return DraftModelProposer(draft, target.cfg.vocab_size, pool, cfg.max_batch_size, device)
+        return DraftModelProposer(draft, target.cfg.vocab_size, pool, cfg.max_batch_size + 1, device)
     head = load_mtp_head(path, target.cfg, device, dtype)
     pool = KVPool(head.cfg, 1, num_pages, cfg.page_size, dtype, device)
-    return MTPProposer(head, target, pool, cfg.max_batch_size, device)
+    return MTPProposer(head, target, pool, cfg.max_batch_size + 1, device)  # + a scratch row for padding lanes

@@ -29,6 +29,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-policy", choices=["fixed", "adaptive"], default="adaptive",
                    help="fixed k, or choose k per step/request from measured acceptance and step costs")
     p.add_argument("--no-overlap", action="store_true", help="run device work inline (no double buffering)")
+    p.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
+                   help="captured step graphs (auto: on CUDA; on: the contract-checking CPU stand-in)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV capacity in tokens")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-cache-tokens)")
@@ -44,7 +46,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens, num_pages=args.num_pages,
                         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, dtype=args.dtype,
                         device=args.device, threads=args.threads, spec_policy=args.spec_policy,
-                        overlap=not args.no_overlap)
+                        overlap=not args.no_overlap, graphs=args.graphs)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

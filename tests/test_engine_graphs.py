@@ -1,0 +1,39 @@
+"""The engine's decode step through the GraphRunner (CPU stand-in, which checks the graph contract on every
+capture and early replays): same tokens as the eager engine, greedy and sampled, for every proposer."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from tests.fixtures_models import make_mtp_head
+from tests.helpers import make_core, run_to_completion
+
+PROMPTS = [[5, 9, 11, 3, 7], [4, 2], [8] * 11, [17, 4, 9, 21, 5, 6, 7]]
+
+
+def outputs(model, params, **cfg):
+    core = make_core(model, page_size=4, max_batch_size=4, max_model_len=96, spec_policy="fixed", **cfg)
+    reqs = run_to_completion(core, PROMPTS, params)
+    core.stream.close()
+    return [r.output_token_ids for r in reqs], core
+
+
+@pytest.mark.parametrize("spec", ["none", "draft_model", "mtp", "ngram"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_graph_replay_matches_eager(tiny_target, tiny_draft, tmp_path, spec, temperature):
+    draft = {"draft_model": str(tiny_draft), "mtp": str(make_mtp_head(tmp_path / "head", tiny_target))}.get(spec)
+    params = SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True)
+    eager, _ = outputs(tiny_target, params, spec=spec, draft=draft, num_spec_tokens=3, graphs="off")
+    graph, core = outputs(tiny_target, params, spec=spec, draft=draft, num_spec_tokens=3, graphs="on")
+    assert graph == eager
+    assert core.engine.graphs is not None and core.engine.graphs.buckets == (1, 2, 4)
+
+
+def test_batch_above_the_largest_bucket_runs_eagerly(tiny_target):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    core = make_core(tiny_target, page_size=4, max_batch_size=8, max_model_len=96, graphs="on")
+    core.engine.graphs.buckets = (1, 2)  # pretend the memory budget kept only small buckets
+    eager_core = make_core(tiny_target, page_size=4, max_batch_size=8, max_model_len=96, graphs="off")
+    assert ([r.output_token_ids for r in run_to_completion(core, PROMPTS, params)]
+            == [r.output_token_ids for r in run_to_completion(eager_core, PROMPTS, params)])
