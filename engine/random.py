@@ -12,7 +12,7 @@ import torch
 M32 = 0xFFFFFFFF
 
 # Streams keep the draws for different purposes independent at the same position.
-SAMPLE, ACCEPT, RESIDUAL, DRAFT = 0, 1, 2, 3
+SAMPLE, ACCEPT, DRAFT = 0, 1, 3
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.random import ACCEPT, RESIDUAL, uniform
+from engine.random import ACCEPT, SAMPLE, uniform
 from engine.sampler import processed_probs, sample_from_probs
 from engine.sampling_params import SamplingTensors
 
@@ -68,7 +68,9 @@ def rejection_sample(
     mass = residual.sum(dim=-1, keepdim=True)
     residual = torch.where(mass > 0, residual, p)
     seeds = st.seeds.unsqueeze(1).expand(b, k + 1).reshape(-1)
-    corrected = sample_from_probs(residual.view(b * (k + 1), -1), seeds, pos.reshape(-1), RESIDUAL).view(b, k + 1)
+    # The corrected/bonus draw uses the plain-decoding stream: independent of the ACCEPT and DRAFT draws at the
+    # same positions, and a request that drafted nothing this step samples exactly as plain decoding would.
+    corrected = sample_from_probs(residual.view(b * (k + 1), -1), seeds, pos.reshape(-1), SAMPLE).view(b, k + 1)
     drafts_padded = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)
     sampled_out = torch.where(j.unsqueeze(0) < sampled_acc.unsqueeze(1), drafts_padded, corrected)
 
