@@ -68,8 +68,10 @@ class Incarnation:
 class SchedulerSupervisor:
     def __init__(self, ctx: zmq.asyncio.Context, make_config: Callable[[str, str], SchedulerProcessConfig],
                  handler: EngineHandler, startup_timeout_s: float = 300.0, max_restarts: int = 5,
-                 restart_window_s: float = 300.0) -> None:
+                 restart_window_s: float = 300.0, command: list[str] | None = None) -> None:
         self.ctx = ctx
+        # How to start a scheduler process; its config (JSON) is appended as the last argument.
+        self.command = command or [sys.executable, "-m", "scheduler.scheduler_process"]
         self.make_config = make_config
         self.handler = handler
         self.startup_timeout_s = startup_timeout_s
@@ -142,8 +144,7 @@ class SchedulerSupervisor:
         cfg = self.make_config(in_addr, out_addr)
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
-        inc.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "scheduler.scheduler_process", msgspec.json.encode(cfg).decode(), env=env)
+        inc.proc = await asyncio.create_subprocess_exec(*self.command, msgspec.json.encode(cfg).decode(), env=env)
         inc.tasks.append(asyncio.create_task(self._read(inc)))
         exited = asyncio.ensure_future(inc.proc.wait())
         try:

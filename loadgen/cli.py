@@ -1,0 +1,169 @@
+"""`specstep loadgen`: throughput / latency sweeps against `specstep serve`, acting as an upstream router.
+
+Against a running server (`--address`), or across server settings in one command: each `--setting` starts its
+own server, runs every load point, and stops it. Examples:
+
+    specstep loadgen --address tcp://127.0.0.1:5555 --concurrency 1,4,16,32
+    specstep loadgen --setting off --setting ngram --setting "mtp-k2=--spec mtp --num-spec-tokens 2" \\
+        --workload mix --mode open --rate 2,4,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from engine.engine_config import DEFAULT_TARGET, SPEC_KINDS
+from loadgen.workloads import WORKLOADS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("servers")
+    s.add_argument("--address", help="an already running server to measure (nothing is started)")
+    s.add_argument("--setting", action="append", default=[], metavar="NAME[=SERVE ARGS]",
+                   help="start `specstep serve SERVE ARGS` and measure it; NAME alone may be off or a proposer "
+                        f"({', '.join(SPEC_KINDS)}). Repeat for a sweep across settings (default: off)")
+    s.add_argument("--model", default=str(DEFAULT_TARGET), help="target model for started servers and prompts")
+    s.add_argument("--server-args", default="", help="extra arguments for every started server (one string)")
+    s.add_argument("--startup-timeout", type=float, default=600.0)
+    w = p.add_argument_group("load")
+    w.add_argument("--mode", choices=["closed", "open"], default="closed",
+                   help="closed: fixed concurrency; open: Poisson arrivals at a fixed rate")
+    w.add_argument("--concurrency", default="1,4,16,32", help="closed-loop concurrencies (comma-separated)")
+    w.add_argument("--rate", default="1,2,4,8", help="open-loop arrival rates, requests/s (comma-separated)")
+    w.add_argument("--num-requests", type=int, default=None,
+                   help="requests per load point (default: max(8, 3 x concurrency) or max(16, 10 s of arrivals))")
+    w.add_argument("--workload", choices=WORKLOADS, default="code")
+    w.add_argument("--prompt-tokens", type=int, default=128)
+    w.add_argument("--max-tokens", type=int, default=64)
+    w.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: always max-tokens)")
+    w.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each setting's first point")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-dir", default="loadgen-results", help="results.json, results.csv, *.png, server logs")
+    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def parse_setting(text: str) -> tuple[str, list[str]]:
+    name, sep, rest = text.partition("=")
+    name = name.strip()
+    if sep:
+        return name, shlex.split(rest)
+    if name in ("off", "none"):
+        return name, ["--spec", "none"]
+    if name in SPEC_KINDS:
+        return name, ["--spec", name]
+    raise ValueError(f"--setting {text!r}: give NAME=SERVE ARGS, or one of off, {', '.join(SPEC_KINDS)}")
+
+
+def parse_loads(text: str, what: str) -> list[float]:
+    try:
+        loads = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{what} must be comma-separated numbers, got {text!r}") from None
+    if not loads or any(x <= 0 for x in loads):
+        raise ValueError(f"--{what} needs positive numbers")
+    return loads
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = [parse_setting(s) for s in args.setting] or ([] if args.address else [parse_setting("off")])
+        if args.address and args.setting:
+            raise ValueError("give --address or --setting, not both")
+        loads = parse_loads(args.concurrency if args.mode == "closed" else args.rate,
+                            "concurrency" if args.mode == "closed" else "rate")
+        from loadgen.workloads import Workload
+
+        workload = Workload(args.workload, args.prompt_tokens, args.max_tokens, not args.respect_eos, args.seed)
+    except ValueError as e:
+        print(f"specstep loadgen: error: {e}", file=sys.stderr)
+        return 2
+    import uvloop
+
+    return uvloop.run(_sweep(args, settings, loads, workload))
+
+
+async def _sweep(args, settings: list[tuple[str, list[str]]], loads: list[float], workload) -> int:
+    from rich.console import Console
+
+    from loadgen import report
+    from loadgen.server import ServerProcess
+
+    console = Console(stderr=True)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    config = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+    targets = [(name, extra) for name, extra in settings] or [("server", None)]
+    for name, extra in targets:
+        server = None
+        serve_args = None
+        if extra is not None:
+            serve_args = ["--model", args.model, *shlex.split(args.server_args), *extra]
+            console.print(f"[bold]{name}[/]: starting specstep serve {shlex.join(serve_args)}")
+            server = ServerProcess(serve_args, log_path=out_dir / f"server-{name}.log")
+            try:
+                address = await asyncio.get_running_loop().run_in_executor(None, server.start, args.startup_timeout)
+            except (RuntimeError, TimeoutError) as e:
+                console.print(f"[red]{name}: the server did not start[/]\n{e}")
+                return 1
+        else:
+            address = args.address
+        try:
+            results[name] = await _measure(args, name, address, loads, workload, console)
+            results[name]["serve_args"] = serve_args
+        finally:
+            if server is not None:
+                server.stop()
+    paths = report.write(out_dir, config, results, plots=not args.no_plots)
+    console.print(report.table(results))
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+async def _measure(args, name: str, address: str, loads: list[float], workload, console) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from loadgen.client import Client
+    from loadgen.metrics import summarize
+    from loadgen.runner import LoadPoint, run_point
+    from loadgen.workloads import build_requests
+
+    client = Client(address)
+    try:
+        health = await client.wait_ready(args.startup_timeout)
+        model_dir = args.model if Path(args.model).is_dir() else None
+        points = []
+        if args.warmup:
+            warm = build_requests(workload, args.warmup, health.vocab_size, model_dir)
+            await run_point(client, LoadPoint("closed", args.warmup), warm, f"{name}-warmup", timeout_s=args.timeout)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, disable=args.quiet) as progress:
+            for load in loads:
+                point = LoadPoint(args.mode, load)
+                n = args.num_requests or (max(8, 3 * int(load)) if args.mode == "closed" else max(16, int(10 * load)))
+                reqs = build_requests(workload, n, health.vocab_size, model_dir)
+                task = progress.add_task(f"{name} {point.label}", total=n)
+                await client.wait_idle(60)
+                run = await run_point(client, point, reqs, f"{name}-{point.label}-{time.monotonic_ns()}",
+                                      on_done=lambda _r, t=task: progress.advance(t), timeout_s=args.timeout,
+                                      seed=args.seed)
+                points.append(summarize(run))
+        stats = await client.stats()
+        return {"health": _plain(health), "points": points, "server_stats": _plain(stats)}
+    finally:
+        client.close()
+
+
+def _plain(obj):
+    """A reply struct as a dict of its fields (the wire form is positional arrays)."""
+    if hasattr(obj, "__struct_fields__"):
+        return {f: _plain(getattr(obj, f)) for f in obj.__struct_fields__}
+    return obj
