@@ -19,20 +19,17 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
 from engine.tokenizer import Tokenizer
-from scheduler.detokenize import TextStream
 from scheduler.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
-    Delta,
     EngineAbort,
-    EngineOutput,
     EngineOutputs,
     EngineReject,
     Error,
@@ -43,15 +40,13 @@ from scheduler.protocol import (
     HealthRequest,
     ProtocolError,
     SchedulerProcessConfig,
-    SpecStats,
     StatsReply,
     StatsRequest,
-    Timings,
-    Usage,
     Wire,
     decode_client,
     encode,
 )
+from scheduler.request_stream import RequestStream
 from scheduler.sockets import ROUTER_HWM, bound_address, make_socket, send_now
 from scheduler.supervisor import SchedulerSupervisor
 from scheduler.validate import Limits, check_request_id, validate_generate
@@ -77,35 +72,14 @@ class FrontendConfig:
     max_inflight: int = 4096
 
 
-@dataclass(eq=False, slots=True)
-class RequestState:
-    identity: bytes
-    msg: GenerateRequest
-    engine_id: str
-    arrival: float
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    task: asyncio.Task | None = None
-    incarnation: int = 0  # the scheduler incarnation it was sent to (0 = not sent)
-    engine_done: bool = False  # the scheduler has finished or forgotten it (no abort needed)
-    cancel_reason: str = ""
-    text: TextStream | None = None
-    num_prompt: int = 0
-    num_output: int = 0
-    unsent: list[int] = field(default_factory=list)
-    sent_time: float = 0.0
-    first_token: float = 0.0
-    last_token: float = 0.0
-    max_gap: float = 0.0
-
-
 class Frontend:
     def __init__(self, cfg: FrontendConfig, tokenizer: Tokenizer | None) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.recorder = TraceRecorder() if cfg.trace else None
         self.tracer = Tracer(self.recorder)
-        self.requests: dict[tuple[bytes, str], RequestState] = {}
-        self.by_engine_id: dict[str, RequestState] = {}
+        self.requests: dict[tuple[bytes, str], RequestStream] = {}
+        self.by_engine_id: dict[str, RequestStream] = {}
         self._ids = itertools.count(1)
         self.draining = False
         self._done: asyncio.Event | None = None
@@ -214,7 +188,7 @@ class Frontend:
         if len(self.requests) >= self.cfg.max_inflight:
             raise ProtocolError(ErrorCode.OVERLOADED, f"{len(self.requests)} requests in flight; retry later",
                                 msg.request_id)
-        st = RequestState(identity, msg, str(next(self._ids)), time.monotonic())
+        st = RequestStream(identity, msg, str(next(self._ids)), time.monotonic())
         self.requests[key] = st
         self.by_engine_id[st.engine_id] = st
         st.task = asyncio.get_running_loop().create_task(self._serve_request(st))
@@ -260,99 +234,65 @@ class Frontend:
                 st.queue.put_nowait(DIED)
 
     # ---- one request ---------------------------------------------------------------------------------------
-    async def _serve_request(self, st: RequestState) -> None:
+    async def _serve_request(self, st: RequestStream) -> None:
         try:
             ready = await self.supervisor.wait_ready()
             ereq = validate_generate(st.msg, Limits.from_ready(ready, self.cfg.max_tokens), self.tokenizer,
                                      st.engine_id)
-            st.text = TextStream(self.tokenizer, ereq.prompt_token_ids, st.msg.stop)
-            st.num_prompt = len(ereq.prompt_token_ids)
-            st.sent_time = time.monotonic()
+            st.started(ereq, self.tokenizer, time.monotonic())
             st.incarnation = self.supervisor.send(ereq)
             if st.incarnation == 0:
-                raise ProtocolError(ErrorCode.ENGINE_DIED, "the scheduler process died; retry", st.msg.request_id)
+                raise ProtocolError(ErrorCode.ENGINE_DIED, "the scheduler process died; retry")
             while True:
                 items = [await st.queue.get()]
                 while not st.queue.empty():  # merge whatever piled up into one delta
                     items.append(st.queue.get_nowait())
-                for item in items:
-                    if self._consume(st, item):
-                        return
-                if st.msg.stream and not self._send_delta(st):
-                    log.info("client of request %r is gone; aborting it", st.msg.request_id)
+                with self.tracer.range(DETOKENIZE):
+                    final = self._consume(st, items)
+                    delta = st.delta() if final is None and st.msg.stream else None
+                if final is not None:
+                    self._reply(st.identity, final)
+                    return
+                if delta is not None and not self._reply(st.identity, delta):
+                    log.info("client of request %r is gone; aborting it", st.request_id)
                     return
         except ProtocolError as e:
-            e.request_id = st.msg.request_id
+            e.request_id = st.request_id
             self._reply(st.identity, e.to_wire())
         except asyncio.CancelledError:
             if st.cancel_reason == "abort":
-                self._send_final(st, "abort")
+                self._reply(st.identity, st.final("abort", time.monotonic()))
             else:
                 self._reply(st.identity, Error(ErrorCode.SHUTTING_DOWN, "the server shut down before the request "
-                                               "finished", st.msg.request_id))
+                                               "finished", st.request_id))
         finally:
             self._forget(st)
 
-    def _consume(self, st: RequestState, item: object) -> bool:
-        """Apply one item from the request's queue; True when the request is over (final or error sent)."""
-        if item is DIED:
-            st.engine_done = True
-            raise ProtocolError(ErrorCode.ENGINE_DIED, "the scheduler process died while serving the request; "
-                                "retry", st.msg.request_id)
-        if isinstance(item, EngineReject):
-            st.engine_done = True
-            raise ProtocolError(ErrorCode(item.code), item.message, st.msg.request_id)
-        assert isinstance(item, EngineOutput)
-        if item.token_ids:
-            now = time.monotonic()
-            if st.first_token == 0.0:
-                st.first_token = now
-            else:
-                st.max_gap = max(st.max_gap, now - st.last_token)
-            st.last_token = now
-        with self.tracer.range(DETOKENIZE):
-            for tok in item.token_ids:
-                st.unsent.append(tok)
-                st.num_output += 1
-                if st.text.add(tok):  # a stop string: the engine is told to stop in _forget
-                    self._send_final(st, "stop")
-                    return True
-        if item.finish_reason is not None:
-            st.engine_done = True
-            self._send_final(st, item.finish_reason, item.spec, item.queue_s, item.num_preemptions)
-            return True
-        return False
-
-    def _send_delta(self, st: RequestState) -> bool:
-        with self.tracer.range(DETOKENIZE):
-            text = st.text.take()
-        if not st.unsent and not text:
-            return True
-        ids, st.unsent = st.unsent, []
-        return self._reply(st.identity, Delta(st.msg.request_id, ids, text))
-
-    def _send_final(self, st: RequestState, reason: str, spec: SpecStats | None = None, queue_s: float = 0.0,
-                    num_preemptions: int = 0) -> None:
+    def _consume(self, st: RequestStream, items: list) -> Final | None:
+        """Apply queued items; the Final once the request is over. Errors are raised as ProtocolError."""
         now = time.monotonic()
-        text = st.text.take(final=True) if st.text is not None else ""
-        n = st.num_output
-        timings = Timings(
-            queue_s=(st.sent_time - st.arrival if st.sent_time else now - st.arrival) + queue_s,
-            ttft_s=st.first_token - st.arrival if st.first_token else 0.0,
-            mean_itl_s=(st.last_token - st.first_token) / (n - 1) if n > 1 else 0.0,
-            max_itl_s=st.max_gap, total_s=now - st.arrival)
-        final = Final(st.msg.request_id, reason, st.unsent, text, Usage(st.num_prompt, n), spec or SpecStats(),
-                      timings, num_preemptions)
-        st.unsent = []
-        self._reply(st.identity, final)
+        for item in items:
+            if item is DIED:
+                st.engine_done = True
+                raise ProtocolError(ErrorCode.ENGINE_DIED, "the scheduler process died while serving the request; "
+                                    "retry")
+            if isinstance(item, EngineReject):
+                st.engine_done = True
+                raise ProtocolError(ErrorCode(item.code), item.message)
+            if st.add(item, now):
+                return st.final("stop", now)  # a stop string; the engine is told to stop in _forget
+            if item.finish_reason is not None:
+                st.engine_done = True
+                return st.final(item.finish_reason, now, item.spec, item.queue_s, item.num_preemptions)
+        return None
 
-    def _cancel(self, st: RequestState, reason: str) -> None:
+    def _cancel(self, st: RequestStream, reason: str) -> None:
         if st.task is not None and not st.task.done() and not st.cancel_reason:
             st.cancel_reason = reason
             st.task.cancel()
 
-    def _forget(self, st: RequestState) -> None:
-        self.requests.pop((st.identity, st.msg.request_id), None)
+    def _forget(self, st: RequestStream) -> None:
+        self.requests.pop((st.identity, st.request_id), None)
         self.by_engine_id.pop(st.engine_id, None)
         if st.incarnation and not st.engine_done and st.incarnation == self.supervisor.incarnation:
             self.supervisor.send(EngineAbort([st.engine_id]))  # frees its KV pages in the scheduler at once
