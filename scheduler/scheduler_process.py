@@ -56,7 +56,8 @@ from traces.ranges import SEND  # noqa: E402
 from traces.tracer import NULL_TRACER, Tracer, TraceRecorder  # noqa: E402
 
 log = logging.getLogger("specstep.scheduler")
-IDLE_POLL_S = 0.5  # while idle: how often to re-check page integrity and that the frontend is alive
+IDLE_POLL_S = 0.5  # how often the receive thread checks that the frontend is still alive
+IDLE_CHECK_S = 10.0  # while idle, how often to re-check page integrity (also checked on becoming idle)
 
 
 class SocketIO:
@@ -122,7 +123,7 @@ class SchedulerLoop:
                 if self.draining:
                     return
                 if was_busy:
-                    core.check_integrity()  # every page is free or owned once; a failure is a bug: crash loudly
+                    core.check_integrity()  # every page free or owned once; a failure is a bug: crash loudly
             self._handle_inbox(block=not busy)
             if core.has_unfinished():
                 self._step()
@@ -131,7 +132,7 @@ class SchedulerLoop:
     # ---- messages from the frontend ------------------------------------------------------------------------
     def _handle_inbox(self, block: bool) -> None:
         try:
-            msg = self.inbox.get(timeout=IDLE_POLL_S) if block else self.inbox.get_nowait()
+            msg = self.inbox.get(timeout=IDLE_CHECK_S) if block else self.inbox.get_nowait()
         except queue.Empty:
             if block:
                 self.core.check_integrity()
@@ -241,7 +242,8 @@ def run(cfg: SchedulerProcessConfig) -> int:
     ctx = zmq.Context()
     io = SocketIO(ctx, cfg)
     loop = SchedulerLoop(core, io.inbox, io.outbox, tracer)
-    signal.signal(signal.SIGTERM, lambda *_: loop.drain())
+    # SimpleQueue.put is reentrant (safe in a signal handler) and wakes the loop if it is blocked while idle.
+    signal.signal(signal.SIGTERM, lambda *_: io.inbox.put(EngineShutdown(drain=True)))
     io.outbox.put(ready_message(core, info, cfg.max_prompt_len))
     log.info("ready: %s, %d KV pages of %d tokens", info.spec, core.allocator.num_pages, core.allocator.page_size)
     try:
