@@ -96,7 +96,7 @@ async def _sweep(args, settings: list[tuple[str, list[str]]], loads: list[float]
     from loadgen import report
     from loadgen.server import ServerProcess
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)  # logs: do not squeeze the table
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
