@@ -24,7 +24,7 @@ from rich.console import Console  # noqa: E402
 
 import engine  # noqa: E402
 from training.data import corpus_files, token_stream  # noqa: E402
-from training.evaluate import compare, logits_of, target_summary  # noqa: E402
+from training.evaluate import compare, logits_of, loss_and_argmax  # noqa: E402
 from training.loop import TrainSettings, fixed_windows, new_progress, train  # noqa: E402
 from training.models import (  # noqa: E402
     DRAFT_SIZE,
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         target_stats = train(
             target, target_loss, train_stream,
             TrainSettings(args.target_minutes, args.target_lr, args.batch_size, args.seq_len),
-            rng, progress, "target", lambda: {"val_loss": target_summary(target, periodic)[0]},
+            rng, progress, "target", lambda: {"val_loss": loss_and_argmax(target, periodic)[0]},
         )
         target.requires_grad_(False)
         save_model_folder(target, target_config, out / "target", tokenizer_json)
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         copied = warm_start_draft(draft, target)
         progress.console.log(f"draft: {DRAFT_SIZE.describe()}, {count_params(draft):,} params; "
                              f"warm-started {len(copied)} tensors from the target")
-        _, periodic_target_top = target_summary(target, periodic)
+        _, periodic_target_top = loss_and_argmax(target, periodic)
         w = args.distill_ce_weight
 
         def draft_loss(windows: torch.Tensor) -> torch.Tensor:
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             return w * ce + (1.0 - w) * kl
 
         def draft_eval() -> dict[str, float]:
-            loss, top = target_summary(draft, periodic)
+            loss, top = loss_and_argmax(draft, periodic)
             return {"val_loss": loss, "agreement": float((top == periodic_target_top).float().mean())}
 
         draft_stats = train(

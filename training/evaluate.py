@@ -21,7 +21,7 @@ def logits_of(model: LlamaForCausalLM, inputs: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def target_summary(model: LlamaForCausalLM, windows: torch.Tensor) -> tuple[float, torch.Tensor]:
+def loss_and_argmax(model: LlamaForCausalLM, windows: torch.Tensor) -> tuple[float, torch.Tensor]:
     """(mean loss, argmax tokens [N, S]) over windows [N, S+1]; the argmax is kept for draft agreement."""
     total, count, argmax = 0.0, 0, []
     for chunk in windows.split(EVAL_BATCH):
