@@ -51,9 +51,8 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     device = resolve_device(cfg.device)
     if device.type == "cpu":
         # One intra-op thread: the scheduler thread and the stream's worker thread each get a core, and tiny
-        # models decode faster on one thread anyway (CPU_NOTES.md). Denormals only slow matmuls down.
+        # models decode faster on one thread anyway (CPU_NOTES.md).
         torch.set_num_threads(cfg.threads or 1)
-        torch.set_flush_denormal(True)
     target = load_model(cfg.model, device, cfg.dtype)
     dtype = target.embed_tokens.weight.dtype
     max_len = min(cfg.max_model_len or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)

@@ -44,7 +44,8 @@ class PolicyConfig:
     alpha_decay: float = 0.7  # EMA weight of the past, per step
     cost_decay: float = 0.8
     margin: float = 0.05  # hysteresis on the batch's k
-    probe_every: int = 16  # steps between probes of a request that stopped speculating
+    probe_every: int = 4  # first probe of a request that stopped speculating; doubles after each failed probe
+    probe_max: int = 64
     can_drop_refill: bool = False  # proposer supports catching up later (draft model: yes; MTP head: no)
     keeps_draft_kv: bool = True  # model proposers refill a KV cache; n-gram has none
     explore_samples: int = 3  # measurements of each (bucket, k) before the cost model is trusted
@@ -63,11 +64,14 @@ class RequestAcceptance:
     accepted: float = 0.0
     trials: float = 0.0
     idle_steps: int = 0  # consecutive steps without drafting
+    probe_interval: int = 0  # idle steps before the next probe (0: not set yet)
 
     def update(self, num_draft: int, num_accepted: int, decay: float) -> None:
         if num_draft <= 0:
             self.idle_steps += 1
             return
+        if self.idle_steps >= self.probe_interval > 0:  # this was a probe: back off if it failed
+            self.probe_interval = self.probe_interval // 2 if num_accepted else self.probe_interval * 2
         self.idle_steps = 0
         self.accepted = decay * self.accepted + num_accepted
         self.trials = decay * self.trials + num_accepted + (1 if num_accepted < num_draft else 0)
@@ -166,12 +170,17 @@ class AdaptivePolicy:
             if gain < 1 + cfg.margin:
                 best = current
         self.current_k = best.k
-        # Probes: a request that has not drafted for a while drafts once so its acceptance estimate can recover.
-        if best.k > 0:
-            probe = np.array([a.idle_steps >= cfg.probe_every for a in accs]) & ~fixed
-            best.num_draft = np.where(probe & (best.num_draft == 0), min(2, best.k), best.num_draft)
-        elif cfg.probe_every and any(a.idle_steps >= cfg.probe_every for a in accs):
-            best = self._evaluate(min(2, cfg.ks[-1]), alpha, fixed, fixed_k, room, b, force_all=True)
+        # Probes: a request that has not drafted for a while drafts one token so its acceptance estimate can
+        # recover (one extra verify row: small enough not to show in p99 latency); failed probes back off.
+        for a in accs:
+            a.probe_interval = min(max(a.probe_interval, cfg.probe_every), cfg.probe_max)
+        probe = np.array([a.idle_steps >= a.probe_interval for a in accs]) & ~fixed
+        if probe.any():
+            k1 = min(k for k in cfg.ks if k > 0) if cfg.ks[-1] > 0 else 0
+            if best.k == 0 and k1:
+                best = Decision(np.zeros(b, dtype=np.int64), k1, best.refill or cfg.keeps_draft_kv,
+                                best.expected_tokens, best.expected_cost)
+            best.num_draft = np.where(probe & (best.num_draft == 0), min(k1, best.k), best.num_draft)
         best.num_draft = np.minimum(best.num_draft, room).clip(0)
         return best
 
