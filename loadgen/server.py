@@ -27,6 +27,8 @@ class ServerProcess:
         self.address: str | None = None
 
     def start(self, timeout_s: float = 300.0) -> str:
+        if self.proc is not None and self.proc.poll() is None and self.address is not None:
+            return self.address  # already running (e.g. started by `with`): never start a second server
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
         with open(self.log_path, "wb") as log:

@@ -46,6 +46,7 @@ from scheduler.protocol import (
     decode_client,
     encode,
 )
+from scheduler.metrics import ServerMetrics
 from scheduler.request_stream import RequestStream
 from scheduler.sockets import ROUTER_HWM, bound_address, make_socket, send_now
 from scheduler.supervisor import SchedulerSupervisor
@@ -70,6 +71,7 @@ class FrontendConfig:
     restart_window_s: float = 300.0
     drain_timeout_s: float = 60.0
     max_inflight: int = 4096
+    metrics_port: int | None = None  # Prometheus /metrics on 127.0.0.1 (0: any free port; None: off)
 
 
 class Frontend:
@@ -83,6 +85,8 @@ class Frontend:
         self._ids = itertools.count(1)
         self.draining = False
         self._done: asyncio.Event | None = None
+        self.metrics = ServerMetrics()
+        self.metrics_port: int | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     async def serve(self, on_listening=print) -> int:
@@ -98,6 +102,11 @@ class Frontend:
         loop.add_signal_handler(signal.SIGINT, self._on_sigint)
         router_task = asyncio.create_task(self._router_loop())
         on_listening(f"specstep serve: listening on {self.address}")
+        if self.cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(self.cfg.metrics_port)
+            if self.metrics_port is not None:
+                on_listening(f"specstep serve: metrics on http://127.0.0.1:{self.metrics_port}/metrics")
+        poll_task = asyncio.create_task(self._poll_engine_stats())
         if not await self.supervisor.start():
             on_listening("specstep serve: error: the scheduler process did not start (see its log above)")
             code = 1
@@ -107,6 +116,7 @@ class Frontend:
             await self._done.wait()
             code = 0
         router_task.cancel()
+        poll_task.cancel()
         await self.supervisor.stop(drain=False, timeout_s=5.0)
         self.router.close(linger=0)
         self.ctx.destroy(linger=0)
@@ -209,8 +219,19 @@ class Frontend:
 
     async def _reply_stats(self, identity: bytes) -> None:
         engine = await self.supervisor.stats()
+        self.metrics.update_engine(engine)
         self._reply(identity, StatsReply(PROTOCOL_VERSION, self._status(), self.supervisor.restarts, len(self.requests),
-                                         engine))
+                                         engine, self.metrics.snapshot()))
+
+    async def _poll_engine_stats(self, period_s: float = 1.0) -> None:
+        """Gauges (running, waiting, pages, k distribution) follow the scheduler's stats."""
+        while True:
+            await asyncio.sleep(period_s)
+            if self.supervisor.state == "ready":
+                try:
+                    self.metrics.update_engine(await self.supervisor.stats())
+                except Exception:  # noqa: BLE001 (a restarting scheduler; the next poll will do)
+                    pass
 
     def _reply(self, identity: bytes, msg: Wire) -> bool:
         with self.tracer.range(SEND):
@@ -251,6 +272,7 @@ class Frontend:
                     final = self._consume(st, items)
                     delta = st.delta() if final is None and st.msg.stream else None
                 if final is not None:
+                    self.metrics.observe_final(final)
                     self._reply(st.identity, final)
                     return
                 if delta is not None and not self._reply(st.identity, delta):
@@ -279,6 +301,8 @@ class Frontend:
             if isinstance(item, EngineReject):
                 st.engine_done = True
                 raise ProtocolError(ErrorCode(item.code), item.message)
+            self.metrics.observe_step_output(len(item.token_ids), now - st.last_token if st.last_token else None,
+                                             first=st.first_token == 0.0)
             if st.add(item, now):
                 return st.final("stop", now)  # a stop string; the engine is told to stop in _forget
             if item.finish_reason is not None:

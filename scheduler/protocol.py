@@ -95,6 +95,8 @@ class SpecStats(Wire):
     acceptance_rate: float = 0.0
     mean_accepted_length: float = 0.0
     acceptance_per_position: list[float] = msgspec.field(default_factory=list)
+    drafted_per_position: list[int] = msgspec.field(default_factory=list)  # counts behind the rates above
+    accepted_per_position: list[int] = msgspec.field(default_factory=list)
 
 
 class Timings(Wire):
@@ -156,6 +158,9 @@ class EngineStats(Wire):
     accepted_tokens: int = 0
     pid: int = 0
     tag: int = 0  # internal: matches a reply to its query
+    spec_policy: str = ""
+    k_distribution: dict[int, int] = msgspec.field(default_factory=dict)  # requests per k at the last decode step
+    step_costs_ms: dict[str, float] = msgspec.field(default_factory=dict)  # measured "bucket/k/refill" -> ms
 
 
 class StatsReply(Wire):
@@ -164,6 +169,7 @@ class StatsReply(Wire):
     restarts: int
     num_inflight: int  # unfinished requests in the frontend
     engine: EngineStats | None = None  # None while no scheduler is ready
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)  # the Prometheus counters and gauges
 
 
 CLIENT_TYPES: dict[int, type[Wire]] = {

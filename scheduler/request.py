@@ -71,6 +71,8 @@ class SpecStats:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in
                                         zip(self.accepted_per_position, self.drafted_per_position)],
+            "drafted_per_position": list(self.drafted_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
         }
 
 

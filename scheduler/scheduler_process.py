@@ -25,6 +25,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 
 import msgspec  # noqa: E402
+import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
 from engine.engine_config import EngineConfig  # noqa: E402
@@ -214,7 +215,18 @@ class SchedulerLoop:
                            num_pages=alloc.num_pages, page_size=alloc.page_size, integrity_ok=ok,
                            integrity_error=err, num_preemptions=core.num_preemptions, num_steps=self.num_steps,
                            num_finished=self.num_finished, num_output_tokens=self.num_output_tokens,
-                           drafted_tokens=self.drafted, accepted_tokens=self.accepted, pid=os.getpid(), tag=tag)
+                           drafted_tokens=self.drafted, accepted_tokens=self.accepted, pid=os.getpid(), tag=tag,
+                           spec_policy=core.policy.cfg.kind, k_distribution=_k_distribution(core),
+                           step_costs_ms={f"{b}/{k}/{int(r)}": round(v * 1e3, 3)
+                                          for (b, k, r), v in core.policy.costs.table.items()})
+
+
+def _k_distribution(core: EngineCore) -> dict[int, int]:
+    d = core.last_decision
+    if d is None:
+        return {}
+    ks, counts = np.unique(d.num_draft, return_counts=True)
+    return {int(k): int(c) for k, c in zip(ks, counts)}
 
 
 def ready_message(core: EngineCore, info, max_prompt_len: int | None) -> Ready:

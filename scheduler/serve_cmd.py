@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to let in-flight requests finish")
     s.add_argument("--max-inflight", type=int, default=4096, help="unfinished requests before OVERLOADED")
+    s.add_argument("--metrics-port", type=int, default=9400,
+                   help="Prometheus /metrics on 127.0.0.1:PORT (0: any free port, -1: off; a taken port only warns)")
     s.add_argument("--log-level", default="INFO")
 
 
@@ -63,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
                           max_tokens=args.max_tokens_limit, max_prompt_len=args.max_prompt_len,
                           trace=args.trace, startup_timeout_s=args.startup_timeout,
                           max_restarts=args.max_restarts, restart_window_s=args.restart_window,
-                          drain_timeout_s=args.drain_timeout, max_inflight=args.max_inflight)
+                          drain_timeout_s=args.drain_timeout, max_inflight=args.max_inflight,
+                          metrics_port=None if args.metrics_port < 0 else args.metrics_port)
     printer = lambda line: print(line, flush=True)
     return uvloop.run(Frontend(fcfg, tokenizer).serve(printer))
 

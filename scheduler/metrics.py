@@ -1,0 +1,116 @@
+"""Server metrics for operators: Prometheus counters, histograms and gauges on the frontend.
+
+Names follow the field's conventions (vLLM's spec-decode counters, `_total` counters, `_seconds` units):
+
+    specstep_requests_total{finish_reason}                   finished requests
+    specstep_prompt_tokens_total, specstep_generation_tokens_total
+    specstep_spec_decode_num_drafts_total                    decode steps in which a request drafted
+    specstep_spec_decode_num_draft_tokens_total              drafted tokens
+    specstep_spec_decode_num_accepted_tokens_total           accepted drafts
+    specstep_spec_decode_num_accepted_tokens_per_pos_total{position}
+    specstep_time_to_first_token_seconds                     histogram
+    specstep_inter_token_latency_seconds                     histogram, one sample per streamed step output
+    specstep_spec_decode_tokens_per_step                     histogram of tokens a request got per step
+                                                             (1 + accepted drafts; 1 when not speculating)
+    specstep_num_requests_running / _waiting, specstep_kv_pages_used / _total, specstep_spec_decode_k{k}
+
+Counters are fed from the per-request final stats, so they equal the sum of those stats over a run. Gauges come
+from the scheduler's stats (polled). The same figures are in the `stats` protocol message (`snapshot()`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+from scheduler.protocol import EngineStats, Final
+
+log = logging.getLogger("specstep.metrics")
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("specstep_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("specstep_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("specstep_generation_tokens", "Generated tokens", registry=r)
+        self.drafts = Counter("specstep_spec_decode_num_drafts", "Decode steps with drafts", registry=r)
+        self.draft_tokens = Counter("specstep_spec_decode_num_draft_tokens", "Drafted tokens", registry=r)
+        self.accepted_tokens = Counter("specstep_spec_decode_num_accepted_tokens", "Accepted drafts", registry=r)
+        self.accepted_per_pos = Counter("specstep_spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted drafts by draft position", ["position"], registry=r)
+        self.ttft = Histogram("specstep_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("specstep_inter_token_latency_seconds", "Time between streamed step outputs",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens_per_step = Histogram("specstep_spec_decode_tokens_per_step",
+                                         "Tokens a request received per decode step (1 + accepted drafts)",
+                                         buckets=tuple(range(1, 18)), registry=r)
+        self.running = Gauge("specstep_num_requests_running", "Running requests", registry=r)
+        self.waiting = Gauge("specstep_num_requests_waiting", "Waiting requests", registry=r)
+        self.pages_used = Gauge("specstep_kv_pages_used", "KV pages in use", registry=r)
+        self.pages_total = Gauge("specstep_kv_pages_total", "Usable KV pages", registry=r)
+        self.k = Gauge("specstep_spec_decode_k", "Requests per chosen k at the last decode step", ["k"], registry=r)
+        self._k_seen: set[str] = set()
+
+    # ---- feeding -------------------------------------------------------------------------------------------
+    def observe_step_output(self, num_tokens: int, gap_s: float | None, first: bool) -> None:
+        """One engine output for one request (one step): tokens it brought and the time since the previous one."""
+        if num_tokens <= 0:
+            return
+        if not first:
+            self.tokens_per_step.observe(num_tokens)
+            if gap_s is not None:
+                self.itl.observe(gap_s)
+
+    def observe_final(self, final: Final) -> None:
+        self.requests.labels(final.finish_reason).inc()
+        self.prompt_tokens.inc(final.usage.prompt_tokens)
+        self.generation_tokens.inc(final.usage.completion_tokens)
+        if final.timings.ttft_s > 0:
+            self.ttft.observe(final.timings.ttft_s)
+        spec = final.spec
+        self.drafts.inc(spec.spec_steps)
+        self.draft_tokens.inc(spec.drafted_tokens)
+        self.accepted_tokens.inc(spec.accepted_tokens)
+        for pos, n in enumerate(spec.accepted_per_position):
+            self.accepted_per_pos.labels(str(pos)).inc(n)
+
+    def update_engine(self, stats: EngineStats | None) -> None:
+        if stats is None:
+            return
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.pages_used.set(stats.num_usable_pages - stats.num_free_pages)
+        self.pages_total.set(stats.num_usable_pages)
+        current = {str(k): n for k, n in stats.k_distribution.items()}
+        for k in self._k_seen | current.keys():
+            self.k.labels(k).set(current.get(k, 0))
+        self._k_seen |= current.keys()
+
+    # ---- reading -------------------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, float]:
+        """Every sample as name{labels} -> value (the stats message carries this)."""
+        out: dict[str, float] = {}
+        for family in self.registry.collect():
+            for s in family.samples:
+                if s.name.endswith("_created"):
+                    continue
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+        return out
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def serve_http(self, port: int, addr: str = "127.0.0.1") -> int | None:
+        """Serve /metrics on (addr, port); port 0 picks a free one. Returns the port, or None if it is taken."""
+        try:
+            server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as e:
+            log.warning("metrics endpoint on %s:%d not started: %s", addr, port, e)
+            return None
+        return server.server_port

@@ -1,0 +1,61 @@
+"""Operator metrics: Prometheus counters equal the per-request stats summed over a run; the endpoint serves
+valid Prometheus text; the stats message carries the same figures (real server process, real sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadgen.client import Client
+from loadgen.server import ServerProcess
+from scheduler.protocol import GenerateRequest
+
+
+def test_counters_match_final_stats_and_endpoint_is_valid(tiny_target):
+    args = ["--model", str(tiny_target), "--spec", "draft_model", "--draft", str(tiny_target),
+            "--num-spec-tokens", "3", "--spec-policy", "fixed", "--device", "cpu", "--kv-cache-tokens", "4096",
+            "--metrics-port", "0"]
+    with ServerProcess(args) as srv:
+        address = srv.start()
+
+        async def go():
+            client = Client(address)
+            try:
+                reqs = [GenerateRequest(request_id=f"m{i}", prompt_token_ids=[5 + i, 9, 11, 3][: 2 + i % 3],
+                                        max_tokens=10 + 3 * i, temperature=0.0, ignore_eos=True)
+                        for i in range(6)]
+                results = await asyncio.gather(*(client.complete(r, timeout_s=120) for r in reqs))
+                await client.wait_idle()
+                return results, await client.stats()
+            finally:
+                client.close()
+
+        results, stats = asyncio.run(go())
+        port = int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", srv.log()).group(1))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+    finals = [r.final for r in results]
+    assert all(f is not None for f in finals)
+    m = stats.metrics
+    assert m["specstep_generation_tokens_total"] == sum(f.usage.completion_tokens for f in finals)
+    assert m["specstep_prompt_tokens_total"] == sum(f.usage.prompt_tokens for f in finals)
+    assert m["specstep_spec_decode_num_draft_tokens_total"] == sum(f.spec.drafted_tokens for f in finals)
+    assert m["specstep_spec_decode_num_accepted_tokens_total"] == sum(f.spec.accepted_tokens for f in finals)
+    assert m["specstep_spec_decode_num_drafts_total"] == sum(f.spec.spec_steps for f in finals)
+    per_pos = [sum(f.spec.accepted_per_position[j] for f in finals if j < len(f.spec.accepted_per_position))
+               for j in range(3)]
+    assert [m[f'specstep_spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}}'] for j in range(3)] == per_pos
+    assert m['specstep_requests_total{finish_reason="length"}'] == 6
+    assert m["specstep_time_to_first_token_seconds_count"] == 6
+    assert m["specstep_num_requests_running"] == 0
+    assert stats.engine is not None and stats.engine.spec_policy == "fixed"
+
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["specstep_generation_tokens"].type == "counter"
+    assert families["specstep_inter_token_latency_seconds"].type == "histogram"
+    assert families["specstep_spec_decode_tokens_per_step"].type == "histogram"
+    gen = next(s for s in families["specstep_generation_tokens"].samples if s.name.endswith("_total"))
+    assert gen.value == m["specstep_generation_tokens_total"]
