@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from engine.tokenizer import Tokenizer
+from scheduler.metrics import ServerMetrics
 from scheduler.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
@@ -46,7 +47,6 @@ from scheduler.protocol import (
     decode_client,
     encode,
 )
-from scheduler.metrics import ServerMetrics
 from scheduler.request_stream import RequestStream
 from scheduler.sockets import ROUTER_HWM, bound_address, make_socket, send_now
 from scheduler.supervisor import SchedulerSupervisor
