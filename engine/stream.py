@@ -10,6 +10,7 @@ are exercised on machines without a GPU. Both record each job's device interval 
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -75,7 +76,13 @@ class DeviceStream(ABC):
 class ThreadStream(DeviceStream):
     """CPU stand-in for a CUDA stream: one worker thread, FIFO."""
 
+    # The worker's "device" work is torch ops dispatched from Python, so it needs the GIL to start each op; the
+    # default 5 ms switch interval lets the scheduler thread's Python (output processing, batch building) hold
+    # it long enough to idle the device between steps. A short interval hands it over promptly.
+    SWITCH_INTERVAL_S = 2e-4
+
     def __init__(self, name: str = "device") -> None:
+        sys.setswitchinterval(min(sys.getswitchinterval(), self.SWITCH_INTERVAL_S))
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
