@@ -39,10 +39,11 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--batch-1-prompts", type=int, default=4)
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--overlap", action="store_true", help="worker-thread stream (default off: the CPU default)")
     args = ap.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     prompts = code_prompts(64, args.prompt_tokens, seed=1, model=args.model)
-    cfg = EngineConfig(model=args.model, spec="none")
+    cfg = EngineConfig(model=args.model, spec="none", overlap=args.overlap)
     results = {}
     for batch, n in ((1, args.batch_1_prompts), (8, 16), (32, 64)):
         r = run_engine(cfg, prompts[:n], params, batch)
@@ -50,7 +51,7 @@ def main() -> None:
         if batch == 1:
             b1_outputs = r.outputs
         console.print(f"specstep batch {batch}: {r.tok_per_s:.1f} tok/s")
-    torch.set_num_threads(1)  # the same thread count specstep uses on CPU
+    # transformers runs with the thread count the engine set (2 inline, 1 with overlap): same settings.
     hf, hf_outputs = transformers_tok_per_s(args.model, prompts[:args.batch_1_prompts], args.new_tokens)
     results["transformers_b1"] = hf
     same = sum(a == b for a, b in zip(b1_outputs, hf_outputs))

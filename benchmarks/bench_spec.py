@@ -70,11 +70,11 @@ def main() -> None:
             n = 4 if batch == 1 else 2 * batch
             prompts = (random_prompts(n, args.prompt_tokens, vocab, seed=2) if wl == "random"
                        else code_prompts(n, args.prompt_tokens, seed=3))
-            plain = run_engine(EngineConfig(model=target, spec="none"), prompts, params, batch)
+            plain = run_engine(EngineConfig(model=target, spec="none", overlap=False), prompts, params, batch)
             rows = [["none", "-", plain.tok_per_s, 1.0, "-", "-"]]
             for prop in proposers:
                 for k in ks:
-                    cfg = EngineConfig(model=target, spec=prop, num_spec_tokens=k, spec_policy="fixed")
+                    cfg = EngineConfig(model=target, spec=prop, num_spec_tokens=k, spec_policy="fixed", overlap=False)
                     r = run_engine(cfg, prompts, params, batch)
                     if temperature == 0.0:
                         assert r.outputs == plain.outputs, f"{prop} k={k}: greedy output differs from plain decoding"
@@ -92,10 +92,9 @@ def main() -> None:
                 best = r
         k = max(ks)
         prompts = code_prompts(4, args.prompt_tokens, seed=3)
-        torch.set_num_threads(1)
         peer = transformers_peer(target, str(DEFAULT_DRAFTS["draft_model"]), prompts, args.new_tokens, k)
         ours = run_engine(EngineConfig(model=target, spec=best["proposer"], num_spec_tokens=best["k"],
-                                       spec_policy="fixed"), prompts,
+                                       spec_policy="fixed", overlap=False), prompts,
                           SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True), 1)
         rows = [[f"transformers {m} (k={k})", v, v / peer["plain"]] for m, v in peer.items()]
         rows.append([f"specstep {best['proposer']} k={best['k']}", ours.tok_per_s, ours.tok_per_s / peer["plain"]])

@@ -25,7 +25,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     dtype: str = "auto"
     device: str = "auto"
-    threads: int | None = None  # torch intra-op threads; default 1 on CPU (see CPU_NOTES.md)
+    threads: int | None = None  # torch intra-op threads on CPU; default 1 with overlap, 2 without
     spec_policy: str = "fixed"  # fixed (k = num_spec_tokens) | adaptive (k <= num_spec_tokens, from measurements)
     overlap: bool = True
     graphs: str = "auto"  # auto (CUDA: on, CPU: off) | on (CPU: the contract-checking stand-in) | off  # prepare step N+1 on the host while step N runs on the device stream

@@ -28,7 +28,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-spec-tokens", type=int, default=4, help="draft tokens per step (k; the maximum if adaptive)")
     p.add_argument("--spec-policy", choices=["fixed", "adaptive"], default="adaptive",
                    help="fixed k, or choose k per step/request from measured acceptance and step costs")
-    p.add_argument("--no-overlap", action="store_true", help="run device work inline (no double buffering)")
+    p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                   help="prepare step N+1 on the host while step N runs (auto: on for CUDA; off on CPU, where the "
+                        "worker-thread stream shares the GIL and measured slower, see README)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_const", const="off", help="same as --overlap off")
     p.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
                    help="captured step graphs (auto: on CUDA; on: the contract-checking CPU stand-in)")
     p.add_argument("--page-size", type=int, default=16)
@@ -46,7 +49,17 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens, num_pages=args.num_pages,
                         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, dtype=args.dtype,
                         device=args.device, threads=args.threads, spec_policy=args.spec_policy,
-                        overlap=not args.no_overlap, graphs=args.graphs)
+                        overlap=resolve_overlap(args.overlap, args.device), graphs=args.graphs)
+
+
+def resolve_overlap(choice: str, device: str) -> bool:
+    if choice != "auto":
+        return choice == "on"
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
