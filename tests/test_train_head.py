@@ -14,15 +14,11 @@ import torch
 from engine.config import ModelConfig
 from engine.model_loader import load_model, load_mtp_head
 from tests.helpers import make_checkpoint
-from training.head import (
-    HeadSettings,
-    PagedRunner,
-    build_head,
-    head_config_dict,
-    head_losses,
-    precompute,
-    train_head_folder,
-)
+from training.head import train_head_folder
+from training.head_data import PagedRunner, precompute
+from training.head_model import build_head, head_config_dict
+from training.head_objective import head_losses
+from training.head_settings import HeadSettings
 
 
 def _stream(target: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -94,7 +90,7 @@ def test_validation_matches_training_objective(trained):
     feats.hidden = runner.target_hidden(windows)  # fp32 rather than the cached fp16, for the comparison
     with torch.no_grad():
         dense = head_losses(head, target, feats, s)
-    from training.head import validate
+    from training.head_eval import validate
 
     v = validate(runner, windows, s)
     assert abs(float(dense["kl"]) - v["kl"]) < 1e-2 * max(0.1, v["kl"])

@@ -15,17 +15,18 @@
 Precomputation is streamed: chunks of windows are precomputed into a bounded pool as training consumes it
 (each window is drawn about `--reuse` times), so the whole budget is one wall-clock schedule.
 Writes OUT/config.json (`SpecstepMTPHead`), OUT/model.safetensors (head weights only) and OUT/quality.json.
+This file holds the training loop and the command; the features (1) are in `head_data`, the objective (2) in
+`head_objective`, the measurements (3, 4) in `head_eval`, the head folder's config and weights in `head_model`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,24 +36,27 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
-from torch import nn  # noqa: E402
 
 import engine  # noqa: E402
-from engine.batch_builder import build_forward_batch  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.kv_cache import KVPool  # noqa: E402
-from engine.loader import local_to_hf, save_checkpoint  # noqa: E402
 from engine.model_loader import load_model, load_mtp_head  # noqa: E402
 from engine.models.llama import LlamaForCausalLM  # noqa: E402
 from engine.models.mtp_head import MTPHead  # noqa: E402
-from engine.proposers.mtp import MTPProposer  # noqa: E402
-from training.loop import TrainSettings, fixed_windows, lr_at, make_optimizer, new_progress  # noqa: E402
-
-PAGE_SIZE = 16
-INIT_STD = 0.02
+from training.head_data import FeaturePool, PagedRunner, precompute, topk_index_dtype  # noqa: E402
+from training.head_eval import engine_acceptance, validate  # noqa: E402
+from training.head_model import build_head, folder_bytes, head_config_dict, save_head  # noqa: E402
+from training.head_objective import head_losses  # noqa: E402
+from training.head_settings import HeadSettings  # noqa: E402
+from training.loop import (  # noqa: E402
+    Cadence,
+    TrainSettings,
+    fixed_windows,
+    lr_at,
+    make_optimizer,
+    new_progress,
+    random_windows,
+)
 
 
 def default_target() -> Path:
@@ -61,233 +65,6 @@ def default_target() -> Path:
 
 def default_out() -> Path:
     return Path(engine.__file__).parent / "defaults" / "mtp"
-
-
-@dataclass(slots=True)
-class HeadSettings:
-    minutes: float = 12.0  # wall-clock budget of precomputation + optimisation
-    max_steps: int | None = None  # stop earlier (tests, smoke runs)
-    seq_len: int = 256  # target window; the head sees seq_len - 1 positions of it
-    batch_size: int = 4  # windows per optimiser step
-    lr: float = 3e-3
-    warmup_steps: int = 30
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    hidden_weight: float = 1.0  # smooth L1 to the target's next hidden state
-    logit_weight: float = 0.1  # KL to the target's next-token distribution (top-k + tail bucket)
-    topk: int = 32
-    reuse: float = 2.0  # each precomputed window is drawn about this many times
-    chunk_windows: int = 32  # windows precomputed at a time
-    max_pool_tokens: int = 600_000  # cap on cached positions (fp16 hidden + top-k), oldest chunks replaced
-    precompute_batch: int = 8
-    evals: int = 6  # periodic validations (inference path) over the budget
-    periodic_val_windows: int = 8
-    log_every_s: float = 30.0
-
-
-# ---------------------------------------------------------------------------------------------- config / io
-
-
-def head_config_dict(target_cfg: ModelConfig, intermediate_size: int | None = None) -> dict[str, Any]:
-    """The head folder's config.json: a one-layer Llama-style block sized like the target."""
-    return {
-        "architectures": ["SpecstepMTPHead"],
-        "model_type": "specstep_mtp",
-        "vocab_size": target_cfg.vocab_size,
-        "hidden_size": target_cfg.hidden_size,
-        "intermediate_size": int(intermediate_size or target_cfg.intermediate_size),
-        "num_hidden_layers": 1,
-        "num_attention_heads": target_cfg.num_heads,
-        "num_key_value_heads": target_cfg.num_kv_heads,
-        "head_dim": target_cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": target_cfg.max_position_embeddings,
-        "rms_norm_eps": target_cfg.rms_norm_eps,
-        "rope_theta": target_cfg.rope_theta,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-    }
-
-
-def build_head(config: dict[str, Any]) -> MTPHead:
-    """A fresh fp32 head (call `torch.manual_seed` first). Norm gains start at 1, residual outputs scaled down."""
-    head = MTPHead(ModelConfig.from_dict(config))
-    for name, module in head.named_modules():
-        if isinstance(module, nn.Linear):
-            std = INIT_STD / math.sqrt(2) if name.endswith(("o_proj", "down_proj")) else INIT_STD
-            nn.init.normal_(module.weight, std=std)
-    return head
-
-
-def save_head(head: MTPHead, config: dict[str, Any], folder: Path) -> None:
-    """Head weights only (hidden_norm, embed_norm, fc, layers.0.*, norm); embedding and lm_head stay the target's."""
-    state = {k: v for k, v in head.state_dict().items()}
-    save_checkpoint(local_to_hf(state, head.cfg), config, folder)
-
-
-# ------------------------------------------------------------------------------ target features (precompute)
-
-
-@dataclass(slots=True)
-class TargetFeatures:
-    tokens: torch.Tensor  # [N, S] int64
-    hidden: torch.Tensor  # [N, S, d] fp16: the target's final (normed) hidden states
-    top_logp: torch.Tensor  # [N, S, k] fp16: log-probabilities of the target's top-k next tokens
-    top_idx: torch.Tensor  # [N, S, k] int16 (int32 for vocabularies over 32k)
-
-
-class PagedRunner:
-    """Runs the target (and a head) over whole windows through the serving path: paged KV, ForwardBatch."""
-
-    def __init__(self, target: LlamaForCausalLM, max_windows: int, seq_len: int, head: MTPHead | None = None):
-        self.target = target
-        self.device = target.embed_tokens.weight.device
-        self.max_windows = max_windows
-        dtype = target.embed_tokens.weight.dtype
-        self.pages_per_window = -(-seq_len // PAGE_SIZE)
-        num_pages = 1 + max_windows * self.pages_per_window  # page 0 is the dummy page
-        self.pool = KVPool(target.cfg, target.cfg.num_layers, num_pages, PAGE_SIZE, dtype, self.device)
-        self.proposer = None
-        if head is not None:
-            head_pool = KVPool(head.cfg, 1, num_pages, PAGE_SIZE, dtype, self.device)
-            self.proposer = MTPProposer(head, target, head_pool, max_windows, self.device)
-
-    def _batch(self, ids: Sequence[Sequence[int]]):
-        ppw = self.pages_per_window
-        tables = [list(range(1 + b * ppw, 1 + (b + 1) * ppw)) for b in range(len(ids))]
-        return build_forward_batch(ids, np.zeros(len(ids), np.int64), tables, PAGE_SIZE, self.device)
-
-    @torch.no_grad()
-    def target_hidden(self, windows: torch.Tensor) -> torch.Tensor:
-        """[B, S] -> [B, S, d] final hidden states, from one paged prefill per window."""
-        b, s = windows.shape
-        return self.target(self._batch(windows.tolist()), self.pool).view(b, s, -1)
-
-    @torch.no_grad()
-    def head_hidden(self, tokens: torch.Tensor, hidden_in: torch.Tensor) -> torch.Tensor:
-        """The head's serving forward: tokens [B, S'] (t[i+1]) with hidden_in [B, S', d] (h[i]) -> [B, S', d]."""
-        assert self.proposer is not None
-        b, s = tokens.shape
-        fb = self._batch(tokens.tolist())
-        return self.proposer.forward(fb, hidden_in.reshape(b * s, -1)).view(b, s, -1)
-
-
-def precompute(runner: PagedRunner, windows: torch.Tensor, topk: int, batch: int,
-               on_batch: Callable[[int], None] | None = None) -> TargetFeatures:
-    n, s = windows.shape
-    d = runner.target.cfg.hidden_size
-    idx_dtype = torch.int16 if runner.target.cfg.vocab_size <= 32767 else torch.int32
-    hidden = torch.empty(n, s, d, dtype=torch.float16)
-    top_logp = torch.empty(n, s, topk, dtype=torch.float16)
-    top_idx = torch.empty(n, s, topk, dtype=idx_dtype)
-    for i in range(0, n, batch):
-        chunk = windows[i : i + batch]
-        h = runner.target_hidden(chunk)
-        logp = torch.log_softmax(runner.target.compute_logits(h), dim=-1)
-        vals, idx = logp.topk(topk, dim=-1)
-        hidden[i : i + len(chunk)] = h.to(torch.float16)
-        top_logp[i : i + len(chunk)] = vals.clamp_min(-60.0).to(torch.float16)
-        top_idx[i : i + len(chunk)] = idx.to(idx_dtype)
-        if on_batch:
-            on_batch(len(chunk))
-    return TargetFeatures(windows.clone(), hidden, top_logp, top_idx)
-
-
-class FeaturePool:
-    """A bounded ring of precomputed windows; training draws batches uniformly from what is filled."""
-
-    def __init__(self, capacity: int, seq_len: int, d: int, topk: int, idx_dtype: torch.dtype) -> None:
-        self.capacity = capacity
-        self.tokens = torch.zeros(capacity, seq_len, dtype=torch.int64)
-        self.hidden = torch.zeros(capacity, seq_len, d, dtype=torch.float16)
-        self.top_logp = torch.zeros(capacity, seq_len, topk, dtype=torch.float16)
-        self.top_idx = torch.zeros(capacity, seq_len, topk, dtype=idx_dtype)
-        self.filled = 0
-        self.cursor = 0
-        self.added = 0
-
-    def add(self, f: TargetFeatures) -> None:
-        for j in range(f.tokens.shape[0]):
-            c = self.cursor
-            self.tokens[c], self.hidden[c] = f.tokens[j], f.hidden[j]
-            self.top_logp[c], self.top_idx[c] = f.top_logp[j], f.top_idx[j]
-            self.cursor = (c + 1) % self.capacity
-            self.filled = min(self.filled + 1, self.capacity)
-            self.added += 1
-
-    def sample(self, batch: int, rng: np.random.Generator) -> TargetFeatures:
-        pick = torch.from_numpy(rng.integers(0, self.filled, size=batch))
-        return TargetFeatures(self.tokens[pick], self.hidden[pick], self.top_logp[pick], self.top_idx[pick])
-
-
-# ------------------------------------------------------------------------------------------------ objective
-
-
-def topk_kl(p_logp: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) over k + 1 buckets: the target's top-k tokens and the rest of the vocabulary lumped together.
-
-    A lower bound of the full KL, exact when the target's mass is all in its top-k; unlike renormalising the
-    top-k it does not push the head to squeeze a flat distribution into k tokens.
-    """
-    p = p_logp.exp()
-    p_tail = (1.0 - p.sum(-1)).clamp_min(0.0)
-    q_tail = (1.0 - q_logp.exp().sum(-1)).clamp_min(1e-12)
-    top = (p * (p_logp - q_logp)).sum(-1)
-    tail = p_tail * (torch.log(p_tail.clamp_min(1e-12)) - torch.log(q_tail))
-    return (top + tail).mean()
-
-
-def head_losses(head: MTPHead, target: LlamaForCausalLM, f: TargetFeatures, s: HeadSettings) -> dict[str, torch.Tensor]:
-    """The training objective on a batch (dense training path). Head position i predicts what the target
-    does at i+1: regress h[i+1], match the target's distribution for t[i+2]."""
-    with torch.no_grad():
-        emb = target.embed_tokens(f.tokens[:, 1:])  # t[i+1], frozen embedding
-    h = f.hidden.float()
-    out = head.forward_dense(emb, h[:, :-1])
-    hidden_loss = F.smooth_l1_loss(out, h[:, 1:])
-    logq = torch.log_softmax(target.compute_logits(out), dim=-1)  # frozen lm_head, grads flow to `out` only
-    idx = f.top_idx[:, 1:].long()
-    kl = topk_kl(f.top_logp[:, 1:].float(), logq.gather(-1, idx))
-    agree = (logq.argmax(-1) == idx[..., 0]).float().mean()
-    return {"loss": s.hidden_weight * hidden_loss + s.logit_weight * kl, "hidden": hidden_loss, "kl": kl,
-            "agreement": agree}
-
-
-@torch.no_grad()
-def validate(runner: PagedRunner, windows: torch.Tensor, s: HeadSettings) -> dict[str, float]:
-    """Teacher-forced validation through the serving implementations of both models.
-
-    The target runs its paged prefill over each window (fp32, no cached features); the head runs as the engine's
-    `MTPProposer` over a paged batch of (t[i+1], h[i]); logits come from the target's own `compute_logits`.
-    """
-    sums = dict(loss=0.0, hidden_smooth_l1=0.0, kl=0.0, agreement=0.0)
-    label_sums = dict(head_ce=0.0, target_ce=0.0, head_top1=0.0, target_top1=0.0)
-    count = labelled = 0
-    for chunk in windows.split(runner.max_windows):
-        h = runner.target_hidden(chunk)  # [B, S, d]
-        t_logp = torch.log_softmax(runner.target.compute_logits(h[:, 1:]), -1)  # the target at i+1
-        out = runner.head_hidden(chunk[:, 1:], h[:, :-1])  # the head at i
-        q_logp = torch.log_softmax(runner.target.compute_logits(out), -1)
-        hid = float(F.smooth_l1_loss(out, h[:, 1:], reduction="sum")) / out.shape[-1]
-        kl = float((t_logp.exp() * (t_logp - q_logp)).sum())
-        sums["hidden_smooth_l1"] += hid
-        sums["kl"] += kl
-        sums["loss"] += s.hidden_weight * hid + s.logit_weight * kl
-        sums["agreement"] += float((q_logp.argmax(-1) == t_logp.argmax(-1)).sum())
-        count += out.shape[0] * out.shape[1]
-        # Against the text itself: t[i+2] (the last head position's label lies outside the window).
-        labels = chunk[:, 2:].unsqueeze(-1)
-        q_lab, t_lab = q_logp[:, :-1], t_logp[:, :-1]
-        label_sums["head_ce"] -= float(q_lab.gather(-1, labels).sum())
-        label_sums["target_ce"] -= float(t_lab.gather(-1, labels).sum())
-        label_sums["head_top1"] += float((q_lab.argmax(-1, keepdim=True) == labels).sum())
-        label_sums["target_top1"] += float((t_lab.argmax(-1, keepdim=True) == labels).sum())
-        labelled += labels.numel()
-    return ({k: v / count for k, v in sums.items()} | {k: v / labelled for k, v in label_sums.items()}
-            | {"positions": count})
 
 
 # ------------------------------------------------------------------------------------------------- training
@@ -337,25 +114,22 @@ def train_head(head: MTPHead, target: LlamaForCausalLM, stream: np.ndarray, s: H
     d = target.cfg.hidden_size
     runner = PagedRunner(target, max(s.precompute_batch, s.periodic_val_windows), s.seq_len, head)
     capacity = max(s.batch_size, s.max_pool_tokens // s.seq_len)
-    idx_dtype = torch.int16 if target.cfg.vocab_size <= 32767 else torch.int32
-    pool = FeaturePool(capacity, s.seq_len, d, s.topk, idx_dtype)
+    pool = FeaturePool(capacity, s.seq_len, d, s.topk, topk_index_dtype(target.cfg.vocab_size))
     opt = make_optimizer(head, s.lr, s.weight_decay)
     sched = TrainSettings(s.minutes, s.lr, s.batch_size, s.seq_len, warmup_steps=s.warmup_steps,
                           min_lr_ratio=s.min_lr_ratio)
     budget = s.minutes * 60.0
-    eval_every = budget / max(1, s.evals)
+    cadence = Cadence(budget, s.evals, s.log_every_s)
     stats = HeadTrainStats()
     task = progress.add_task("train head", total=budget, info="")
     pre_task = progress.add_task("precompute target", total=None, info="")
     start = time.perf_counter()
-    next_eval, next_log = eval_every, s.log_every_s
     drawn = 0.0
     ema: dict[str, float] = {}
 
     def refill_pool() -> None:
         t0 = time.perf_counter()
-        starts = rng.integers(0, len(stream) - s.seq_len, size=s.chunk_windows)
-        windows = torch.from_numpy(np.stack([stream[a : a + s.seq_len] for a in starts]).astype(np.int64))
+        windows = random_windows(stream, s.chunk_windows, s.seq_len, rng)
         feats = precompute(runner, windows, s.topk, s.precompute_batch,
                            lambda n: progress.advance(pre_task, n * s.seq_len))
         pool.add(feats)
@@ -403,13 +177,11 @@ def train_head(head: MTPHead, target: LlamaForCausalLM, stream: np.ndarray, s: H
         progress.update(task, completed=min(elapsed, budget),
                         info=f"step {stats.steps}  loss {ema['loss']:.4f}  agree {ema['agreement']:.3f}  "
                              f"{rate:,.0f} pos/s")
-        if elapsed >= next_log:
-            next_log += s.log_every_s
+        if cadence.log_due(elapsed):
             progress.console.log(f"head: step {stats.steps}  loss {ema['loss']:.4f} (hidden {ema['hidden']:.4f}, "
                                  f"kl {ema['kl']:.4f})  agreement {ema['agreement']:.3f}  lr {lr:.2e}  "
                                  f"{rate:,.0f} pos/s  pool {pool.filled}/{pool.capacity}")
-        if elapsed >= next_eval and elapsed < budget:
-            next_eval += eval_every
+        if cadence.eval_due(elapsed):
             stats.history.append(periodic(elapsed))
     stats.seconds = time.perf_counter() - start
     if stats.steps:
@@ -420,76 +192,7 @@ def train_head(head: MTPHead, target: LlamaForCausalLM, stream: np.ndarray, s: H
     return stats
 
 
-# ----------------------------------------------------------------------------------- the real engine's view
-
-
-def engine_acceptance(target_dir: Path, head_dir: Path, prompts: list[list[int]], ks: Sequence[int],
-                      max_tokens: int, threads: int = 1, temperature: float = 0.0,
-                      progress: Progress | None = None, check_lossless: bool = True) -> dict[str, Any]:
-    """Run the speculative engine (spec=mtp, fixed k) over `prompts`; acceptance from each request's stats.
-
-    With `check_lossless` (greedy only) it also runs plain decoding and records whether every output is
-    token-identical to it.
-    """
-    from engine.engine_config import EngineConfig
-    from engine.sampling_params import SamplingParams
-    from scheduler.build import build_engine
-    from scheduler.request import Request
-
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
-
-    def generate(cfg: EngineConfig, label: str) -> tuple[list, float]:
-        core, _, _ = build_engine(cfg)
-        task = progress.add_task(label, total=len(prompts) * max_tokens, info="") if progress else None
-        try:
-            reqs = [Request(str(i), list(p), params, seed=1234 + i) for i, p in enumerate(prompts)]
-            for r in reqs:
-                core.add_request(r)
-            t0 = time.perf_counter()
-            while core.has_unfinished():
-                core.step()
-                if progress is not None:
-                    progress.update(task, completed=sum(r.num_output_tokens for r in reqs))
-            return reqs, time.perf_counter() - t0
-        finally:
-            core.stream.close()
-
-    common = dict(model=str(target_dir), device="cpu", threads=threads, kv_cache_tokens=
-                  len(prompts) * (max(len(p) for p in prompts) + max_tokens + 32), max_batch_size=len(prompts))
-    plain = None
-    result: dict[str, Any] = {"prompts": len(prompts), "prompt_tokens": len(prompts[0]), "new_tokens": max_tokens,
-                              "temperature": temperature}
-    if check_lossless and temperature == 0.0:
-        plain, secs = generate(EngineConfig(spec="none", **common), "engine: plain")
-        result["plain_seconds"] = round(secs, 2)
-    for k in ks:
-        cfg = EngineConfig(spec="mtp", draft=str(head_dir), spec_policy="fixed", num_spec_tokens=k, **common)
-        reqs, secs = generate(cfg, f"engine: mtp k={k}")
-        drafted = sum(r.stats.drafted for r in reqs)
-        accepted = sum(r.stats.accepted for r in reqs)
-        steps = sum(r.stats.steps for r in reqs)
-        per_pos_d = np.zeros(k)
-        per_pos_a = np.zeros(k)
-        for r in reqs:
-            n = len(r.stats.drafted_per_position)
-            per_pos_d[:n] += r.stats.drafted_per_position
-            per_pos_a[:n] += r.stats.accepted_per_position
-        row = {"acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-               "mean_accepted_length": round(1 + accepted / steps, 4) if steps else 0.0,
-               "acceptance_per_position": [round(float(a / d), 4) if d else 0.0
-                                           for a, d in zip(per_pos_a, per_pos_d)],
-               "drafted": drafted, "accepted": accepted, "spec_steps": steps, "seconds": round(secs, 2)}
-        if plain is not None:
-            row["identical_to_plain"] = all(a.output_token_ids == b.output_token_ids for a, b in zip(reqs, plain))
-        result[f"k{k}"] = row
-    return result
-
-
 # ------------------------------------------------------------------------------------------------ the whole
-
-
-def _folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.suffix == ".safetensors")
 
 
 def train_head_folder(target_dir: Path, out: Path, train_stream: np.ndarray, heldout_stream: np.ndarray,
@@ -530,7 +233,7 @@ def train_head_folder(target_dir: Path, out: Path, train_stream: np.ndarray, hel
                 engine_figures["sampled_t1"] = engine_acceptance(target_dir, out, engine_prompts, engine_ks,
                                                                  engine_new_tokens, threads, 1.0, progress)
     quality = {
-        "head": {"params": params, "bytes": _folder_bytes(out), "intermediate_size": config["intermediate_size"],
+        "head": {"params": params, "bytes": folder_bytes(out), "intermediate_size": config["intermediate_size"],
                  "target": str(target_dir)},
         "settings": asdict(settings) | {"seed": seed, "threads": threads, "val_windows": len(val)},
         "training": stats.summary(),

@@ -77,6 +77,29 @@ def lr_at(settings: TrainSettings, step: int, fraction: float) -> float:
     return settings.peak_lr * warm * (settings.min_lr_ratio + (1.0 - settings.min_lr_ratio) * cosine)
 
 
+class Cadence:
+    """Wall-clock deadlines of a training loop: a progress log every `log_every_s`, `evals` periodic
+    evaluations spread over the budget. The evaluation due at the very end is the caller's (it always runs)."""
+
+    def __init__(self, budget: float, evals: int, log_every_s: float) -> None:
+        self.budget = budget
+        self.log_every = log_every_s
+        self.eval_every = budget / max(1, evals)
+        self.next_log, self.next_eval = self.log_every, self.eval_every
+
+    def log_due(self, elapsed: float) -> bool:
+        if elapsed < self.next_log:
+            return False
+        self.next_log += self.log_every
+        return True
+
+    def eval_due(self, elapsed: float) -> bool:
+        if elapsed < self.next_eval or elapsed >= self.budget:
+            return False
+        self.next_eval += self.eval_every
+        return True
+
+
 def train(
     model: LlamaForCausalLM,
     loss_fn: Callable[[torch.Tensor], torch.Tensor],
@@ -94,11 +117,10 @@ def train(
     """
     opt = make_optimizer(model, settings.peak_lr, settings.weight_decay)
     budget = settings.minutes * 60.0
-    eval_every = budget / max(1, settings.evals)
+    cadence = Cadence(budget, settings.evals, settings.log_every_s)
     stats = TrainStats()
     task = progress.add_task(label, total=budget, info="")
     start = time.perf_counter()
-    next_eval, next_log = eval_every, settings.log_every_s
     ema: float | None = None
     model.train()
     while (elapsed := time.perf_counter() - start) < budget:
@@ -118,13 +140,11 @@ def train(
         elapsed = time.perf_counter() - start
         progress.update(task, completed=min(elapsed, budget),
                         info=f"loss {ema:.3f}  {stats.tokens / elapsed:,.0f} tok/s")
-        if elapsed >= next_log:
-            next_log += settings.log_every_s
+        if cadence.log_due(elapsed):
             progress.console.log(f"{label}: step {stats.steps}  tokens {stats.tokens:,}  "
                                  f"train loss {ema:.3f}  "
                                  f"lr {lr:.2e}  {stats.tokens / elapsed:,.0f} tok/s")
-        if elapsed >= next_eval and elapsed < budget:
-            next_eval += eval_every
+        if cadence.eval_due(elapsed):
             stats.history.append(_periodic_eval(model, evaluate, progress, label, stats, elapsed, ema))
     stats.seconds = time.perf_counter() - start
     stats.final_train_loss = ema if ema is not None else float("nan")
