@@ -90,7 +90,7 @@ def _drive(core, prompts, params, batch, seed0=0) -> list[Request]:
         core.step()
         done += [r for r in live if r.finished]
         live = [r for r in live if not r.finished]
-    return done
+    return sorted(done, key=lambda r: int(r.request_id))  # submission order, whatever order they finished in
 
 
 def table(title: str, columns: list[str], rows: list[list]) -> None:
