@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kv_cache import DUMMY_PAGE
+
 
 @dataclass(slots=True)
 class BatchLayout:
@@ -74,11 +76,17 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
     @classmethod
-    def derive(cls, layout: BatchLayout, start: torch.Tensor, input_ids: torch.Tensor) -> ForwardBatch:
-        """All length-dependent metadata from `start` [B], on the device, without a host sync."""
+    def derive(cls, layout: BatchLayout, start: torch.Tensor, input_ids: torch.Tensor,
+               write: torch.Tensor | None = None) -> ForwardBatch:
+        """All length-dependent metadata from `start` [B], on the device, without a host sync.
+
+        `write` [B] bool: lanes whose new K/V are kept; the others write the dummy page (a lane computed only
+        to keep the batch's shape, e.g. a request that drafts fewer tokens than the batch's k)."""
         ps = layout.page_size
         positions = start[layout.token_req] + layout.token_offset
         slot_mapping = layout.page_table[layout.token_req, positions // ps] * ps + positions % ps
+        if write is not None:
+            slot_mapping = torch.where(write[layout.token_req], slot_mapping, DUMMY_PAGE * ps)
         b, p = layout.page_table.shape
         kpos = torch.arange(p * ps, device=start.device)
         kv_slots = (layout.page_table.unsqueeze(-1) * ps + torch.arange(ps, device=start.device)).view(b, p * ps)

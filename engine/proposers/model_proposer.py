@@ -66,7 +66,11 @@ class ModelProposer(Proposer):
         drafts, probs = [token], [q]
         hidden = self.carried_hidden[slots]
         for j in range(1, ctx.k):
-            fb = ForwardBatch.derive(ctx.single_layout, ctx.start + (j - self.shift), token)
+            # A request drafting fewer than k tokens has no pages reserved past its own drafts: its lane keeps
+            # the batch's shape but reads at its start and writes the dummy page.
+            more = ctx.num_draft_dev > j
+            pos = torch.where(more, ctx.start + (j - self.shift), ctx.start)
+            fb = ForwardBatch.derive(ctx.single_layout, pos, token, write=more)
             hidden = self.forward(fb, hidden)
             token, q = draw(self.compute_logits(hidden), ctx.st, ctx.start + (j + 1))
             drafts.append(token)

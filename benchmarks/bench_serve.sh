@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Serving benchmarks with `specstep loadgen` against `specstep serve` on the default models (one run each; the
+# ratios in the tables are measured side by side). Results: $OUT/*/results.{json,csv}, *.png, server logs.
+#   benchmarks/bench_serve.sh [OUT]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-out/bench}
+SPEC=${SPEC:-mtp}
+export OMP_WAIT_POLICY=PASSIVE
+LG=(.venv/bin/python -m scheduler.cli loadgen --max-tokens 64 --prompt-tokens 64 --quiet)
+
+# Issue 4: throughput vs concurrency, speculation off / on (fixed k), held-out code.
+"${LG[@]}" --workload code --concurrency 1,4,16,32 --output-dir "$OUT/concurrency" \
+  --setting off --setting "spec=--spec $SPEC --spec-policy fixed --num-spec-tokens 4"
+
+# Issue 4: overlap on vs off at concurrency 16 (speculation off and on), and a trace of the overlapped server.
+"${LG[@]}" --workload code --concurrency 16 --output-dir "$OUT/overlap" \
+  --setting "overlap-on=--spec none --overlap on --trace $OUT/overlap/trace-on.json" \
+  --setting "overlap-off=--spec none --overlap off" \
+  --setting "spec-overlap-on=--spec $SPEC --spec-policy fixed --num-spec-tokens 4 --overlap on" \
+  --setting "spec-overlap-off=--spec $SPEC --spec-policy fixed --num-spec-tokens 4 --overlap off"
+.venv/bin/python -m scheduler.cli trace report "$OUT/overlap/trace-on.json" | tee "$OUT/overlap/trace-report.txt"
+
+# Issue 6: adaptive against every fixed k and speculation off, on predictable, unpredictable and mixed load.
+for wl in code random mix; do
+  "${LG[@]}" --workload "$wl" --concurrency 1,16 --output-dir "$OUT/adaptive-$wl" \
+    --setting off \
+    --setting "k1=--spec $SPEC --spec-policy fixed --num-spec-tokens 1" \
+    --setting "k2=--spec $SPEC --spec-policy fixed --num-spec-tokens 2" \
+    --setting "k4=--spec $SPEC --spec-policy fixed --num-spec-tokens 4" \
+    --setting "adaptive=--spec $SPEC --spec-policy adaptive --num-spec-tokens 4"
+done
