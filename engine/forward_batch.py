@@ -86,7 +86,7 @@ class ForwardBatch:
         positions = start[layout.token_req] + layout.token_offset
         slot_mapping = layout.page_table[layout.token_req, positions // ps] * ps + positions % ps
         if write is not None:
-            slot_mapping = torch.where(write[layout.token_req], slot_mapping, DUMMY_PAGE * ps)
+            slot_mapping = torch.where(write.index_select(0, layout.token_req), slot_mapping, DUMMY_PAGE * ps)
         b, p = layout.page_table.shape
         kpos = torch.arange(p * ps, device=start.device)
         kv_slots = (layout.page_table.unsqueeze(-1) * ps + torch.arange(ps, device=start.device)).view(b, p * ps)
