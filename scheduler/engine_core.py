@@ -48,6 +48,7 @@ class InFlight:
     handle: StepHandle[StepOutput]
     chainable: bool  # the next step may be built before this one is read back
     decision: Decision
+    launched: float  # perf_counter before its batch was built
 
 
 @dataclass(slots=True)
@@ -239,6 +240,7 @@ class EngineCore:
         self.waiting.appendleft(req)
 
     def _launch(self, batch: list[Request], decision: Decision, chain: Chain | None) -> InFlight:
+        launched = time.perf_counter()
         with self.tracer.range(ranges.BUILD_BATCH, batch=len(batch)):
             ctx = self.engine.plan_decode(batch, decision.num_draft, chain, decision.refill)
         decision.num_draft = ctx.num_draft
@@ -247,7 +249,7 @@ class EngineCore:
             self._inflight_count[id(r)] = self._inflight_count.get(id(r), 0) + 1
         proposer = self.engine.proposer
         chainable = self.overlap and (proposer is None or proposer.has_model)
-        return InFlight(batch, handle, chainable, decision)
+        return InFlight(batch, handle, chainable, decision, launched)
 
     def _launch_chained(self, cur: InFlight) -> InFlight | None:
         """Step N+1 for the running requests, built while step N runs. None if it cannot be built blind
@@ -278,9 +280,6 @@ class EngineCore:
             out = inf.handle.wait()
             accepted = out.num_accepted.tolist()  # the step's one host sync
             tokens = out.out_tokens.tolist()
-        d = inf.decision
-        self.policy.observe_step(len(inf.batch), d.k if d.num_draft.any() else 0, d.refill,
-                                 inf.handle.device_seconds())
         outputs = []
         with self.tracer.range(ranges.PROCESS_OUTPUT):
             for req, a, row, nd in zip(inf.batch, accepted, tokens, out.num_draft.tolist()):
@@ -293,11 +292,16 @@ class EngineCore:
                 self.policy.observe_request(req.acceptance, nd, a)
                 req.num_computed = len(req.token_ids) + a  # target KV now holds last + a accepted drafts
                 outputs.append(self._append(req, row[: a + 1]))
-                if d.refill:
+                if inf.decision.refill:
                     req.draft_len = len(req.token_ids)
             for req in [r for r in self._pending_release if id(r) not in self._inflight_count]:
                 self._pending_release.remove(req)
                 self._release(req)
+        # The step's cost for the policy: device time when host work is hidden behind it (overlap); inline,
+        # the whole step from build to processed outputs, since the host part then adds to every step too.
+        d = inf.decision
+        cost = inf.handle.device_seconds() if self.overlap else time.perf_counter() - inf.launched
+        self.policy.observe_step(len(inf.batch), d.k if d.num_draft.any() else 0, d.refill, cost)
         return outputs
 
     def _release(self, req: Request) -> None:

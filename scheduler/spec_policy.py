@@ -3,7 +3,8 @@
 For request i with per-position acceptance alpha_i, a chain of k drafts emits in expectation
     E_i(k) = 1 + alpha_i + alpha_i^2 + ... + alpha_i^k        tokens per step (the bonus counted).
 A step of batch B with a set S of requests speculating k tokens costs about
-    C(B, k, S) = t(B, 0) + |S| / B * (t(B, k) - t(B, 0))
+    C(B, k, S) = t(B, 0) + |S| / B * (t(B, k) - t(B, 0))        (n-gram: drafting is free, verify rows scale)
+    C(B, k, S) = t(B, k) for any non-empty S                     (model proposers: the draft loop runs every lane)
 where t(B, k) is the measured device time of a step at B's bucket with k drafts (t(B, 0): plain decode, with the
 draft's KV refill when it is kept). The policy maximises expected tokens per second of device time,
     (B + sum_{i in S} (E_i(k) - 1)) / C(B, k, S),
@@ -49,6 +50,7 @@ class PolicyConfig:
     can_drop_refill: bool = False  # proposer supports catching up later (draft model: yes; MTP head: no)
     keeps_draft_kv: bool = True  # model proposers refill a KV cache; n-gram has none
     explore_samples: int = 3  # measurements of each (bucket, k) before the cost model is trusted
+    min_gain: float = 0.3  # expected extra tokens per step below which a request is not worth a draft
 
     @property
     def ks(self) -> tuple[int, ...]:
@@ -91,7 +93,8 @@ class Decision:
 
     def to_log(self) -> dict:
         return {"k": self.k, "refill": self.refill, "speculating": int((self.num_draft > 0).sum()),
-                "expected_tokens": round(self.expected_tokens, 3), "expected_cost_ms": round(self.expected_cost * 1e3, 3),
+                "expected_tokens": round(self.expected_tokens, 3),
+                "expected_cost_ms": round(self.expected_cost * 1e3, 3),
                 "explored": self.explored}
 
 
@@ -156,10 +159,13 @@ class AdaptivePolicy:
             nd = np.where(fixed, fixed_k, k)
             return Decision(np.minimum(nd, room).clip(0), k, refill, 0.0, 0.0, explored=True)
 
+        # Hysteresis on each request's inclusion too: one that drafted last step stays in at 0.65 of the threshold.
+        threshold = np.array([cfg.min_gain * (0.65 if a.idle_steps == 0 and a.trials > 0 else 1.0)
+                                    for a in accs])
         best: Decision | None = None
         current: Decision | None = None
         for k in cfg.ks:
-            d = self._evaluate(k, alpha, fixed, fixed_k, room, b)
+            d = self._evaluate(k, alpha, fixed, fixed_k, room, b, threshold)
             if best is None or d.expected_tokens / d.expected_cost > best.expected_tokens / best.expected_cost:
                 best = d
             if k == self.current_k:
@@ -206,7 +212,7 @@ class AdaptivePolicy:
         return best
 
     def _evaluate(self, k: int, alpha: np.ndarray, fixed: np.ndarray, fixed_k: np.ndarray, room: np.ndarray,
-                  b: int, force_all: bool = False) -> Decision:
+                  b: int, threshold: np.ndarray | float = 0.0, force_all: bool = False) -> Decision:
         t0, tk = self._cost(b, 0), self._cost(b, k)
         gain = expected_tokens(alpha, k) - 1.0  # extra tokens if request i speculates k
         per_req = (tk - t0) / b
@@ -218,8 +224,14 @@ class AdaptivePolicy:
             chosen[i] = True
             tokens += float(expected_tokens(alpha[i:i + 1], int(min(fixed_k[i], room[i])))[0] - 1)
             cost += per_req
+        if self.cfg.keeps_draft_kv and k > 0:
+            # A model proposer's draft loop runs over every lane once anyone drafts: a speculating step costs
+            # about t(B, k) however few requests draft. So it is all requests worth a draft at k, or nobody.
+            chosen |= ~fixed & ((gain >= threshold) | force_all)
+            tokens += float(gain[chosen & ~fixed].sum())
+            cost = tk if chosen.any() else t0
         for i in order:
-            if fixed[i] or k == 0:
+            if fixed[i] or k == 0 or self.cfg.keeps_draft_kv:
                 continue
             if force_all or gain[i] / max(per_req, 1e-9) > tokens / cost:  # improves tokens per second
                 chosen[i] = True
