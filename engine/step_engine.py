@@ -145,11 +145,6 @@ class StepEngine:
             num_draft[:] = 0  # a stale draft cannot propose
         return self.decode_context(seqs, num_draft, host_drafts, chain, refill)
 
-    @torch.inference_mode()
-    def decode(self, seqs: list[SeqState], num_draft: np.ndarray) -> StepOutput:
-        """One decode step; request b speculates num_draft[b] tokens (0 = plain decoding for it)."""
-        return self.run_decode(self.plan_decode(seqs, num_draft))
-
     def run_decode(self, ctx: DecodeContext) -> StepOutput:
         """The device part of a decode step (no host sync): patch a chained step's inputs, then run the body
         eagerly or as a graph replay."""
