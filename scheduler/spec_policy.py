@@ -121,6 +121,21 @@ class StepCosts:
     def get(self, batch: int, k: int, refill: bool) -> float | None:
         return self.table.get((bucket(batch), k, refill))
 
+    def total_samples(self, k: int, refill: bool) -> int:
+        return sum(n for (_, kk, r), n in self.counts.items() if kk == k and r == refill)
+
+    def ratio_near(self, batch: int, k: int, refill: bool) -> float | None:
+        """t(k) / t(0) at the measured bucket nearest to `batch` (in log2 distance)."""
+        target = bucket(batch).bit_length()
+        best = None
+        for (b, kk, r), t in self.table.items():
+            t0 = self.table.get((b, 0, r))
+            if kk == k and r == refill and t0:
+                d = abs(b.bit_length() - target)
+                if best is None or d < best[0]:
+                    best = (d, t / t0)
+        return None if best is None else best[1]
+
 
 class AdaptivePolicy:
     def __init__(self, cfg: PolicyConfig) -> None:
@@ -191,24 +206,36 @@ class AdaptivePolicy:
         return best
 
     def _unmeasured(self, b: int) -> tuple[int, bool] | None:
-        """Measure every candidate a few times per bucket before trusting the cost model."""
+        """What to measure before trusting the cost model: each k a few times in some bucket (cost ratios carry
+        over between buckets), and plain decoding once in this bucket (the baseline the ratios scale)."""
         r = self.cfg.keeps_draft_kv
         n = self.cfg.explore_samples
+        if self.costs.samples(b, 0, r) < 1:
+            return 0, r
         for k in self.cfg.ks:
-            if self.costs.samples(b, k, r) < n:
+            if self.costs.total_samples(k, r) < n:
                 return k, r
-        if self.cfg.can_drop_refill and self.costs.samples(b, 0, False) < n:
+        if self.cfg.can_drop_refill and self.costs.samples(b, 0, False) < 1:
             return 0, False
         return None
+
+    def _raw_cost(self, b: int, k: int, r: bool) -> float | None:
+        """t(B, k) measured at B's bucket, else t(B, 0) scaled by t(k)/t(0) of the nearest bucket measuring both."""
+        measured = self.costs.get(b, k, r)
+        if measured is not None or k == 0:
+            return measured
+        t0 = self.costs.get(b, 0, r)
+        ratio = self.costs.ratio_near(b, k, r)
+        return None if t0 is None or ratio is None else t0 * ratio
 
     def _cost(self, b: int, k: int) -> float:
         """t(B, k), made non-decreasing in k (more drafts never cost less; noise must not say otherwise)."""
         r = self.cfg.keeps_draft_kv
-        best = self.costs.get(b, 0, r) or 1e-3
+        best = self._raw_cost(b, 0, r) or 1e-3
         for kk in self.cfg.ks:
             if kk > k:
                 break
-            best = max(best, self.costs.get(b, kk, r) or best)
+            best = max(best, self._raw_cost(b, kk, r) or best)
         return best
 
     def _evaluate(self, k: int, alpha: np.ndarray, fixed: np.ndarray, fixed_k: np.ndarray, room: np.ndarray,
