@@ -205,17 +205,26 @@ class EngineCore:
             self.tracer.instant("spec_decision", batch=b, **decision.to_log())
         return decision
 
-    def _reserve(self) -> np.ndarray:
+    def _reserve(self) -> Decision:
         """Pages for every running request's look-ahead; preempt the newest requests while they do not fit."""
         while True:
             decision = self._decide(self.running)
-            need = [len(r.token_ids) + int(k) + 1 + self.lookahead for r, k in zip(self.running, decision.num_draft)]
-            short = sum(max(0, self.allocator.pages_for(n) - len(r.page_table)) for r, n in zip(self.running, need))
-            if short <= self.allocator.num_free or len(self.running) == 1:
-                for r, n in zip(self.running, need):
-                    self.allocator.ensure(r.page_table, n)
+            if self._reserve_pages(self.running, decision.num_draft, force=len(self.running) == 1):
                 return decision
             self._preempt(self.running[-1])
+
+    def _reserve_pages(self, reqs: list[Request], num_draft: np.ndarray, pending: np.ndarray | None = None,
+                       force: bool = False) -> bool:
+        """Grow each page table to hold its step's writes: current tokens, what a step in flight may still add
+        (`pending`), k drafts, the bonus token and the proposer's look-ahead. All or nothing."""
+        extra = pending if pending is not None else np.zeros(len(reqs), dtype=np.int64)
+        need = [len(r.token_ids) + int(p) + int(k) + 1 + self.lookahead for r, p, k in zip(reqs, extra, num_draft)]
+        short = sum(max(0, self.allocator.pages_for(n) - len(r.page_table)) for r, n in zip(reqs, need))
+        if short > self.allocator.num_free and not force:
+            return False
+        for r, n in zip(reqs, need):
+            self.allocator.ensure(r.page_table, n)
+        return True
 
     def _stale(self, reqs: list[Request]) -> list[Request]:
         return [r for r in reqs if r.draft_len < len(r.token_ids)] if self.engine.has_draft_model else []
@@ -263,13 +272,8 @@ class EngineCore:
             decision = self._decide(batch, pending)
             if decision.refill and (not cur.decision.refill or self._stale(batch)):
                 return None  # the draft must catch up on host tokens first: drain
-            need = [len(r.token_ids) + int(p) + int(k) + 1 + self.lookahead
-                    for r, p, k in zip(batch, pending, decision.num_draft)]
-            short = sum(max(0, self.allocator.pages_for(n) - len(r.page_table)) for r, n in zip(batch, need))
-            if short > self.allocator.num_free:
+            if not self._reserve_pages(batch, decision.num_draft, pending):
                 return None
-            for r, n in zip(batch, need):
-                self.allocator.ensure(r.page_table, n)
         dev = self.engine.device
         src = torch.tensor([row[id(r)] for r in batch], device=dev)
         chain = Chain(prev=cur.handle, src=src, dst=torch.arange(len(batch), device=dev))

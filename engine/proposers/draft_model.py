@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.batch_builder import build_forward_batch
 from engine.errors import CheckpointError
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
@@ -32,11 +31,7 @@ class DraftModelProposer(ModelProposer):
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
         """Feed tokens[draft_len:] (known on the host) and carry logits from the last one."""
         ids = [s.token_ids[n:] for s, n in zip(seqs, draft_lens)]
-        fb = build_forward_batch(ids, np.array(draft_lens, dtype=np.int64), [s.page_table for s in seqs],
-                                 self.pool.page_size, self.device)
-        hidden = self.forward(fb, None)
-        last = torch.from_numpy(np.cumsum([len(t) for t in ids]) - 1).to(self.device)
-        self._carry(hidden, last, torch.tensor([s.slot for s in seqs], device=self.device))
+        self.run_host_tokens(seqs, ids, np.array(draft_lens, dtype=np.int64), None)
 
     def forward(self, fb: ForwardBatch, hidden_in: torch.Tensor | None) -> torch.Tensor:
         return self.model(fb, self.pool)

@@ -53,11 +53,17 @@ class ModelProposer(Proposer):
         # for a head: the target's sampled token fills the last slot on device.
         ids = [s.token_ids[self.shift:] + [0] for s in seqs]
         ids = [t[: int(q) + 1 - self.shift] for t, q in zip(ids, q_lens)]
-        fb = build_forward_batch(ids, np.zeros(len(seqs), np.int64), [s.page_table for s in seqs],
-                                 self.pool.page_size, self.device)
+        self.run_host_tokens(seqs, ids, np.zeros(len(seqs), np.int64), target_hidden, last_token=sampled)
+
+    def run_host_tokens(self, seqs: list[SeqState], ids: list[list[int]], start: np.ndarray,
+                        hidden_in: torch.Tensor | None, last_token: torch.Tensor | None = None) -> None:
+        """Feed ragged host token runs from `start`, and carry state from each run's last token (optionally
+        replaced on device by `last_token`, e.g. the target's sampled token)."""
+        fb = build_forward_batch(ids, start, [s.page_table for s in seqs], self.pool.page_size, self.device)
         last_rows = torch.from_numpy(np.cumsum([len(t) for t in ids]) - 1).to(self.device)
-        fb.input_ids.index_copy_(0, last_rows, sampled)
-        hidden = self.forward(fb, target_hidden)
+        if last_token is not None:
+            fb.input_ids.index_copy_(0, last_rows, last_token)
+        hidden = self.forward(fb, hidden_in)
         self._carry(hidden, last_rows, torch.tensor([s.slot for s in seqs], device=self.device))
 
     def propose(self, ctx: DecodeContext) -> tuple[torch.Tensor, torch.Tensor | None]:
