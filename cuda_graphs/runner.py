@@ -16,23 +16,20 @@ input's pad value, replays, and returns the static outputs sliced to the live la
 largest bucket, kinds or q values not registered, and every call when `GraphConfig.enabled` is False run
 the same step function eagerly.
 
-Integration note for StepEngine (the lead wires it):
+How the engine uses it (`engine/step_graphs.py`, the graph-safe decode step):
   * Step functions take only tensors (see `contract.py`): per lane `start` [B], token ids [B * q], the page
-    table [B, P] at a fixed width P = ceil(max_model_len / page_size) (build layouts with `max_kv_len`, or
-    derive them in the step with `cuda_graphs.steps.uniform_layout`), sampling tensors, carried-state slots.
-    Host flags that change the work (SamplingTensors.all_greedy / needs_filter, k) belong in the graph key:
-    register e.g. "verify_greedy" and "verify_sampled" kinds, or one kind per k.
-  * Graph steps need a fixed q per request: verify/refill use q = k + 1 for every lane and a per-lane q_lens
-    input (num_draft + 1) that masks the unused tail, instead of a ragged layout. The tail's KV writes land
-    in look-ahead slots the request already reserved and the next step overwrites.
+    table [B, P] at a fixed width P (covering max_model_len plus a uniform lane's k + 1 writes and the
+    proposer's look-ahead), sampling tensors, carried-state slots. Host flags that change the work (all greedy,
+    refill dropped) are part of the kind's name; k is the key's q - 1.
+  * Every lane feeds q = k + 1 verify tokens, with a per-lane q_lens input (num_draft + 1) that masks the
+    unused tail; the tail's KV writes land in look-ahead slots the request reserved, or on the dummy page.
   * Pad values: page tables -> DUMMY_PAGE (padding lanes then write only the dummy page), start -> 0, ids -> 0,
     carried-state slots -> a scratch row reserved for padding (never a live request's slot).
-  * Call `run` from inside the device stream's job (CudaStream.submit runs it on the device stream, so the
-    input copies, the replay and the caller's later reads stay ordered). Read or copy outputs before the next
-    replay of the same graph: they are overwritten in place.
+  * `run` is called from inside the device stream's job, so input copies, replay and later reads stay ordered.
+    Outputs are read (or copied) before the next replay of the same graph: they are overwritten in place.
+  * An attention backend that plans (FlashInfer) plans an all-padding batch in `StepKind.prepare` before each
+    capture, and the live lengths into the same buffers before each replay.
   * Prefill stays eager (ragged lengths); so do batches above the largest bucket.
-  * Speculative step = three runs (draft, verify, refill) plus the accept maths, which can be part of the
-    verify graph (`rejection_sample` is sync-free) so that the only host sync stays the accepted-lengths copy.
 """
 
 from __future__ import annotations

@@ -45,11 +45,12 @@ def target_inputs(max_pages: int) -> InputSpecs:
                       "page_table": BufferSpec(trailing=(max_pages,), pad=DUMMY_PAGE)}
 
 
-def target_step(model: LlamaForCausalLM, pool: KVPool) -> StepFn:
-    """decode (q = 1) and verify (q = k + 1): the target over q tokens per lane -> logits, hidden."""
+def target_step(model: LlamaForCausalLM, pool: KVPool, slot: str = "") -> StepFn:
+    """decode (q = 1) and verify (q = k + 1): the target over q tokens per lane -> logits, hidden. `slot`
+    names the attention plan the forward uses (backends that plan, see engine.attention)."""
     def step(inp: Tensors, key: GraphKey) -> dict[str, torch.Tensor]:
         layout = uniform_layout(inp["page_table"], key.q, pool.page_size)
-        hidden = model(ForwardBatch.derive(layout, inp["start"], inp["input_ids"]), pool)
+        hidden = model(ForwardBatch.derive(layout, inp["start"], inp["input_ids"], slot=slot), pool)
         return {"logits": model.compute_logits(hidden), "hidden": hidden}
     return step
 

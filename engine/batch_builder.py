@@ -12,10 +12,12 @@ from engine.kv_cache import DUMMY_PAGE
 
 
 def to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A device copy of a host array; on the CPU a real copy too, so the device side never aliases host state
+    (patching a chained step's `start` must not rewrite its host `base_pos`, as it could not on CUDA)."""
     t = torch.from_numpy(a)
     if torch.device(device).type == "cuda":
-        t = t.pin_memory()  # pinned so the copy is truly asynchronous
-    return t.to(device, non_blocking=True)
+        return t.pin_memory().to(device, non_blocking=True)  # pinned so the copy is truly asynchronous
+    return t.clone()
 
 
 def page_table_array(page_tables: Sequence[Sequence[int]], num_pages: int) -> np.ndarray:
@@ -46,11 +48,14 @@ def build_layout(q_lens: Sequence[int] | np.ndarray, page_tables: Sequence[Seque
 
 
 def build_forward_batch(input_ids: Sequence[Sequence[int]], start_pos: Sequence[int] | np.ndarray,
-                        page_tables: Sequence[Sequence[int]], page_size: int,
-                        device: torch.device | str) -> ForwardBatch:
-    """Convenience for ragged host token lists (prefill, tests)."""
+                        page_tables: Sequence[Sequence[int]], page_size: int, device: torch.device | str,
+                        attention=None, slot: str = "") -> ForwardBatch:
+    """Ragged host token lists (prefill, catch-up, tests); plans `slot` on `attention` if it plans."""
     q_lens = np.array([len(t) for t in input_ids], dtype=np.int64)
+    start_pos = np.asarray(start_pos, dtype=np.int64)
     flat = np.fromiter((x for t in input_ids for x in t), dtype=np.int64, count=int(q_lens.sum()))
     layout = build_layout(q_lens, page_tables, page_size, device)
-    return ForwardBatch.derive(layout, to_device(np.asarray(start_pos, dtype=np.int64), device),
-                               to_device(flat, device))
+    if attention is not None and attention.needs_plan:
+        width = max(len(p) for p in page_tables)
+        attention.plan(slot, q_lens, start_pos + q_lens, page_table_array(page_tables, width))
+    return ForwardBatch.derive(layout, to_device(start_pos, device), to_device(flat, device), slot=slot)

@@ -27,14 +27,17 @@ class EngineConfig:
     device: str = "auto"
     threads: int | None = None  # torch intra-op threads on CPU; default 1 with overlap, 2 without
     spec_policy: str = "fixed"  # fixed (k = num_spec_tokens) | adaptive (k <= num_spec_tokens, from measurements)
-    overlap: bool = True
-    graphs: str = "auto"  # auto (CUDA: on, CPU: off) | on (CPU: the contract-checking stand-in) | off  # prepare step N+1 on the host while step N runs on the device stream
+    overlap: bool = True  # prepare step N+1 on the host while step N runs on the device stream
+    graphs: str = "auto"  # auto (CUDA: on, CPU: off) | on (CPU: the contract-checking stand-in) | off
+    attention: str = "auto"  # auto (torch until FlashInfer is GPU-validated) | torch | flashinfer (CUDA)
 
     def __post_init__(self) -> None:
         if self.spec not in SPEC_KINDS:
             raise ValueError(f"--spec must be one of {', '.join(SPEC_KINDS)}, got {self.spec!r}")
         if self.graphs not in ("auto", "on", "off"):
             raise ValueError(f"--graphs must be auto, on or off, got {self.graphs!r}")
+        if self.attention not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"--attention must be auto, torch or flashinfer, got {self.attention!r}")
         if self.page_size < 1:
             raise ValueError("page size must be >= 1")
         if self.spec_policy not in ("fixed", "adaptive"):

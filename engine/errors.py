@@ -17,3 +17,7 @@ class InvalidRequestError(SpecstepError):
 
 class OutOfPagesError(SpecstepError):
     """The KV page pool cannot hold what was asked of it."""
+
+
+class ConfigError(SpecstepError):
+    """An engine option cannot be honoured on this machine (e.g. FlashInfer without CUDA)."""

@@ -50,6 +50,7 @@ class AttentionMetadata:
     out_index: torch.Tensor  # [T]
     kv_slots: torch.Tensor  # [B, K]
     mask: torch.Tensor  # [B, 1, Q, K] bool; padding query rows see key 0 only (never an all-masked row)
+    slot: str = ""  # which of the step's attention plans this forward uses (backends that plan: FlashInfer)
     _grouped: dict[int, torch.Tensor] = field(default_factory=dict)  # per forward, shared by all layers
 
     def grouped_mask(self, group: int) -> torch.Tensor:
@@ -77,11 +78,12 @@ class ForwardBatch:
 
     @classmethod
     def derive(cls, layout: BatchLayout, start: torch.Tensor, input_ids: torch.Tensor,
-               write: torch.Tensor | None = None) -> ForwardBatch:
+               write: torch.Tensor | None = None, slot: str = "") -> ForwardBatch:
         """All length-dependent metadata from `start` [B], on the device, without a host sync.
 
         `write` [B] bool: lanes whose new K/V are kept; the others write the dummy page (a lane computed only
-        to keep the batch's shape, e.g. a request that drafts fewer tokens than the batch's k)."""
+        to keep the batch's shape, e.g. a request that drafts fewer tokens than the batch's k).
+        `slot`: the attention plan this forward uses ("prefill", "verify", "draft.1", "refill", ...)."""
         ps = layout.page_size
         positions = start[layout.token_req] + layout.token_offset
         slot_mapping = layout.page_table[layout.token_req, positions // ps] * ps + positions % ps
@@ -97,4 +99,4 @@ class ForwardBatch:
         mask = (kpos <= q_pos.unsqueeze(-1)) & (kpos < kv_len.view(b, 1, 1)) & q_valid.unsqueeze(-1)
         mask[:, :, 0] |= ~q_valid
         return cls(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-                   attn=AttentionMetadata(layout.q_index, layout.out_index, kv_slots, mask.unsqueeze(1)))
+                   attn=AttentionMetadata(layout.q_index, layout.out_index, kv_slots, mask.unsqueeze(1), slot))

@@ -63,6 +63,7 @@ class DecodeContext:
     num_draft_dev: torch.Tensor  # [B] device copy of num_draft
     chain: Chain | None = None  # rows whose start/last token come from the previous, still running step
     refill: bool = True  # keep the proposer's KV current (the policy may drop it while nobody speculates)
+    page_tables: np.ndarray | None = None  # [B, P] host copy, for attention backends that plan (FlashInfer)
 
     graph: bool = False  # replay a captured graph (uniform q = k + 1 per lane, fixed page-table width)
 

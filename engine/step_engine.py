@@ -9,6 +9,10 @@ A speculative step, all on device after the host has built its inputs:
 
 k = 0 is plain decoding (the proposer, if any, still refills so it can resume speculating later). The one host
 sync is the caller reading `StepOutput` back, as late as it likes.
+
+Attention backends that plan (FlashInfer) get every forward's exact lengths before the step is enqueued
+(`_plan_attention`); each forward names its plan in `ForwardBatch.derive(..., slot=...)`. For a chained step
+that costs a second, earlier host sync: its starts are only known once the previous step has finished.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.batch_builder import build_forward_batch, build_layout, to_device
+from engine.batch_builder import build_forward_batch, build_layout, page_table_array, to_device
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.models.llama import LlamaForCausalLM
@@ -61,8 +65,10 @@ class StepEngine:
 
     def use_graphs(self, runner: GraphRunner, ks: tuple[int, ...], max_model_len: int, scratch_slot: int):
         """Register the decode step for every k in `ks` and capture (largest bucket first)."""
-        self.graph_max_len = max_model_len
-        max_pages = -(-max_model_len // self.page_size)
+        # Every lane of a graph writes k + 1 verify positions (and the proposer's look-ahead), even a request
+        # one token short of max_model_len that drafts nothing: the page table's width covers them.
+        self.graph_max_len = self.max_kv_len(max_model_len, max(ks))
+        max_pages = -(-self.graph_max_len // self.page_size)
         register_decode_graphs(runner, self, ks, max_pages, scratch_slot)
         self.graphs = runner
         return runner.capture(self.tracer)
@@ -70,6 +76,16 @@ class StepEngine:
     @property
     def page_size(self) -> int:
         return self.pool.page_size
+
+    def max_kv_len(self, max_model_len: int, k_max: int) -> int:
+        """Positions a step may touch: the model's length plus a uniform graph lane's k + 1 writes and the
+        proposer's look-ahead."""
+        return max_model_len + k_max + 1 + (self.proposer.kv_lookahead if self.proposer else 0)
+
+    @property
+    def plans_attention(self) -> bool:
+        """The attention backend needs each forward's exact lengths on the host before it runs (FlashInfer)."""
+        return self.target.attention.needs_plan
 
     @property
     def has_draft_model(self) -> bool:
@@ -85,7 +101,8 @@ class StepEngine:
         start = np.array([s.num_computed for s in seqs], dtype=np.int64)
         q_lens = np.array([len(t) for t in ids], dtype=np.int64)
         with self.tracer.range(ranges.PREFILL, track=DEVICE_TRACK, batch=len(seqs), tokens=int(q_lens.sum())):
-            fb = build_forward_batch(ids, start, [s.page_table for s in seqs], self.page_size, self.device)
+            fb = build_forward_batch(ids, start, [s.page_table for s in seqs], self.page_size, self.device,
+                                     self.target.attention, "prefill")
             hidden = self.target(fb, self.pool)
             last = torch.from_numpy(np.cumsum(q_lens) - 1).to(self.device)
             st = self.sampling_tensors(seqs)
@@ -124,11 +141,13 @@ class StepEngine:
         else:
             verify = build_layout(num_draft + 1, tables, self.page_size, self.device)
             single = build_layout(np.ones(b, np.int64), tables, self.page_size, self.device)
+        host_tables = page_table_array(tables, max(len(t) for t in tables)) if self.plans_attention else None
         return DecodeContext(
             seqs=seqs, k=k, num_draft=num_draft, base_pos=base, start=to_device(base, self.device), st=st,
             slots=to_device(np.array([s.slot for s in seqs], dtype=np.int64), self.device),
             verify_layout=verify, single_layout=single, device=self.device, input_grid=grid,
             num_draft_dev=to_device(num_draft, self.device), chain=chain, refill=refill, graph=graph,
+            page_tables=host_tables,
         )
 
     def plan_decode(self, seqs: list[SeqState], num_draft: np.ndarray, chain: Chain | None = None,
@@ -149,13 +168,16 @@ class StepEngine:
         """The device part of a decode step (no host sync): patch a chained step's inputs, then run the body
         eagerly or as a graph replay."""
         b, k = ctx.batch_size, ctx.k
+        grid = to_device(ctx.input_grid, self.device)
+        plans = self.plans_attention
+        if plans:
+            # Outside the DECODE range: the device idles while a chained step waits for the previous step's
+            # lengths and plans, and the trace should show that gap.
+            self._patch(ctx, grid)
+            self._plan_attention(ctx)
         with self.tracer.range(ranges.DECODE, track=DEVICE_TRACK, batch=b, k=k, graph=ctx.graph):
-            grid = to_device(ctx.input_grid, self.device)
-            if ctx.chain is not None:
-                c, prev = ctx.chain, ctx.chain.prev.result()
-                acc = prev.num_accepted[c.src]
-                ctx.start[c.dst] = prev.start[c.src] + acc + 1
-                grid[c.dst, 0] = prev.out_tokens[c.src, acc]
+            if not plans:
+                self._patch(ctx, grid)
             if ctx.graph:
                 outs = self.graphs.run(flavour(ctx.st, ctx.refill), k + 1,
                                        graph_inputs(ctx, grid, ctx.single_layout.page_table), b)
@@ -164,6 +186,37 @@ class StepEngine:
             else:
                 out, accepted = self.decode_body(ctx, grid)
         return StepOutput(out_tokens=out, num_accepted=accepted, num_draft=ctx.num_draft, start=ctx.start)
+
+    @staticmethod
+    def _patch(ctx: DecodeContext, grid: torch.Tensor) -> None:
+        """A chained step's starts and last tokens from the previous step's outputs, on the device."""
+        if ctx.chain is not None:
+            c, prev = ctx.chain, ctx.chain.prev.result()
+            acc = prev.num_accepted[c.src]
+            ctx.start[c.dst] = prev.start[c.src] + acc + 1
+            grid[c.dst, 0] = prev.out_tokens[c.src, acc]
+
+    def _plan_attention(self, ctx: DecodeContext) -> None:
+        """Plan every forward of the step with exact host lengths. A chained step's starts exist only on the
+        device until the previous step finishes: read them back first (a host sync; see flashinfer_backend)."""
+        base = ctx.base_pos
+        if ctx.chain is not None:
+            with self.tracer.range(ranges.WAIT, chained=True):
+                base = ctx.start.cpu().numpy()
+        with self.tracer.range(ranges.PLAN, batch=ctx.batch_size, k=ctx.k):
+            b, k = ctx.batch_size, ctx.k
+            lanes = self.graphs.bucket_for(b) if ctx.graph else None
+            q = np.full(b, k + 1, np.int64) if ctx.graph else ctx.num_draft + 1
+            self.target.attention.plan("verify", q, base + q, ctx.page_tables, lanes)
+            if self.has_draft_model:
+                self.proposer.plan_attention(ctx, base, q, lanes)
+
+    def plan_graph_padding(self, k: int, lanes: int, refill: bool) -> None:
+        """Before capturing a decode graph: plan each of its forwards for an all-padding batch, so the graph
+        records the attention buffers later plans rewrite in place."""
+        self.target.attention.plan_padding("verify", lanes, k + 1)
+        if self.has_draft_model:
+            self.proposer.plan_padding(k, lanes, refill)
 
     def decode_body(self, ctx: DecodeContext, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """draft -> verify -> accept -> refill over tensors only (graph-capturable)."""
@@ -180,7 +233,7 @@ class StepEngine:
         with tr.range(ranges.VERIFY, track=dev):
             # [last, d1 .. d_num_draft] per request, drafts plugged in on device.
             ids = grid.reshape(-1) if ctx.graph else grid.reshape(-1)[ctx.verify_flat_index()]
-            hidden = self.target(ForwardBatch.derive(ctx.verify_layout, ctx.start, ids), self.pool)
+            hidden = self.target(ForwardBatch.derive(ctx.verify_layout, ctx.start, ids, slot="verify"), self.pool)
         with tr.range(ranges.ACCEPT, track=dev):
             first_pos = ctx.start + 1
             if k == 0:

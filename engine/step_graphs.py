@@ -87,4 +87,7 @@ def register_decode_graphs(runner: GraphRunner, engine: StepEngine, ks: tuple[in
     specs = decode_inputs(max_pages, engine.vocab_size, scratch_slot)
     flavours = FLAVOURS if engine.has_draft_model else FLAVOURS[:2]
     for name in flavours:
-        runner.register(StepKind(name, decode_step_fn(engine), specs, q_values=tuple(k + 1 for k in ks)))
+        refill = not name.endswith("norefill")
+        prepare = (lambda key, refill=refill: engine.plan_graph_padding(key.q - 1, key.batch, refill))
+        runner.register(StepKind(name, decode_step_fn(engine), specs, q_values=tuple(k + 1 for k in ks),
+                                 prepare=prepare if engine.plans_attention else None))

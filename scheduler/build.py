@@ -9,6 +9,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning Op
 
 import torch  # noqa: E402
 
+from engine.attention import make_backend, resolve_backend  # noqa: E402
 from engine.engine_config import EngineConfig  # noqa: E402
 from engine.errors import CheckpointError  # noqa: E402
 from engine.kv_cache import KVPool  # noqa: E402
@@ -39,6 +40,7 @@ class EngineInfo:
     spec: str
     eos_token_ids: tuple[int, ...]
     graphs: dict | None = None  # what capture learned (buckets, graph count, seconds, bytes)
+    attention: str = "torch"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,6 +63,7 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     proposer = build_proposer(cfg, target, num_pages, dtype, device)
     step_engine = StepEngine(target, pool, proposer, device, tracer)
     k_max = cfg.num_spec_tokens if proposer else 0
+    attention = install_attention(cfg, step_engine, step_engine.max_kv_len(max_len, k_max), dtype, device)
     ks = graph_ks(k_max)
     capture = None
     if cfg.graphs == "on" or (cfg.graphs == "auto" and device.type == "cuda"):
@@ -84,8 +87,23 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     info = EngineInfo(num_pages=num_pages, page_size=cfg.page_size, max_model_len=max_len,
                       vocab_size=target.cfg.vocab_size, device=str(device), dtype=str(dtype).replace("torch.", ""),
                       spec=cfg.spec, eos_token_ids=tuple(eos),
-                      graphs=capture.to_dict() if capture is not None else None)
+                      graphs=capture.to_dict() if capture is not None else None, attention=attention)
     return core, tokenizer, info
+
+
+def install_attention(cfg: EngineConfig, engine: StepEngine, max_kv_len: int, dtype: torch.dtype,
+                      device: torch.device) -> str:
+    """Give the target and the proposer's network their attention backend (before graphs are captured)."""
+    name = resolve_backend(cfg.attention, device)
+    if name == "torch":
+        return name
+    max_pages = -(-max_kv_len // cfg.page_size)
+    nets = [engine.target] + ([engine.proposer.network] if engine.has_draft_model else [])
+    workspace = None
+    for net in nets:
+        net.attention = make_backend(name, net.cfg, cfg.page_size, dtype, device, max_pages, workspace)
+        workspace = net.attention.workspace  # one float workspace: the models' kernels run in stream order
+    return name
 
 
 def graph_ks(k_max: int) -> tuple[int, ...]:

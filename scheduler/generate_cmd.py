@@ -34,6 +34,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", dest="overlap", action="store_const", const="off", help="same as --overlap off")
     p.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
                    help="captured step graphs (auto: on CUDA; on: the contract-checking CPU stand-in)")
+    p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], default="auto",
+                   help="paged-attention backend (auto: torch; flashinfer: CUDA with the flashinfer package)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV capacity in tokens")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-cache-tokens)")
@@ -41,7 +43,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads on CPU (default: 1 with overlap, 2 without)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -49,7 +52,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens, num_pages=args.num_pages,
                         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, dtype=args.dtype,
                         device=args.device, threads=args.threads, spec_policy=args.spec_policy,
-                        overlap=resolve_overlap(args.overlap, args.device), graphs=args.graphs)
+                        overlap=resolve_overlap(args.overlap, args.device), graphs=args.graphs,
+                        attention=args.attention)
 
 
 def resolve_overlap(choice: str, device: str) -> bool:
@@ -184,7 +188,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def make_tracer(path: str | None):
     """NVTX ranges always (free without a profiler); a recorder too when a trace file is asked for."""
-    from traces.tracer import TraceRecorder, Tracer
+    from traces.tracer import Tracer, TraceRecorder
 
     recorder = TraceRecorder() if path else None
     return recorder, Tracer(recorder)

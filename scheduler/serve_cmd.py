@@ -88,6 +88,11 @@ def _check(args: argparse.Namespace) -> tuple[EngineConfig, object]:
             raise SpecstepError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_restarts < 0:
         raise SpecstepError("--max-restarts must be >= 0")
+    if cfg.attention == "flashinfer":  # the scheduler process would fail at start-up: say it now
+        from engine.attention.flashinfer_backend import check_usable
+        from scheduler.build import resolve_device
+
+        check_usable(resolve_device(cfg.device))
     try:
         tokenizer = Tokenizer.from_folder(cfg.model)
     except CheckpointError:

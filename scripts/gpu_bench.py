@@ -135,45 +135,32 @@ def decode_read_bytes(model) -> int:
 
 
 class FlashInferRoute:
-    """Route the target pool's attention through FlashInfer (benchmark-only: until the lead wires a backend
-    choice into the model, this patches engine.models.llama's `paged_attention` global; `restore()` undoes it)."""
+    """fi_<kind> step kinds: the target's decode/verify steps with FlashInfer installed as the target's
+    attention backend while the step's Python runs (eagerly, or once under capture); the plain kinds keep
+    the torch backend. Plans are made once per (kind, batch) outside the timed loop: lengths are fixed here."""
 
-    def __init__(self, bench: Bench, cfg, pool, buckets, max_pages) -> None:
-        import engine.models.llama as llama_mod
+    def __init__(self, bench: Bench, cfg, target, max_pages) -> None:
         from engine.attention import flashinfer_backend as fib
 
-        self.fi = fib.FlashInferAttention(cfg, PAGE, bench.dtype, bench.device, max_pages,
-                                          graph_lanes=tuple(buckets))
+        self.fi = fib.FlashInferAttention(cfg, PAGE, bench.dtype, bench.device, max_pages)
+        self.target = target
         self.calls = 0
-        self.active = False  # set while an fi_ step's Python runs (eagerly, or once under capture)
-        self._mod, self._orig = llama_mod, llama_mod.paged_attention
-        caches = {t.data_ptr() for t in pool.k}
 
-        def routed(q, k_cache, v_cache, meta, num_heads, scale):
-            if self.active and k_cache.data_ptr() in caches:
-                self.calls += 1
-                return self.fi.forward(q, k_cache, v_cache, meta, num_heads, scale)
-            return self._orig(q, k_cache, v_cache, meta, num_heads, scale)
-
-        llama_mod.paged_attention = routed
-
-    def restore(self) -> None:
-        self._mod.paged_attention = self._orig
-
-    def kind(self, name: str, step, inputs, q: int):
-        """StepKind fi_<name>: selects the wrapper planned for this slot; capture plans padding first."""
+    def kind(self, name: str, pool, inputs, q: int):
         from cuda_graphs import StepKind
+        from cuda_graphs.steps import target_step
+
+        step = target_step(self.target, pool, slot=name)
 
         def fn(inp, key):
-            self.fi.select(name, key.batch, key.q)
-            self.active = True
+            reference, self.target.attention = self.target.attention, self.fi
+            self.calls += 1
             try:
                 return step(inp, key)
             finally:
-                self.active = False
+                self.target.attention = reference
 
-        return StepKind(f"fi_{name}", fn, inputs, (q,),
-                        prepare=lambda key: self.fi.plan_padding(name, key.batch, key.q))
+        return StepKind(f"fi_{name}", fn, inputs, (q,), prepare=lambda key: self.fi.plan_padding(name, key.batch, q))
 
 
 def bench_shape(bench: Bench, name: str, buckets: list[int], fi_enabled: bool) -> dict:
@@ -205,19 +192,20 @@ def bench_shape(bench: Bench, name: str, buckets: list[int], fi_enabled: bool) -
                       mtp_inputs(max_pages, cfg.hidden_size, bench.dtype), (1,)),
              StepKind("refill", mtp_refill_step(head, target, head_pool),
                       mtp_inputs(max_pages, cfg.hidden_size, bench.dtype), (K + 1,))]
-    from engine.attention.flashinfer_backend import AVAILABLE as fi_available
+    from engine.errors import ConfigError
 
     route = None
-    result["flashinfer"] = "off" if not fi_enabled else "on" if fi_available else "flashinfer not importable"
-    if fi_enabled and fi_available:
-        route = FlashInferRoute(bench, cfg, pool, buckets, max_pages)
-        kinds += [route.kind("decode", target_step(target, pool), target_inputs(max_pages), 1),
-                  route.kind("verify", target_step(target, pool), target_inputs(max_pages), K + 1)]
-    try:
-        _measure(bench, name, kinds, buckets, max_pages, cfg, route, result)
-    finally:
-        if route is not None:
-            route.restore()
+    result["flashinfer"] = "off"
+    if fi_enabled:
+        try:
+            route = FlashInferRoute(bench, cfg, target, max_pages)
+            result["flashinfer"] = "on"
+        except ConfigError as e:  # not installed, or no CUDA device
+            result["flashinfer"] = f"skipped: {e}"
+    if route is not None:
+        kinds += [route.kind("decode", pool, target_inputs(max_pages), 1),
+                  route.kind("verify", pool, target_inputs(max_pages), K + 1)]
+    _measure(bench, name, kinds, buckets, max_pages, cfg, route, result)
     del target, head, pool, head_pool
     if bench.cuda:
         torch.cuda.empty_cache()
@@ -250,15 +238,12 @@ def _measure(bench: Bench, name, kinds, buckets, max_pages, cfg, route, result) 
             if kind.name in ("draft", "refill"):
                 inp["hidden"] = torch.randn(b * q, cfg.hidden_size, device=bench.device, dtype=bench.dtype)
             if kind.name.startswith("fi_"):  # lengths are fixed here: plan once, outside the timed loop
-                prep = route.fi.prepare(kind.name[3:], np.full(b, q), pt.cpu().numpy().astype(np.int32), lanes=b)
-                route.fi.plan(prep, np.full(b, args.ctx + q))
+                route.fi.plan(kind.name[3:], np.full(b, q), np.full(b, args.ctx + q), pt.cpu().numpy(), lanes=b)
             for graphs, runner in (("on", on), ("off", off)):
                 ms = bench.time_ms(lambda r=runner, n=kind.name, q=q, i=inp, b=b: r.run(n, q, i, b), args.iters)
                 rows.append({"shape": name, "kind": kind.name, "batch": b, "q": q, "graphs": graphs, "ms": ms})
     if route is not None:
         result["flashinfer_calls"] = route.calls
-        if route.calls == 0:
-            result["flashinfer"] = "not applied (the model no longer calls engine.models.llama.paged_attention)"
     result["steps"] = rows
     bench.rows.extend(rows)
 
@@ -343,7 +328,7 @@ def main(argv=None) -> int:
             if bench.over_budget(shape):
                 continue
             try:
-                results[shape] = bench_shape(bench, shape, buckets, not args.no_flashinfer and bench.cuda)
+                results[shape] = bench_shape(bench, shape, buckets, not args.no_flashinfer)
             except Exception as e:  # noqa: BLE001 (record it, keep measuring the other shapes)
                 errors[shape] = f"{type(e).__name__}: {e}"
                 print(f"gpu_bench: {shape} failed: {errors[shape]}", file=sys.stderr)

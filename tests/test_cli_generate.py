@@ -134,3 +134,17 @@ def test_bad_prompts(capsys, tiny_target, tmp_path, lines, needles):
     res = cli_in_process(capsys, "--model", tiny_target, "--prompts", write_jsonl(tmp_path / "in.jsonl", lines),
                          "--device", "cpu")
     assert_one_line_error(res, "in.jsonl", *needles)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_flashinfer_without_it_is_a_one_line_error(capsys, tiny_target, tmp_path, command):
+    from engine.attention import flashinfer_backend as fib
+    from scheduler.cli import main
+
+    if fib.AVAILABLE:
+        pytest.skip("flashinfer is installed here")
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": [1, 2]}])
+    args = ["--prompts", str(prompts)] if command == "generate" else []
+    code = main([command, "--model", str(tiny_target), "--device", "cpu", "--attention", "flashinfer", *args])
+    out, err = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess([], code, out, err), "flashinfer", "not installed")

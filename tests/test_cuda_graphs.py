@@ -415,3 +415,21 @@ def test_gpu_check_scripts_parse_and_bench_runs_on_cpu(tmp_path):
     kinds = {(r["kind"], r["batch"], r["graphs"]) for r in data["results"]["tiny"]["steps"]}
     assert kinds == {(k, b, g) for k in ("decode", "verify", "draft", "refill") for b in (1, 2) for g in ("on", "off")}
     assert data["results"]["tiny"]["capture"]["graphs"] == 8 and data["summary"]["tiny"]["floor_ms"] > 0
+
+
+def test_gpu_bench_flashinfer_route_smoke(tmp_path, monkeypatch):
+    """The bench's fi_* kinds (FlashInfer installed on the target during the step, planned per batch) run
+    end to end over the CPU fake of flashinfer; the real numbers come from scripts/gpu_check.sh."""
+    import json
+
+    from scripts.gpu_bench import main
+    from tests import fake_flashinfer
+
+    fake_flashinfer.install(monkeypatch)
+    out = tmp_path / "bench.json"
+    assert main(["--device", "cpu", "--shapes", "tiny", "--dtype", "float32", "--buckets", "1,2", "--iters", "1",
+                 "--ctx", "8", "--out", str(out)]) == 0
+    tiny = json.loads(out.read_text())["results"]["tiny"]
+    kinds = {(r["kind"], r["batch"], r["graphs"]) for r in tiny["steps"]}
+    assert {(k, b, g) for k in ("fi_decode", "fi_verify") for b in (1, 2) for g in ("on", "off")} <= kinds
+    assert tiny["flashinfer"] == "on" and tiny["flashinfer_calls"] > 0

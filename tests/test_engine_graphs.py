@@ -37,3 +37,20 @@ def test_batch_above_the_largest_bucket_runs_eagerly(tiny_target):
     eager_core = make_core(tiny_target, page_size=4, max_batch_size=8, max_model_len=96, graphs="off")
     assert ([r.output_token_ids for r in run_to_completion(core, PROMPTS, params)]
             == [r.output_token_ids for r in run_to_completion(eager_core, PROMPTS, params)])
+
+
+@pytest.mark.parametrize("spec", ["draft_model", "mtp"])
+def test_graph_lanes_near_max_model_len(tiny_target, tiny_draft, tmp_path, spec):
+    """A request one token short of max_model_len drafts nothing, but its graph lane still feeds k + 1 verify
+    positions (and the draft model's look-ahead): the captured page-table width must cover them."""
+    draft = {"draft_model": str(tiny_draft), "mtp": str(make_mtp_head(tmp_path / "head", tiny_target))}[spec]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = [[3] * 29, [5, 9, 11], [4, 2, 8, 8]]
+    outs = []
+    for graphs in ("off", "on"):
+        core = make_core(tiny_target, page_size=4, max_batch_size=4, max_model_len=32, spec_policy="fixed",
+                         spec=spec, draft=draft, num_spec_tokens=3, graphs=graphs)
+        outs.append([r.output_token_ids for r in run_to_completion(core, prompts, params)])
+        core.stream.close()
+    assert outs[0] == outs[1]
+    assert len(outs[0][0]) == 3  # stopped at max_model_len; the others kept speculating alongside it

@@ -1,9 +1,10 @@
-"""The FlashInfer backend's host logic on CPU, against a stand-in `flashinfer` module that implements the
-wrappers' documented semantics in torch (ragged paged KV from indptr / indices / last_page_len; causal
-attention aligned to the end of each request's keys). Checks the index arithmetic, padding lanes, the
-upper-bound-then-exact plan and wrapper selection; tests/test_gpu.py checks the real kernels."""
+"""The FlashInfer backend's host logic on CPU, against tests/fake_flashinfer.py (the wrappers' documented
+semantics in torch). Checks the index arithmetic, padding lanes, which wrapper a slot's forward uses, and the
+errors; tests/test_flashinfer_engine.py runs whole engines on it, tests/test_gpu.py checks the real kernels."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,88 +16,22 @@ from engine.batch_builder import build_layout
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
+from tests import fake_flashinfer
+from tests.fake_flashinfer import _FakeDecode
 
 PS, MAX_PAGES = 4, 6
 CFG = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=32, num_layers=1,
                   num_heads=8, num_kv_heads=2, head_dim=8)
 
 
-class _FakeWrapper:
-    decode = False
-
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, **buffers):
-        assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
-        self.graph = use_cuda_graph
-        self.buffers = buffers
-        self._pin_memory_int_workspace_buffer = None
-        if use_cuda_graph:  # the real wrappers insist on these buffers in graph mode
-            names = ({"paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer"}
-                     if self.decode else
-                     {"qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf", "paged_kv_last_page_len_buf"})
-            assert names <= buffers.keys(), buffers.keys()
-            self.lanes = len(buffers["paged_kv_indptr_buffer" if self.decode else "paged_kv_indptr_buf"]) - 1
-
-    def _plan(self, qo_indptr, indptr, indices, last, hq, hkv, d, ps, sm_scale=None, q_data_type=None,
-              kv_data_type=None, non_blocking=True):
-        assert self._pin_memory_int_workspace_buffer is not None, "staging buffer not swapped in"
-        assert indptr.dtype == indices.dtype == last.dtype == torch.int32
-        if self.graph:
-            assert len(indptr) == self.lanes + 1, "graph-mode wrappers have a fixed batch size"
-        self.plan_args = dict(qo=qo_indptr.clone(), indptr=indptr.clone(), indices=indices.clone(),
-                              last=last.clone(), hq=hq, hkv=hkv, ps=ps, scale=sm_scale)
-
-    def run(self, q, paged_kv_cache):
-        a = self.plan_args
-        k_cache, v_cache = paged_kv_cache  # [pages, ps, hkv, d]
-        out = torch.empty_like(q)
-        group = a["hq"] // a["hkv"]
-        for b in range(len(a["indptr"]) - 1):
-            pages = a["indices"][a["indptr"][b]: a["indptr"][b + 1]].long()
-            kv_len = (len(pages) - 1) * a["ps"] + int(a["last"][b])
-            k = k_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, dim=1)  # [kv, hq, d]
-            v = v_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, dim=1)
-            q0, q1 = int(a["qo"][b]), int(a["qo"][b + 1])
-            s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k.float()) * a["scale"]
-            i = torch.arange(q1 - q0).unsqueeze(1)
-            s = s.masked_fill(torch.arange(kv_len) > kv_len - (q1 - q0) + i, float("-inf"))
-            out[q0:q1] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v.float()).to(q.dtype)
-        return out
-
-
-class _FakeDecode(_FakeWrapper):
-    decode = True
-
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
-                 **buffers):
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, **buffers)
-
-    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-             pos_encoding_mode="NONE", **kw):
-        b = len(indptr) - 1
-        self._plan(torch.arange(b + 1, dtype=torch.int32), indptr, indices, last_page_len, num_qo_heads,
-                   num_kv_heads, head_dim, page_size, **kw)
-
-
-class _FakePrefill(_FakeWrapper):
-    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-             num_kv_heads, head_dim_qk, page_size, causal=False, **kw):
-        assert causal
-        self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-                   num_kv_heads, head_dim_qk, page_size, **kw)
-
-
-class _FakeFlashInfer:
-    BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
-    BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
-
-
 @pytest.fixture
 def fi(monkeypatch):
-    monkeypatch.setattr(fib, "flashinfer", _FakeFlashInfer)
-    monkeypatch.setattr(fib, "AVAILABLE", True)
-    monkeypatch.setattr(fib, "WORKSPACE_BYTES", 1024)
-    monkeypatch.setattr(fib, "INT_WORKSPACE_BYTES", 1024)
-    return fib.FlashInferAttention(CFG, PS, torch.float32, torch.device("cpu"), MAX_PAGES, graph_lanes=(4,))
+    fake_flashinfer.install(monkeypatch)
+    return fib.FlashInferAttention(CFG, PS, torch.float32, torch.device("cpu"), MAX_PAGES)
+
+
+def _meta(slot):
+    return SimpleNamespace(slot=slot)
 
 
 def _problem(q_lens, kv_lens, seed=0):
@@ -120,15 +55,14 @@ def _problem(q_lens, kv_lens, seed=0):
 @pytest.mark.parametrize("slot,q_lens,kv_lens", [
     ("decode", [1, 1, 1], [1, 9, 21]),
     ("verify", [3, 3, 3], [3, 8, 22]),
+    ("verify", [1, 4, 2], [1, 8, 22]),  # ragged verify (requests drafting different counts)
     ("prefill", [5, 1, 7], [5, 4, 20]),
 ])
 def test_plan_matches_torch_backend(fi, slot, q_lens, kv_lens):
     pool, q, ref, pt, meta = _problem(q_lens, kv_lens)
-    prep = fi.prepare(slot, np.array(q_lens), pt)
-    fi.plan(prep, np.array(kv_lens) + 2)  # upper bounds while the previous step runs ...
-    fi.plan(prep, np.array(kv_lens))  # ... exact lengths at PATCH
-    fi.select(slot, len(q_lens), max(q_lens))
-    assert isinstance(fi._active.w, _FakeDecode) == (slot == "decode")
+    fi.plan(slot, np.array(q_lens), np.array(kv_lens), pt)
+    assert isinstance(fi._planned[slot].w, _FakeDecode) == (max(q_lens) == 1 and slot != "prefill")
+    meta.slot = slot
     out = fi.forward(q, pool.k[0], pool.v[0], meta, CFG.num_heads, CFG.head_dim**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -139,28 +73,41 @@ def test_graph_lanes_pad_on_the_dummy_page(fi, slot, q):
     w = fi._wrappers[(slot, 4, q)]
     assert w.w.graph and w.w.plan_args["indices"].tolist() == [0] * 4 * -(-q // PS)
     pool, qs, ref, pt, meta = _problem([q] * 3, [q + 5, 11, 20])
-    prep = fi.prepare(slot, np.full(3, q), pt, lanes=4)
-    fi.plan(prep, np.array([q + 5, 11, 20]))
+    fi.plan(slot, np.full(3, q), np.array([q + 5, 11, 20]), pt, lanes=4)
+    assert fi._planned[slot] is w  # the wrapper the graph captured, rewritten in place
     a, n = w.w.plan_args, -(-q // PS)
     assert a["indices"][-n:].tolist() == [0] * n and int(a["last"][3]) == q  # the padding lane
-    fi.select(slot, 4, q)
-    out = fi.forward(torch.cat([qs, torch.zeros(q, CFG.q_size)]), pool.k[0], pool.v[0], None, CFG.num_heads,
-                     CFG.head_dim**-0.5)
+    out = fi.forward(torch.cat([qs, torch.zeros(q, CFG.q_size)]), pool.k[0], pool.v[0], _meta(slot),
+                     CFG.num_heads, CFG.head_dim**-0.5)
     torch.testing.assert_close(out[: 3 * q], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_exact_plan_is_skipped_when_the_upper_bound_was_exact(fi):
-    pool, q, ref, pt, meta = _problem([1, 1], [6, 9])
-    prep = fi.prepare("decode", np.ones(2), pt)
-    fi.plan(prep, np.array([6, 9]))
-    staged = fi._wrappers[("decode", None, True)].w.plan_args
-    fi.plan(prep, np.array([6, 9]))
-    assert fi._wrappers[("decode", None, True)].w.plan_args is staged
+def test_eager_and_graph_plans_of_a_slot_use_different_wrappers(fi):
+    _, _, _, pt, _ = _problem([1, 1], [6, 9])
+    fi.plan("verify", np.ones(2), np.array([6, 9]), pt)
+    eager = fi._planned["verify"]
+    fi.plan("verify", np.ones(2), np.array([6, 9]), pt, lanes=2)
+    assert fi._planned["verify"] is not eager and fi._planned["verify"].w.graph and not eager.w.graph
 
 
 def test_errors(fi):
     with pytest.raises(RuntimeError, match="never planned"):
-        fi.select("verify", 2, 3)
-    prep = fi.prepare("decode", np.ones(1), np.ones((1, MAX_PAGES), np.int32))
+        fi.forward(torch.zeros(1, CFG.q_size), torch.zeros(8, 2, 8), torch.zeros(8, 2, 8), _meta("verify"),
+                   CFG.num_heads, CFG.head_dim**-0.5)
     with pytest.raises(ValueError, match="pages"):
-        fi.plan(prep, np.array([MAX_PAGES * PS + 1]))
+        fi.plan("decode", np.ones(1), np.array([MAX_PAGES * PS + 1]), np.ones((1, MAX_PAGES), np.int32))
+
+
+def test_without_flashinfer_or_cuda_the_choice_is_a_typed_error(monkeypatch):
+    from engine.attention import resolve_backend
+    from engine.errors import ConfigError
+
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    monkeypatch.setattr(fib, "AVAILABLE", False)
+    with pytest.raises(ConfigError, match="not installed"):
+        fib.FlashInferAttention(CFG, PS, torch.float32, torch.device("cpu"), MAX_PAGES)
+    monkeypatch.setattr(fib, "AVAILABLE", True)
+    with pytest.raises(ConfigError, match="CUDA"):
+        fib.FlashInferAttention(CFG, PS, torch.float32, torch.device("cpu"), MAX_PAGES)
+    with pytest.raises(ConfigError, match="--attention"):
+        resolve_backend("flash", torch.device("cpu"))

@@ -9,7 +9,7 @@ from engine.sampling_params import SamplingParams
 from tests.helpers import make_checkpoint, run_to_completion
 from traces import ranges
 from traces.report import analyze, spans_from_events
-from traces.tracer import TraceRecorder, Tracer
+from traces.tracer import Tracer, TraceRecorder
 
 
 def traced_run(model, draft, overlap: bool, spec: str = "draft_model"):

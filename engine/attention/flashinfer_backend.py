@@ -1,42 +1,36 @@
 """FlashInfer paged attention (CUDA only, optional): prefill, decode and multi-token verify.
 
-Importing this module never fails; `AVAILABLE` says whether flashinfer is importable. Tested against the
-FlashInfer >= 0.2 wrapper API (constructor buffers, `plan(...)` then `run(q, (k_cache, v_cache))`).
+Importing this module never fails; `AVAILABLE` says whether flashinfer is importable. Written against the
+FlashInfer >= 0.2 wrapper API (constructor buffers, `plan(...)` then `run(q, (k_cache, v_cache))`); keyword
+arguments a version does not know are dropped (`_call`).
 
 Fit with our KV layout. `KVPool` stores per layer K and V as [num_pages * page_size, kv_heads, head_dim];
 `.view(num_pages, page_size, kv_heads, head_dim)` is FlashInfer's NHD paged layout, passed as the (k, v)
 tuple. New K/V are still written by `store_kv` (the model's slot_mapping); FlashInfer only reads. Queries
 are our flat token order (request-major), which is FlashInfer's ragged `qo_indptr` order; query head h uses
-KV head h // group in both.
+KV head h // group in both. RoPE is applied by the model before the K/V write, so FlashInfer's is off.
 
-How the model selects it (the lead wires this). `forward` has the signature of
-`engine.attention.torch_backend.paged_attention`; give `LlamaAttention` an `attention` attribute defaulting
-to `paged_attention` and call `self.attention(q, k_cache, v_cache, batch.attn, num_heads, scale)`. Per model
-(target, draft, MTP head: separate pools and head counts) build one `FlashInferAttention` and point every
-layer's `attention` at its `forward`. The AttentionMetadata mask is then unused (derive may skip it).
+How the engine uses it (`engine.attention.select_backend`, `StepEngine`): one instance per model (target,
+draft model or MTP head: separate pools and head counts), installed as the model's `attention`. Every forward
+names its plan in `AttentionMetadata.slot`: "prefill", "verify", "draft.1" .. "draft.{k-1}", "refill".
+Before a forward runs, the step engine calls `plan(slot, q_lens, kv_lens, page_tables, lanes)` with that
+forward's host lengths; `forward` then runs the wrapper last planned for the slot. A step plans all its slots
+before any of its kernels are enqueued (a graph replays them all at once).
 
-Life of a step (host work in the scheduler's batch preparation, all async to the device):
+Graph mode. `lanes` set means "this forward is a graph replay over `lanes` lanes": the plan goes into a
+`use_cuda_graph=True` wrapper with fixed-size device buffers, one per (slot, lanes, q), so a graph captured
+after `plan_padding` keeps reading buffers that later plans rewrite in place. Padding lanes attend their own
+q tokens on the dummy page (kv_len = q), as the GraphRunner pads them. Eager forwards share one ordinary
+wrapper per (slot, decode or prefill kernels).
 
-    prepare(slot, q_lens, page_tables, lanes)   BUILD_BATCH: pad to the graph bucket, stage page tables
-    plan(prepared, kv_lens, stream)             PLAN: lengths -> indptr / indices / last_page_len, wrapper.plan()
-    select(slot, lanes, q)  inside the step fn  which planned wrapper the layers' forward calls use
-    model forward / graph replay                kernels read the wrapper's device buffers
-
-`slot` names one attention use in a step: "prefill", "decode", "verify", "refill", "draft.0", "draft.1", ...
-(each draft-loop iteration has its own lengths, hence its own plan). Lanes in `graph_lanes` get a
-`use_cuda_graph=True` wrapper with fixed-size device buffers, one per (slot, lanes), so a graph captured
-after a plan keeps reading buffers that later plans rewrite in place; other lane counts share one ordinary
-wrapper per slot (eager steps, ragged prefill).
-
-Upper-bound lengths. While step N runs, step N+1's start (hence its KV lengths) depends on how many tokens
-N accepts. `prepare` needs no lengths and runs during batch preparation; `plan` needs them. FlashInfer's
-kernels split KV into chunks planned from the lengths and read the actual lengths from the device buffers;
-a length shorter than planned can fall before a planned chunk start (decode.cuh: chunk_size = chunk_end -
-chunk_start, unsigned), so planning with an upper bound and patching lengths on the device is not safe.
-Instead: plan with upper bounds (base + k + 1) when the step is built, so buffers, staging and work split
-are checked early, and when N's accepted lengths arrive (PATCH) call `plan` again with the exact lengths; the
-re-plan (tens of microseconds of CPU) is hidden behind N's refill. If every draft was accepted the upper
-bound is exact and the second plan is skipped (`Prepared.planned_lens`).
+Exact lengths only. While step N runs, step N+1's KV lengths depend on how many tokens N accepts. FlashInfer
+splits KV into chunks planned from the lengths and reads the actual lengths from device buffers; a length
+shorter than planned can fall before a planned chunk start (decode.cuh: chunk_size = chunk_end - chunk_start,
+unsigned), so planning with an upper bound and patching lengths on the device is not safe. The engine
+therefore builds step N+1 while N runs as usual, then waits for N's accepted lengths (a second, early host
+sync; traced as `wait_accepted`), plans with the exact lengths (`plan`, tens of microseconds) and launches.
+The device idles for the plan and the launch. (Next refinement: read the accepted lengths right after N's
+accept stage, so the plan hides behind N's refill.)
 
 Staging and syncs (the one place that knows these FlashInfer details):
   * `plan` writes its schedule into a pinned host buffer (`_pin_memory_int_workspace_buffer`) and copies it
@@ -60,6 +54,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.errors import ConfigError
 from engine.forward_batch import AttentionMetadata
 from engine.kv_cache import DUMMY_PAGE
 
@@ -69,6 +64,15 @@ except ImportError:  # CPU machines, or CUDA machines without the wheel
     flashinfer = None
 
 AVAILABLE = flashinfer is not None
+
+
+def check_usable(device: torch.device) -> None:
+    """FlashInfer's kernels need the package and a CUDA device (the CPU tests replace this check)."""
+    if not AVAILABLE:
+        raise ConfigError("attention backend flashinfer: the flashinfer package is not installed "
+                          "(pip install specstep[cuda], or bring its wheel)")
+    if device.type != "cuda":
+        raise ConfigError(f"attention backend flashinfer needs a CUDA device, not {device}")
 WORKSPACE_BYTES = 256 << 20
 INT_WORKSPACE_BYTES = 8 << 20
 
@@ -96,8 +100,7 @@ class _Staging:
 class _StagingPair:
     """Two pinned sets per slot, used alternately. Plans of different slots (all made before a step's kernels
     are enqueued) never share a set, so the event wait below only ever waits for a copy from an earlier step.
-    Wrappers of one slot at different buckets share the pair: one step plans a slot once (twice with the
-    upper-bound plan), never at two buckets."""
+    Wrappers of one slot at different buckets share the pair: one step plans a slot once."""
 
     def __init__(self, max_pages: int, pinned: bool) -> None:
         self._max_pages = max_pages
@@ -152,93 +155,70 @@ class _Wrapper:
         return self.dev_indices[:n]
 
 
-@dataclass(slots=True)
-class Prepared:
-    """A step's attention plan in the making: host arrays staged, lengths still to come."""
-
-    slot: str
-    lanes: int  # planned lanes (the graph bucket, or the live batch)
-    q_lens: np.ndarray  # [lanes] int32 (padding lanes: q)
-    page_tables: np.ndarray  # [lanes, P] int32 (padding lanes: the dummy page)
-    live: int
-    planned_lens: np.ndarray | None = None  # kv lengths of the last plan() (None: not planned yet)
-
-
 class FlashInferAttention:
     """Paged attention for one model's layers via FlashInfer; see the module docstring."""
 
+    name = "flashinfer"
+    needs_plan = True
+
     def __init__(self, cfg: ModelConfig, page_size: int, dtype: torch.dtype, device: torch.device,
-                 max_pages_per_request: int, graph_lanes: tuple[int, ...] = (),
-                 workspace: torch.Tensor | None = None) -> None:
-        if not AVAILABLE:
-            raise RuntimeError("flashinfer is not installed (pip install flashinfer-python, or its wheel)")
+                 max_pages_per_request: int, workspace: torch.Tensor | None = None) -> None:
+        check_usable(torch.device(device))
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
         self.max_pages = max_pages_per_request
-        self.graph_lanes = tuple(sorted(graph_lanes))
         # One float workspace for every wrapper (and model, if passed in): kernels run in stream order.
         self.workspace = workspace if workspace is not None else torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8,
                                                                             device=device)
         self._wrappers: dict[tuple[str, int | None, int | bool], _Wrapper] = {}
         self._staging: dict[str, _StagingPair] = {}
-        self._active: _Wrapper | None = None
+        self._planned: dict[str, _Wrapper] = {}  # slot -> the wrapper its last plan went into
 
-    def _key(self, slot: str, lanes: int, q: int) -> tuple[str, int | None, int | bool]:
+    def _wrapper(self, slot: str, lanes: int | None, q: int) -> _Wrapper:
         """Graph-mode wrappers are fixed in lanes and rows: one per (slot, lanes, q). Ordinary wrappers: one
-        per slot and wrapper type (decode kernels for q = 1, prefill kernels otherwise)."""
+        per slot and kernel family (decode kernels for q = 1, prefill kernels otherwise)."""
         decode = q == 1 and slot != "prefill"
-        return (slot, lanes, q) if lanes in self.graph_lanes else (slot, None, decode)
-
-    def _wrapper(self, key: tuple[str, int | None, int | bool], decode: bool) -> _Wrapper:
+        key = (slot, lanes, q) if lanes is not None else (slot, None, decode)
         w = self._wrappers.get(key)
         if w is None:
-            w = self._wrappers[key] = _Wrapper(decode, key[1], self.max_pages, self.workspace,
+            w = self._wrappers[key] = _Wrapper(decode, lanes, self.max_pages, self.workspace,
                                                self.num_heads // self.num_kv_heads)
         return w
 
-    def prepare(self, slot: str, q_lens: np.ndarray, page_tables: np.ndarray, lanes: int | None = None) -> Prepared:
-        """Stage a step's page tables and query lengths, padded to `lanes` (the graph bucket)."""
-        q_lens = np.asarray(q_lens, dtype=np.int32)
-        live = len(q_lens)
-        lanes = lanes or live
-        q = int(q_lens.max(initial=1))
-        pt = np.full((lanes, self.max_pages), DUMMY_PAGE, dtype=np.int32)
-        width = min(page_tables.shape[1], self.max_pages) if live else 0
-        pt[:live, :width] = page_tables[:, :width]
-        return Prepared(slot, lanes, np.concatenate([q_lens, np.full(lanes - live, q, np.int32)]), pt, live)
-
     def plan_padding(self, slot: str, lanes: int, q: int, stream: torch.cuda.Stream | None = None) -> None:
         """Plan every lane as a padding lane: what a graph is captured with (GraphRunner pads the same way)."""
-        prep = Prepared(slot, lanes, np.full(lanes, q, np.int32),
-                        np.full((lanes, self.max_pages), DUMMY_PAGE, np.int32), live=0)
-        self.plan(prep, np.zeros(0, np.int32), stream)
+        self.plan(slot, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros((0, 1), np.int32), lanes, stream,
+                  q_pad=q)
 
-    def plan(self, prep: Prepared, kv_lens: np.ndarray, stream: torch.cuda.Stream | None = None) -> None:
-        """Plan with these KV lengths (live lanes; upper bounds or exact), on `stream` (the device stream).
-
-        Padding lanes attend their own q tokens on the dummy page (kv_len = q), as the GraphRunner pads them.
-        """
-        kv = np.concatenate([np.asarray(kv_lens, dtype=np.int32), prep.q_lens[prep.live:]])
-        if prep.planned_lens is not None and np.array_equal(prep.planned_lens, kv):
-            return
+    def plan(self, slot: str, q_lens: np.ndarray, kv_lens: np.ndarray, page_tables: np.ndarray,
+             lanes: int | None = None, stream: torch.cuda.Stream | None = None, q_pad: int | None = None) -> None:
+        """Plan `slot` for live lanes with q_lens[b] new tokens and kv_lens[b] keys (new ones included) over
+        page_tables [B, >= pages] (host); `lanes`: a graph replay at that many lanes (padding the rest)."""
+        q_lens = np.asarray(q_lens, dtype=np.int32)
+        live = len(q_lens)
+        rows = lanes or live
+        q = int(q_lens.max(initial=q_pad or 1))
+        q_all = np.concatenate([q_lens, np.full(rows - live, q, np.int32)])
+        kv = np.concatenate([np.asarray(kv_lens, dtype=np.int32), q_all[live:]])
         ps = self.page_size
         n_pages = np.maximum((kv + ps - 1) // ps, 1)
-        if int(n_pages.max()) > self.max_pages:
-            raise ValueError(f"{prep.slot}: a request needs {int(n_pages.max())} pages, max {self.max_pages}")
-        q = int(prep.q_lens.max())
-        key = self._key(prep.slot, prep.lanes, q)
-        decode = q == 1 and prep.slot != "prefill"
-        w = self._wrapper(key, decode)
+        if int(n_pages.max(initial=1)) > self.max_pages:
+            raise ValueError(f"{slot}: a request needs {int(n_pages.max())} pages, max {self.max_pages}")
+        pt = np.full((rows, self.max_pages), DUMMY_PAGE, dtype=np.int32)
+        width = min(page_tables.shape[1], self.max_pages)
+        pt[:live, :width] = page_tables[:live, :width]
+        w = self._wrapper(slot, lanes, q)
+        decode = q == 1 and slot != "prefill"
         cuda = self.device.type == "cuda"  # False only in the CPU tests of the host logic (fake flashinfer)
-        s = self._staging.setdefault(prep.slot, _StagingPair(self.max_pages, cuda)).next(prep.lanes)
-        b, total = prep.lanes, int(n_pages.sum())
+        s = self._staging.setdefault(slot, _StagingPair(self.max_pages, cuda)).next(rows)
+        total = int(n_pages.sum())
         s.kv_indptr[0] = 0
-        s.kv_indptr[1: b + 1] = torch.from_numpy(np.cumsum(n_pages, dtype=np.int32))
-        s.kv_indices[:total] = torch.from_numpy(prep.page_tables[np.arange(self.max_pages) < n_pages[:, None]])
-        s.last_page_len[:b] = torch.from_numpy(kv - (n_pages - 1) * ps)
+        s.kv_indptr[1: rows + 1] = torch.from_numpy(np.cumsum(n_pages, dtype=np.int32))
+        s.kv_indices[:total] = torch.from_numpy(pt[np.arange(self.max_pages) < n_pages[:, None]])
+        s.last_page_len[:rows] = torch.from_numpy(kv - (n_pages - 1) * ps)
         s.qo_indptr[0] = 0
-        s.qo_indptr[1: b + 1] = torch.from_numpy(np.cumsum(prep.q_lens, dtype=np.int32))
+        s.qo_indptr[1: rows + 1] = torch.from_numpy(np.cumsum(q_all, dtype=np.int32))
         if cuda:
             stream = stream or torch.cuda.current_stream(self.device)
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
@@ -246,33 +226,27 @@ class FlashInferAttention:
             indices.copy_(s.kv_indices[:total], non_blocking=True)
             w.w._pin_memory_int_workspace_buffer = s.int_workspace  # FlashInfer's own pinned staging
             common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale, non_blocking=True)
-            args = (s.kv_indptr[: b + 1], indices, s.last_page_len[:b], self.num_heads, self.num_kv_heads,
+            args = (s.kv_indptr[: rows + 1], indices, s.last_page_len[:rows], self.num_heads, self.num_kv_heads,
                     self.head_dim, ps)
             if decode:
                 _call(w.w.plan, *args, pos_encoding_mode="NONE", **common)
             else:
-                _call(w.w.plan, s.qo_indptr[: b + 1], *args, causal=True, **common)
+                _call(w.w.plan, s.qo_indptr[: rows + 1], *args, causal=True, **common)
             if cuda:
                 s.event = torch.cuda.Event()
                 s.event.record(stream)
-        prep.planned_lens = kv
-
-    def select(self, slot: str, lanes: int, q: int) -> None:
-        """Make the wrapper planned for (slot, lanes, q tokens per lane) the one `forward` uses; call it in
-        the step function (under capture it runs once and the graph keeps that wrapper's buffers)."""
-        key = self._key(slot, lanes, q)
-        if key not in self._wrappers:
-            raise RuntimeError(f"attention slot {slot!r} at {lanes} lanes, q={q} was never planned")
-        self._active = self._wrappers[key]
+        self._planned[slot] = w
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 num_heads: int, scale: float) -> torch.Tensor:
-        """Same contract as torch_backend.paged_attention: q [T, H * D] -> [T, H * D]."""
-        if self._active is None:
-            raise RuntimeError("FlashInferAttention.forward before select()")
+        """Same contract as torch_backend.paged_attention: q [T, H * D] -> [T, H * D], with the plan of
+        `meta.slot` (under capture the graph keeps that wrapper's buffers)."""
+        w = self._planned.get(meta.slot)
+        if w is None:
+            raise RuntimeError(f"attention slot {meta.slot!r} was never planned")
         if num_heads != self.num_heads or scale != self.scale:
             raise ValueError("FlashInferAttention was built for another model's heads / scale")
         t = q.shape[0]
         ps, hkv, d = self.page_size, k_cache.shape[1], k_cache.shape[2]
         kv = (k_cache.view(-1, ps, hkv, d), v_cache.view(-1, ps, hkv, d))
-        return self._active.w.run(q.view(t, num_heads, d), kv).reshape(t, num_heads * d)
+        return w.w.run(q.view(t, num_heads, d), kv).reshape(t, num_heads * d)

@@ -2,10 +2,16 @@
 
 One code path serves prefill (q = prompt), decode (q = 1) and verify (q = k + 1): they differ only in the
 metadata (see `AttentionMetadata`). It is the numerical reference every other backend is checked against.
+
+Every backend has the shape of `TorchAttention`: `plan(...)` takes a forward's host-known lengths before the
+forward runs (this one needs none: its mask is derived on the device from the starts), and `forward(...)`
+attends. A model holds one backend (`LlamaForCausalLM.attention`, `MTPHead.attention`) and hands it to its
+layers; `AttentionMetadata.slot` names which plan a forward uses.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +47,25 @@ def paged_attention(
                                        scale=scale)
     o = o.view(b, hkv, group, qn, d).permute(0, 3, 1, 2, 4).reshape(b * qn, num_heads * d)
     return o[meta.out_index]
+
+
+class TorchAttention:
+    """The reference backend (CPU and CUDA): nothing to plan; every length comes from the device metadata."""
+
+    name = "torch"
+    needs_plan = False
+
+    def plan(self, slot: str, q_lens: np.ndarray, kv_lens: np.ndarray, page_tables: np.ndarray,
+             lanes: int | None = None, stream: torch.cuda.Stream | None = None) -> None:
+        pass
+
+    def plan_padding(self, slot: str, lanes: int, q: int, stream: torch.cuda.Stream | None = None) -> None:
+        pass
+
+    @staticmethod
+    def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                num_heads: int, scale: float) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, meta, num_heads, scale)
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

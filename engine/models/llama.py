@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.torch_backend import dense_causal_attention, paged_attention, store_kv
+from engine.attention.torch_backend import TorchAttention, dense_causal_attention, store_kv
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
@@ -50,11 +50,11 @@ class LlamaAttention(nn.Module):
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=-2)
         return q, k, v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: Rope, attention) -> torch.Tensor:
         q, k, v = self._qkv(x, rope)
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        o = paged_attention(q.flatten(1), k_cache, v_cache, batch.attn, self.cfg.num_heads, self.scale)
+        o = attention.forward(q.flatten(1), k_cache, v_cache, batch.attn, self.cfg.num_heads, self.scale)
         return self.o_proj(o)
 
     def forward_dense(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -83,8 +83,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: Rope) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv, rope)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: Rope, attention) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv, rope, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_dense(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -96,7 +96,8 @@ class LlamaForCausalLM(nn.Module):
     """`forward` returns the final (normed) hidden states; `compute_logits` applies `lm_head`.
 
     Keeping them apart lets the engine compute logits only at the positions it samples from, and hands the
-    hidden states to an MTP head.
+    hidden states to an MTP head. `attention` is the paged-attention backend every layer uses (the torch
+    reference unless the engine installs FlashInfer); it is state of the serving path, not of the weights.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -109,12 +110,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.attention = TorchAttention()
 
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, batch, kv, rope)
+            x = layer(x, batch, kv, rope, self.attention)
         return self.norm(x)
 
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.attention.torch_backend import TorchAttention
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
@@ -34,6 +35,7 @@ class MTPHead(nn.Module):
         self.fc = nn.Linear(2 * d, d, bias=False)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, 0)])
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.attention = TorchAttention()  # the engine may install FlashInfer (see LlamaForCausalLM)
 
     def _fuse(self, token_embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.cat([self.hidden_norm(target_hidden), self.embed_norm(token_embeds)], dim=-1))
@@ -41,7 +43,7 @@ class MTPHead(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVPool, token_embeds: torch.Tensor,
                 target_hidden: torch.Tensor) -> torch.Tensor:
         x = self._fuse(token_embeds, target_hidden)
-        return self.norm(self.layers[0](x, batch, kv, self.rotary.cos_sin(batch.positions, x.dtype)))
+        return self.norm(self.layers[0](x, batch, kv, self.rotary.cos_sin(batch.positions, x.dtype), self.attention))
 
     def forward_dense(self, token_embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
         """Training path over [B, S] sequences, causal, no cache."""

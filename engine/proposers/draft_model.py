@@ -31,7 +31,11 @@ class DraftModelProposer(ModelProposer):
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
         """Feed tokens[draft_len:] (known on the host) and carry logits from the last one."""
         ids = [s.token_ids[n:] for s, n in zip(seqs, draft_lens)]
-        self.run_host_tokens(seqs, ids, np.array(draft_lens, dtype=np.int64), None)
+        self.run_host_tokens(seqs, ids, np.array(draft_lens, dtype=np.int64), None, "catch_up")
+
+    @property
+    def network(self) -> torch.nn.Module:
+        return self.model
 
     def forward(self, fb: ForwardBatch, hidden_in: torch.Tensor | None) -> torch.Tensor:
         return self.model(fb, self.pool)

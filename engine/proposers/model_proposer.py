@@ -42,6 +42,32 @@ class ModelProposer(Proposer):
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    @property
+    @abstractmethod
+    def network(self) -> torch.nn.Module:
+        """The proposer's own network (draft model or head): its `cfg` and its `attention` backend."""
+
+    @property
+    def attention(self):
+        return self.network.attention
+
+    def plan_attention(self, ctx: DecodeContext, base: np.ndarray, verify_q: np.ndarray, lanes: int | None) -> None:
+        """Plan the draft loop's and the refill's forwards of a decode step whose requests' last tokens sit at
+        `base` (exact host positions); mirrors `propose` and `refill` below."""
+        attn, ones = self.attention, np.ones(len(base), np.int64)
+        for j in range(1, ctx.k):
+            pos = np.where(ctx.num_draft > j, base + (j - self.shift), base)
+            attn.plan(f"draft.{j}", ones, pos + 1, ctx.page_tables, lanes)
+        if ctx.refill:
+            attn.plan("refill", verify_q, base + (1 - self.shift) + verify_q, ctx.page_tables, lanes)
+
+    def plan_padding(self, k: int, lanes: int, refill: bool) -> None:
+        """Plans for an all-padding batch (graph capture), slot by slot as `plan_attention`."""
+        for j in range(1, k):
+            self.attention.plan_padding(f"draft.{j}", lanes, 1)
+        if refill:
+            self.attention.plan_padding("refill", lanes, k + 1)
+
     def _carry(self, hidden: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
         h = hidden[rows]
         self.carried_hidden[slots] = h.to(self.carried_hidden.dtype)
@@ -53,13 +79,14 @@ class ModelProposer(Proposer):
         # for a head: the target's sampled token fills the last slot on device.
         ids = [s.token_ids[self.shift:] + [0] for s in seqs]
         ids = [t[: int(q) + 1 - self.shift] for t, q in zip(ids, q_lens)]
-        self.run_host_tokens(seqs, ids, np.zeros(len(seqs), np.int64), target_hidden, last_token=sampled)
+        self.run_host_tokens(seqs, ids, np.zeros(len(seqs), np.int64), target_hidden, "prefill", last_token=sampled)
 
     def run_host_tokens(self, seqs: list[SeqState], ids: list[list[int]], start: np.ndarray,
-                        hidden_in: torch.Tensor | None, last_token: torch.Tensor | None = None) -> None:
+                        hidden_in: torch.Tensor | None, slot: str, last_token: torch.Tensor | None = None) -> None:
         """Feed ragged host token runs from `start`, and carry state from each run's last token (optionally
         replaced on device by `last_token`, e.g. the target's sampled token)."""
-        fb = build_forward_batch(ids, start, [s.page_table for s in seqs], self.pool.page_size, self.device)
+        fb = build_forward_batch(ids, start, [s.page_table for s in seqs], self.pool.page_size, self.device,
+                                 self.attention, slot)
         last_rows = torch.from_numpy(np.cumsum([len(t) for t in ids]) - 1).to(self.device)
         if last_token is not None:
             fb.input_ids.index_copy_(0, last_rows, last_token)
@@ -76,7 +103,7 @@ class ModelProposer(Proposer):
             # the batch's shape but reads at its start and writes the dummy page.
             more = ctx.num_draft_dev > j
             pos = torch.where(more, ctx.start + (j - self.shift), ctx.start)
-            fb = ForwardBatch.derive(ctx.single_layout, pos, token, write=more)
+            fb = ForwardBatch.derive(ctx.single_layout, pos, token, write=more, slot=f"draft.{j}")
             hidden = self.forward(fb, hidden)
             token, q = draw(self.compute_logits(hidden), ctx.st, ctx.start + (j + 1))
             drafts.append(token)
@@ -87,7 +114,7 @@ class ModelProposer(Proposer):
     def refill(self, ctx: DecodeContext, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
                target_hidden: torch.Tensor) -> None:
         ids = out_tokens.reshape(-1)[ctx.verify_flat_index()]
-        fb = ForwardBatch.derive(ctx.verify_layout, ctx.start + (1 - self.shift), ids)
+        fb = ForwardBatch.derive(ctx.verify_layout, ctx.start + (1 - self.shift), ids, slot="refill")
         hidden = self.forward(fb, target_hidden)
         carry_rows = ctx.verify_layout.q_index[:, 0] + num_accepted
         self._carry(hidden, carry_rows, ctx.slots)

@@ -25,6 +25,10 @@ class MTPProposer(ModelProposer):
         self.head = head
         self.target = target
 
+    @property
+    def network(self) -> torch.nn.Module:
+        return self.head
+
     def forward(self, fb: ForwardBatch, hidden_in: torch.Tensor | None) -> torch.Tensor:
         assert hidden_in is not None, "the MTP head always needs a hidden state per token"
         return self.head(fb, self.pool, self.target.embed_tokens(fb.input_ids), hidden_in)

@@ -1,0 +1,102 @@
+"""A stand-in `flashinfer` module for CPU tests: the wrappers' documented semantics in plain torch (ragged
+paged KV from indptr / indices / last_page_len; causal attention aligned to the end of each request's keys;
+graph-mode wrappers with fixed batch sizes and required buffers). It checks our host logic (index arithmetic,
+padding lanes, which plan a forward uses, when plans happen), not FlashInfer's kernels: tests/test_gpu.py runs
+the real ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from engine.attention import flashinfer_backend as fib
+
+
+class _FakeWrapper:
+    """A wrapper: plan() keeps the host schedule, run() attends by it (an opaque kernel, unseen by probes)."""
+
+    decode = False
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, **buffers):
+        assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
+        self.graph = use_cuda_graph
+        self.buffers = buffers
+        self._pin_memory_int_workspace_buffer = None
+        self.plans = 0
+        if use_cuda_graph:  # the real wrappers insist on these buffers in graph mode
+            names = ({"paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer"}
+                     if self.decode else
+                     {"qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf", "paged_kv_last_page_len_buf"})
+            assert names <= buffers.keys(), buffers.keys()
+            self.lanes = len(buffers["paged_kv_indptr_buffer" if self.decode else "paged_kv_indptr_buf"]) - 1
+
+    def _plan(self, qo_indptr, indptr, indices, last, hq, hkv, d, ps, sm_scale=None, q_data_type=None,
+              kv_data_type=None, non_blocking=True):
+        assert self._pin_memory_int_workspace_buffer is not None, "staging buffer not swapped in"
+        assert indptr.dtype == indices.dtype == last.dtype == torch.int32
+        if self.graph:
+            assert len(indptr) == self.lanes + 1, "graph-mode wrappers have a fixed batch size"
+        self.plans += 1
+        self.plan_args = dict(qo=qo_indptr.clone(), indptr=indptr.clone(), indices=indices.clone(),
+                              last=last.clone(), hq=hq, hkv=hkv, ps=ps, scale=sm_scale)
+
+    def run(self, q, paged_kv_cache):
+        # Like a real kernel, invisible to dispatch-level probes (the CPU graph stand-in): the schedule it
+        # follows comes from plan(), not from Python re-run at replay.
+        with _disable_current_modes():
+            return self._attend(q, paged_kv_cache)
+
+    def _attend(self, q, paged_kv_cache):
+        a = self.plan_args
+        k_cache, v_cache = paged_kv_cache  # [pages, ps, hkv, d]
+        out = torch.empty_like(q)
+        group = a["hq"] // a["hkv"]
+        for b in range(len(a["indptr"]) - 1):
+            pages = a["indices"][a["indptr"][b]: a["indptr"][b + 1]].long()
+            kv_len = (len(pages) - 1) * a["ps"] + int(a["last"][b])
+            k = k_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, dim=1)  # [kv, hq, d]
+            v = v_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, dim=1)
+            q0, q1 = int(a["qo"][b]), int(a["qo"][b + 1])
+            s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k.float()) * a["scale"]
+            i = torch.arange(q1 - q0).unsqueeze(1)
+            s = s.masked_fill(torch.arange(kv_len) > kv_len - (q1 - q0) + i, float("-inf"))
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v.float()).to(q.dtype)
+        return out
+
+
+class _FakeDecode(_FakeWrapper):
+    decode = True
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                 **buffers):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, **buffers)
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             pos_encoding_mode="NONE", **kw):
+        b = len(indptr) - 1
+        self._plan(torch.arange(b + 1, dtype=torch.int32), indptr, indices, last_page_len, num_qo_heads,
+                   num_kv_heads, head_dim, page_size, **kw)
+
+
+class _FakePrefill(_FakeWrapper):
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+             num_kv_heads, head_dim_qk, page_size, causal=False, **kw):
+        assert causal
+        self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                   num_kv_heads, head_dim_qk, page_size, **kw)
+
+
+class FakeFlashInfer:
+    BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
+    BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
+
+
+def install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make engine.attention.flashinfer_backend use the fake on the CPU, with small workspaces."""
+    monkeypatch.setattr(fib, "flashinfer", FakeFlashInfer)
+    monkeypatch.setattr(fib, "AVAILABLE", True)
+    monkeypatch.setattr(fib, "check_usable", lambda device: None)
+    monkeypatch.setattr(fib, "WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr(fib, "INT_WORKSPACE_BYTES", 1024)
