@@ -36,7 +36,7 @@ def uniform_layout(page_table: torch.Tensor, q: int, page_size: int,
     if q_lens is None:
         q_lens = torch.full((b,), q, dtype=torch.long, device=page_table.device)
     return BatchLayout(q_lens=q_lens, token_req=t // q, token_offset=t % q, q_index=t.view(b, q), out_index=t,
-                       page_table=page_table, page_size=page_size)
+                       page_table=page_table, page_size=page_size, dense=True)
 
 
 def target_inputs(max_pages: int) -> InputSpecs:

@@ -44,7 +44,7 @@ def build_layout(q_lens: Sequence[int] | np.ndarray, page_tables: Sequence[Seque
     num_pages = -(-max_kv_len // page_size) if max_kv_len else max(len(p) for p in page_tables)
     pt = page_table_array(page_tables, num_pages)
     return BatchLayout(*(to_device(a, device) for a in (q_lens, token_req, token_offset, q_index, out_index, pt)),
-                       page_size=page_size)
+                       page_size=page_size, dense=bool((q_lens == qn).all()))
 
 
 def build_forward_batch(input_ids: Sequence[Sequence[int]], start_pos: Sequence[int] | np.ndarray,

@@ -38,6 +38,7 @@ class BatchLayout:
     out_index: torch.Tensor  # [T]
     page_table: torch.Tensor  # [B, P]
     page_size: int
+    dense: bool = False  # host-known: every lane has Q token rows (q_index and out_index are the identity)
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +52,7 @@ class AttentionMetadata:
     kv_slots: torch.Tensor  # [B, K]
     mask: torch.Tensor  # [B, 1, Q, K] bool; padding query rows see key 0 only (never an all-masked row)
     slot: str = ""  # which of the step's attention plans this forward uses (backends that plan: FlashInfer)
+    dense: bool = False  # the flat tokens already form the [B, Q] grid: no gather in or out
     _grouped: dict[int, torch.Tensor] = field(default_factory=dict)  # per forward, shared by all layers
 
     def grouped_mask(self, group: int) -> torch.Tensor:
@@ -99,4 +101,5 @@ class ForwardBatch:
         mask = (kpos <= q_pos.unsqueeze(-1)) & (kpos < kv_len.view(b, 1, 1)) & q_valid.unsqueeze(-1)
         mask[:, :, 0] |= ~q_valid
         return cls(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-                   attn=AttentionMetadata(layout.q_index, layout.out_index, kv_slots, mask.unsqueeze(1), slot))
+                   attn=AttentionMetadata(layout.q_index, layout.out_index, kv_slots, mask.unsqueeze(1), slot,
+                                              layout.dense))
