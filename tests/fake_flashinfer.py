@@ -33,14 +33,17 @@ class _FakeWrapper:
             self.lanes = len(buffers["paged_kv_indptr_buffer" if self.decode else "paged_kv_indptr_buf"]) - 1
 
     def _plan(self, qo_indptr, indptr, indices, last, hq, hkv, d, ps, sm_scale=None, q_data_type=None,
-              kv_data_type=None, non_blocking=True):
+              kv_data_type=None, non_blocking=True, uniform_q_len=None):
+        if uniform_q_len is not None:  # the real wrapper warns and falls back; our graph plans are uniform
+            assert (qo_indptr.diff() == uniform_q_len).all(), "uniform_q_len given for a ragged batch"
         assert self._pin_memory_int_workspace_buffer is not None, "staging buffer not swapped in"
         assert indptr.dtype == indices.dtype == last.dtype == torch.int32
         if self.graph:
             assert len(indptr) == self.lanes + 1, "graph-mode wrappers have a fixed batch size"
         self.plans += 1
         self.plan_args = dict(qo=qo_indptr.clone(), indptr=indptr.clone(), indices=indices.clone(),
-                              last=last.clone(), hq=hq, hkv=hkv, ps=ps, scale=sm_scale)
+                              last=last.clone(), hq=hq, hkv=hkv, ps=ps, scale=sm_scale,
+                              uniform=uniform_q_len)
 
     def run(self, q, paged_kv_cache):
         # Like a real kernel, invisible to dispatch-level probes (the CPU graph stand-in): the schedule it
@@ -98,5 +101,6 @@ def install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fib, "flashinfer", FakeFlashInfer)
     monkeypatch.setattr(fib, "AVAILABLE", True)
     monkeypatch.setattr(fib, "check_usable", lambda device: None)
+    monkeypatch.setattr(fib, "KV_DTYPES", (torch.float16, torch.bfloat16, torch.float32))  # CPU tests run fp32
     monkeypatch.setattr(fib, "WORKSPACE_BYTES", 1024)
     monkeypatch.setattr(fib, "INT_WORKSPACE_BYTES", 1024)

@@ -77,6 +77,7 @@ def test_graph_lanes_pad_on_the_dummy_page(fi, slot, q):
     assert fi._planned[slot] is w  # the wrapper the graph captured, rewritten in place
     a, n = w.w.plan_args, -(-q // PS)
     assert a["indices"][-n:].tolist() == [0] * n and int(a["last"][3]) == q  # the padding lane
+    assert a["uniform"] == (None if slot == "decode" else q)  # graph lanes: tiles sized for q query rows
     out = fi.forward(torch.cat([qs, torch.zeros(q, CFG.q_size)]), pool.k[0], pool.v[0], _meta(slot),
                      CFG.num_heads, CFG.head_dim**-0.5)
     torch.testing.assert_close(out[: 3 * q], ref, rtol=1e-5, atol=1e-5)
@@ -84,9 +85,10 @@ def test_graph_lanes_pad_on_the_dummy_page(fi, slot, q):
 
 def test_eager_and_graph_plans_of_a_slot_use_different_wrappers(fi):
     _, _, _, pt, _ = _problem([1, 1], [6, 9])
-    fi.plan("verify", np.ones(2), np.array([6, 9]), pt)
+    fi.plan("verify", np.array([2, 3]), np.array([6, 9]), pt)
     eager = fi._planned["verify"]
-    fi.plan("verify", np.ones(2), np.array([6, 9]), pt, lanes=2)
+    assert eager.w.plan_args["uniform"] is None
+    fi.plan("verify", np.array([3, 3]), np.array([6, 9]), pt, lanes=2)
     assert fi._planned["verify"] is not eager and fi._planned["verify"].w.graph and not eager.w.graph
 
 
@@ -94,6 +96,8 @@ def test_errors(fi):
     with pytest.raises(RuntimeError, match="never planned"):
         fi.forward(torch.zeros(1, CFG.q_size), torch.zeros(8, 2, 8), torch.zeros(8, 2, 8), _meta("verify"),
                    CFG.num_heads, CFG.head_dim**-0.5)
+    with pytest.raises(ValueError, match="same number of tokens"):
+        fi.plan("verify", np.array([2, 3]), np.array([6, 9]), np.ones((2, MAX_PAGES), np.int32), lanes=2)
     with pytest.raises(ValueError, match="pages"):
         fi.plan("decode", np.ones(1), np.array([MAX_PAGES * PS + 1]), np.ones((1, MAX_PAGES), np.int32))
 
@@ -108,6 +112,9 @@ def test_without_flashinfer_or_cuda_the_choice_is_a_typed_error(monkeypatch):
         fib.FlashInferAttention(CFG, PS, torch.float32, torch.device("cpu"), MAX_PAGES)
     monkeypatch.setattr(fib, "AVAILABLE", True)
     with pytest.raises(ConfigError, match="CUDA"):
+        fib.FlashInferAttention(CFG, PS, torch.float32, torch.device("cpu"), MAX_PAGES)
+    monkeypatch.setattr(fib, "check_usable", lambda device: None)
+    with pytest.raises(ConfigError, match="bfloat16"):  # FlashInfer has no float32 kernels
         fib.FlashInferAttention(CFG, PS, torch.float32, torch.device("cpu"), MAX_PAGES)
     with pytest.raises(ConfigError, match="--attention"):
         resolve_backend("flash", torch.device("cpu"))

@@ -101,8 +101,8 @@ def test_cuda_engine_speculative_greedy_equality(tiny_target, tiny_draft, spec):
 
 # ---- FlashInfer vs torch -------------------------------------------------------------------------------------
 
-needs_flashinfer = pytest.mark.skipif(not fib.AVAILABLE, reason="flashinfer is not importable (bring its wheel "
-                                                                  "in .whl/ for scripts/gpu_check.sh)")
+needs_flashinfer = pytest.mark.skipif(not fib.AVAILABLE, reason="flashinfer is not importable (bring its wheels in "
+                                                                  ".whl/ for scripts/gpu_check.sh, see README)")
 FI_PAGE, FI_MAX_PAGES = 16, 8
 FI_CFG = ModelConfig(architecture="llama", vocab_size=256, hidden_size=4096, intermediate_size=64, num_layers=1,
                      num_heads=32, num_kv_heads=8, head_dim=128)

@@ -46,6 +46,7 @@ Staging and syncs (the one place that knows these FlashInfer details):
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -75,13 +76,23 @@ def check_usable(device: torch.device) -> None:
         raise ConfigError(f"attention backend flashinfer needs a CUDA device, not {device}")
 WORKSPACE_BYTES = 256 << 20
 INT_WORKSPACE_BYTES = 8 << 20
+KV_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's kernels have no float32 variant
+
+
+@functools.cache
+def _accepted_keywords(fn) -> frozenset[str] | None:
+    """Keyword names `fn` accepts (None: any, it takes **kwargs); cached, plan() runs every step."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(params)
 
 
 def _call(fn, *args: Any, **kwargs: Any) -> Any:
     """Call with the keyword arguments this FlashInfer version accepts (the API grew over releases)."""
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    accepted = _accepted_keywords(getattr(fn, "__func__", fn))
+    if accepted is not None:
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     return fn(*args, **kwargs)
 
 
@@ -164,6 +175,9 @@ class FlashInferAttention:
     def __init__(self, cfg: ModelConfig, page_size: int, dtype: torch.dtype, device: torch.device,
                  max_pages_per_request: int, workspace: torch.Tensor | None = None) -> None:
         check_usable(torch.device(device))
+        if dtype not in KV_DTYPES:
+            raise ConfigError(f"attention backend flashinfer needs a float16 or bfloat16 model, not {dtype} "
+                              "(pass --dtype bfloat16)")
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
@@ -200,6 +214,8 @@ class FlashInferAttention:
         rows = lanes or live
         q = int(q_lens.max(initial=q_pad or 1))
         q_all = np.concatenate([q_lens, np.full(rows - live, q, np.int32)])
+        if lanes is not None and (q_all != q).any():
+            raise ValueError(f"{slot}: a graph replay feeds the same number of tokens to every lane, got {q_lens}")
         kv = np.concatenate([np.asarray(kv_lens, dtype=np.int32), q_all[live:]])
         ps = self.page_size
         n_pages = np.maximum((kv + ps - 1) // ps, 1)
@@ -231,7 +247,10 @@ class FlashInferAttention:
             if decode:
                 _call(w.w.plan, *args, pos_encoding_mode="NONE", **common)
             else:
-                _call(w.w.plan, s.qo_indptr[: rows + 1], *args, causal=True, **common)
+                # A graph's lanes all feed q tokens: saying so lets FlashInfer size its query tiles for q rows
+                # instead of a ragged worst case (and it must be said on every plan of that wrapper).
+                _call(w.w.plan, s.qo_indptr[: rows + 1], *args, causal=True,
+                      uniform_q_len=q if lanes is not None else None, **common)
             if cuda:
                 s.event = torch.cuda.Event()
                 s.event.record(stream)
