@@ -9,10 +9,12 @@ import torch
 
 from engine.errors import InvalidRequestError
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 = greedy (and anything below GREEDY_BELOW_TEMPERATURE)
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_tokens: int = 16
@@ -22,7 +24,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows float32 and the distribution is argmax anyway.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         if not (0.0 <= self.temperature <= 100.0):

@@ -17,6 +17,9 @@ class Tokenizer:
     def __init__(self, tok: HFTokenizer, eos_token_ids: tuple[int, ...] = ()) -> None:
         self._tok = tok
         self.eos_token_ids = eos_token_ids
+        # No token covers more characters than its vocabulary string has (byte-level BPE: one per byte), so a
+        # text of n characters has at least n / max_token_chars tokens: a bound checked before encoding.
+        self.max_token_chars = max((len(t) for t in tok.get_vocab(with_added_tokens=True)), default=1)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:

@@ -16,6 +16,7 @@ both drive this class; it owns no sockets.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from scheduler.request import FinishReason, Request, Status
 from scheduler.spec_policy import AdaptivePolicy, Decision, PolicyConfig
 from traces import ranges
 from traces.tracer import NULL_TRACER, Tracer
+
+log = logging.getLogger("specstep.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,8 @@ class RequestOutput:
     request: Request
     new_token_ids: list[int]
     finished: bool
+    num_draft: int = 0  # drafts proposed for it in the step that produced these tokens
+    num_accepted: int = 0
 
 
 class EngineCore:
@@ -134,7 +139,9 @@ class EngineCore:
             if not self.running:
                 return []
             with self.tracer.range(ranges.SCHEDULE):
-                decision = self._reserve()
+                decision, outputs = self._reserve()
+            if decision is None:
+                return outputs
             self._catch_up(decision)
             self.inflight = self._launch(list(self.running), decision, None)
         return self._advance()
@@ -205,22 +212,35 @@ class EngineCore:
             self.tracer.instant("spec_decision", batch=b, **decision.to_log())
         return decision
 
-    def _reserve(self) -> Decision:
-        """Pages for every running request's look-ahead; preempt the newest requests while they do not fit."""
+    def _reserve(self) -> tuple[Decision | None, list[RequestOutput]]:
+        """Pages for every running request's next step: without speculation if that is what fits, else preempt
+        the newest requests. A lone request that cannot grow by one token has filled the KV cache: it finishes
+        (`length`, as at the model's length limit) instead of failing the whole engine."""
         while True:
             decision = self._decide(self.running)
-            if self._reserve_pages(self.running, decision.num_draft, force=len(self.running) == 1):
-                return decision
-            self._preempt(self.running[-1])
+            if self._reserve_pages(self.running, decision.num_draft):
+                return decision, []
+            if decision.num_draft.any():
+                decision.num_draft = np.zeros_like(decision.num_draft)
+                decision.k = 0
+                if self._reserve_pages(self.running, decision.num_draft):
+                    return decision, []
+            if len(self.running) > 1:
+                self._preempt(self.running[-1])
+                continue
+            req = self.running[0]
+            log.warning("request %s filled the KV cache (%d tokens); finishing it", req.request_id,
+                        len(req.token_ids))
+            self._finish(req, FinishReason.LENGTH)
+            return None, [RequestOutput(req, [], True)]
 
-    def _reserve_pages(self, reqs: list[Request], num_draft: np.ndarray, pending: np.ndarray | None = None,
-                       force: bool = False) -> bool:
+    def _reserve_pages(self, reqs: list[Request], num_draft: np.ndarray, pending: np.ndarray | None = None) -> bool:
         """Grow each page table to hold its step's writes: current tokens, what a step in flight may still add
         (`pending`), k drafts, the bonus token and the proposer's look-ahead. All or nothing."""
         extra = pending if pending is not None else np.zeros(len(reqs), dtype=np.int64)
         need = [len(r.token_ids) + int(p) + int(k) + 1 + self.lookahead for r, p, k in zip(reqs, extra, num_draft)]
         short = sum(max(0, self.allocator.pages_for(n) - len(r.page_table)) for r, n in zip(reqs, need))
-        if short > self.allocator.num_free and not force:
+        if short > self.allocator.num_free:
             return False
         for r, n in zip(reqs, need):
             self.allocator.ensure(r.page_table, n)
@@ -295,7 +315,9 @@ class EngineCore:
                 req.stats.record(nd, a)
                 self.policy.observe_request(req.acceptance, nd, a)
                 req.num_computed = len(req.token_ids) + a  # target KV now holds last + a accepted drafts
-                outputs.append(self._append(req, row[: a + 1]))
+                out = self._append(req, row[: a + 1])
+                out.num_draft, out.num_accepted = nd, a
+                outputs.append(out)
                 if inf.decision.refill:
                     req.draft_len = len(req.token_ids)
             for req in [r for r in self._pending_release if id(r) not in self._inflight_count]:

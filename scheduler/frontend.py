@@ -82,6 +82,7 @@ class Frontend:
         self.tracer = Tracer(self.recorder)
         self.requests: dict[tuple[bytes, str], RequestStream] = {}
         self.by_engine_id: dict[str, RequestStream] = {}
+        self._stats_pending: dict[bytes, asyncio.Task] = {}  # per client: its last queued HEALTH/STATS reply
         self._ids = itertools.count(1)
         self.draining = False
         self._done: asyncio.Event | None = None
@@ -181,9 +182,12 @@ class Frontend:
                 if st is not None:  # aborting an unknown or finished request is a no-op
                     self._cancel(st, "abort")
             elif isinstance(msg, HealthRequest):
-                self._reply(identity, self._health())
+                if identity in self._stats_pending:  # replies to one client's queries go out in order
+                    self._queue_control(identity, self._health_async)
+                else:
+                    self._reply(identity, self._health())
             elif isinstance(msg, StatsRequest):
-                asyncio.get_running_loop().create_task(self._reply_stats(identity))
+                self._queue_control(identity, self._stats_reply)
         except ProtocolError as e:
             self._reply(identity, e.to_wire())
 
@@ -202,6 +206,7 @@ class Frontend:
         self.requests[key] = st
         self.by_engine_id[st.engine_id] = st
         st.task = asyncio.get_running_loop().create_task(self._serve_request(st))
+        st.task.add_done_callback(lambda _, st=st: self._on_task_done(st))
 
     def _health(self) -> HealthReply:
         ready = self.supervisor.ready
@@ -217,11 +222,37 @@ class Frontend:
             return "draining"
         return "ok" if self.supervisor.state == "ready" else self.supervisor.state
 
-    async def _reply_stats(self, identity: bytes) -> None:
+    async def _health_async(self) -> HealthReply:
+        return self._health()
+
+    async def _stats_reply(self) -> StatsReply:
         engine = await self.supervisor.stats()
         self.metrics.update_engine(engine)
-        self._reply(identity, StatsReply(PROTOCOL_VERSION, self._status(), self.supervisor.restarts, len(self.requests),
-                                         engine, self.metrics.snapshot()))
+        return StatsReply(PROTOCOL_VERSION, self._status(), self.supervisor.restarts, len(self.requests), engine,
+                          self.metrics.snapshot())
+
+    def _queue_control(self, identity: bytes, make) -> None:
+        """Answer a HEALTH/STATS query after this client's earlier queries (a STATS reply waits for the
+        scheduler; the protocol matches replies to queries in order)."""
+        prev = self._stats_pending.get(identity)
+
+        async def answer() -> None:
+            if prev is not None:
+                await asyncio.wait([prev])
+            try:
+                reply = await make()
+            except Exception as e:  # noqa: BLE001 (answer the query whatever went wrong)
+                log.exception("internal error answering a query")
+                reply = Error(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            self._reply(identity, reply)
+
+        task = asyncio.get_running_loop().create_task(answer())
+        self._stats_pending[identity] = task
+
+        def done(_: asyncio.Task) -> None:
+            if self._stats_pending.get(identity) is task:
+                del self._stats_pending[identity]
+        task.add_done_callback(done)
 
     async def _poll_engine_stats(self, period_s: float = 1.0) -> None:
         """Gauges (running, waiting, pages, k distribution) follow the scheduler's stats."""
@@ -258,8 +289,10 @@ class Frontend:
     async def _serve_request(self, st: RequestStream) -> None:
         try:
             ready = await self.supervisor.wait_ready()
-            ereq = validate_generate(st.msg, Limits.from_ready(ready, self.cfg.max_tokens), self.tokenizer,
-                                     st.engine_id)
+            # Tokenizing a long prompt takes a while: off the event loop, which serves every other client.
+            ereq = await asyncio.get_running_loop().run_in_executor(
+                None, validate_generate, st.msg, Limits.from_ready(ready, self.cfg.max_tokens), self.tokenizer,
+                st.engine_id)
             st.started(ereq, self.tokenizer, time.monotonic())
             st.incarnation = self.supervisor.send(ereq)
             if st.incarnation == 0:
@@ -282,12 +315,24 @@ class Frontend:
             e.request_id = st.request_id
             self._reply(st.identity, e.to_wire())
         except asyncio.CancelledError:
-            if st.cancel_reason == "abort":
-                self._reply(st.identity, st.final("abort", time.monotonic()))
-            else:
-                self._reply(st.identity, Error(ErrorCode.SHUTTING_DOWN, "the server shut down before the request "
-                                               "finished", st.request_id))
+            self._reply_cancelled(st)
         finally:
+            self._forget(st)
+
+    def _reply_cancelled(self, st: RequestStream) -> None:
+        if st.cancel_reason == "abort":
+            final = st.final("abort", time.monotonic())
+            self.metrics.observe_final(final)
+            self._reply(st.identity, final)
+        else:
+            self._reply(st.identity, Error(ErrorCode.SHUTTING_DOWN, "the server shut down before the request "
+                                           "finished", st.request_id))
+
+    def _on_task_done(self, st: RequestStream) -> None:
+        """A task cancelled before its first step (an ABORT read right behind its GENERATE) never entered
+        `_serve_request`, so its handlers did not run: answer the client and forget the request here."""
+        if self.requests.get((st.identity, st.request_id)) is st:
+            self._reply_cancelled(st)
             self._forget(st)
 
     def _consume(self, st: RequestStream, items: list) -> Final | None:
@@ -307,7 +352,7 @@ class Frontend:
                 return st.final("stop", now)  # a stop string; the engine is told to stop in _forget
             if item.finish_reason is not None:
                 st.engine_done = True
-                return st.final(item.finish_reason, now, item.spec, item.queue_s, item.num_preemptions)
+                return st.final(item.finish_reason, now)
         return None
 
     def _cancel(self, st: RequestStream, reason: str) -> None:

@@ -17,7 +17,7 @@ import msgspec
 PROTOCOL_VERSION = 1
 
 
-class Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class Wire(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=True, gc=False):
     """Base of every wire struct (the options are inherited)."""
 
 
@@ -239,12 +239,16 @@ class Ready(Wire):
 
 
 class EngineOutput(Wire):
+    """One step's tokens for one request. The frontend sums the per-step counts into the request's stats, so
+    they survive a request it cuts short itself (a stop string)."""
+
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None  # set on the request's last output
-    spec: SpecStats | None = None  # set when finished
-    queue_s: float = 0.0  # set when finished: arrival at the scheduler -> first scheduled
-    num_preemptions: int = 0
+    num_draft: int = 0  # drafts proposed for this request in the step that produced these tokens
+    num_accepted: int = 0  # of which accepted
+    queue_s: float = 0.0  # on the request's first output: arrival at the scheduler -> first scheduled
+    num_preemptions: int = 0  # so far
 
 
 class EngineOutputs(Wire):

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from scheduler.spec_counters import SpecStats
 from scheduler.spec_policy import RequestAcceptance
 
 
@@ -27,53 +28,6 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
-
-
-@dataclass(slots=True)
-class SpecStats:
-    """Per-request speculation counters; positions are draft depths 0..k-1."""
-
-    steps: int = 0  # decode steps that drafted at least one token
-    drafted: int = 0
-    accepted: int = 0
-    drafted_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def record(self, num_draft: int, num_accepted: int) -> None:
-        if num_draft <= 0:
-            return
-        self.steps += 1
-        self.drafted += num_draft
-        self.accepted += num_accepted
-        grow = num_draft - len(self.drafted_per_position)
-        if grow > 0:
-            self.drafted_per_position.extend([0] * grow)
-            self.accepted_per_position.extend([0] * grow)
-        for j in range(num_draft):
-            self.drafted_per_position[j] += 1
-            self.accepted_per_position[j] += int(num_accepted > j)
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per speculative step, the bonus token counted: 1 + accepted / steps."""
-        return 1.0 + self.accepted / self.steps if self.steps else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            "drafted_tokens": self.drafted,
-            "accepted_tokens": self.accepted,
-            "spec_steps": self.steps,
-            "acceptance_rate": round(self.acceptance_rate, 4),
-            "mean_accepted_length": round(self.mean_accepted_length, 4),
-            "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in
-                                        zip(self.accepted_per_position, self.drafted_per_position)],
-            "drafted_per_position": list(self.drafted_per_position),
-            "accepted_per_position": list(self.accepted_per_position),
-        }
 
 
 @dataclass(eq=False, slots=True)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from engine.tokenizer import Tokenizer
 from scheduler.detokenize import TextStream
-from scheduler.protocol import Delta, EngineOutput, EngineRequest, Final, GenerateRequest, SpecStats, Timings, Usage
+from scheduler.protocol import Delta, EngineOutput, EngineRequest, Final, GenerateRequest, Timings, Usage
+from scheduler.spec_counters import SpecStats
 
 
 @dataclass(eq=False, slots=True)
@@ -33,6 +34,9 @@ class RequestStream:
     first_token: float = 0.0
     last_token: float = 0.0
     max_gap: float = 0.0
+    spec: SpecStats = field(default_factory=SpecStats)  # summed from the engine's per-step counts
+    engine_queue_s: float = 0.0
+    num_preemptions: int = 0
 
     @property
     def request_id(self) -> str:
@@ -45,6 +49,9 @@ class RequestStream:
 
     def add(self, out: EngineOutput, now: float) -> bool:
         """Take one engine output; True when a stop string ended the request (tokens after it are dropped)."""
+        self.spec.record(out.num_draft, out.num_accepted)
+        self.engine_queue_s = out.queue_s or self.engine_queue_s
+        self.num_preemptions = out.num_preemptions
         if out.token_ids:
             if self.first_token == 0.0:
                 self.first_token = now
@@ -65,15 +72,14 @@ class RequestStream:
         ids, self.unsent = self.unsent, []
         return Delta(self.request_id, ids, text)
 
-    def final(self, reason: str, now: float, spec: SpecStats | None = None, engine_queue_s: float = 0.0,
-              num_preemptions: int = 0) -> Final:
+    def final(self, reason: str, now: float) -> Final:
         text = self.text.take(final=True) if self.text is not None else ""
         n = self.num_output
         waited = (self.sent_time or now) - self.arrival  # in the frontend, e.g. while a scheduler restarted
-        timings = Timings(queue_s=waited + engine_queue_s,
+        timings = Timings(queue_s=waited + self.engine_queue_s,
                           ttft_s=self.first_token - self.arrival if self.first_token else 0.0,
                           mean_itl_s=(self.last_token - self.first_token) / (n - 1) if n > 1 else 0.0,
                           max_itl_s=self.max_gap, total_s=now - self.arrival)
         ids, self.unsent = self.unsent, []
-        return Final(self.request_id, reason, ids, text, Usage(self.num_prompt, n), spec or SpecStats(), timings,
-                     num_preemptions)
+        return Final(self.request_id, reason, ids, text, Usage(self.num_prompt, n), self.spec.to_wire(), timings,
+                     self.num_preemptions)

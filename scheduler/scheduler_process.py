@@ -47,7 +47,6 @@ from scheduler.protocol import (  # noqa: E402
     ProtocolError,
     Ready,
     SchedulerProcessConfig,
-    SpecStats,
     decode_to_engine,
     encode_engine,
 )
@@ -112,7 +111,7 @@ class SchedulerLoop:
         self.tracer = tracer
         self.draining = False
         self.exit_now = False
-        self._queue_s: dict[str, float] = {}  # request -> arrival to first scheduled step
+        self._started: set[str] = set()  # requests that have had an output (their queue time was sent)
         self.num_steps = self.num_finished = self.num_output_tokens = self.drafted = self.accepted = 0
 
     def run(self) -> None:
@@ -151,7 +150,7 @@ class SchedulerLoop:
         elif isinstance(msg, EngineAbort):
             for rid in msg.request_ids:
                 self.core.abort(rid)  # frees its pages now
-                self._queue_s.pop(rid, None)
+                self._started.discard(rid)
         elif isinstance(msg, EngineStatsQuery):
             self.outbox.put(self.stats(msg.tag))
         elif isinstance(msg, EngineShutdown):
@@ -190,17 +189,20 @@ class SchedulerLoop:
     def _to_wire(self, out: RequestOutput, step_start: float) -> EngineOutput:
         req = out.request
         rid = req.request_id
-        self._queue_s.setdefault(rid, step_start - req.arrival_time)
+        first = rid not in self._started
+        if first:
+            self._started.add(rid)
         self.num_output_tokens += len(out.new_token_ids)
-        if not out.finished:
-            return EngineOutput(rid, list(out.new_token_ids))
-        stats = req.stats
-        self.num_finished += 1
-        self.drafted += stats.drafted
-        self.accepted += stats.accepted
-        spec = SpecStats(**{k: v for k, v in stats.to_dict().items() if k in SpecStats.__struct_fields__})
-        return EngineOutput(rid, list(out.new_token_ids), req.finish_reason.value, spec,
-                            self._queue_s.pop(rid, 0.0), req.num_preemptions)
+        msg = EngineOutput(rid, list(out.new_token_ids), num_draft=out.num_draft, num_accepted=out.num_accepted,
+                           queue_s=step_start - req.arrival_time if first else 0.0,
+                           num_preemptions=req.num_preemptions)
+        if out.finished:
+            self._started.discard(rid)
+            self.num_finished += 1
+            self.drafted += req.stats.drafted
+            self.accepted += req.stats.accepted
+            msg.finish_reason = req.finish_reason.value
+        return msg
 
     def stats(self, tag: int = 0) -> EngineStats:
         core = self.core

@@ -29,7 +29,8 @@ class Limits:
 
     @classmethod
     def from_ready(cls, ready: Ready, max_tokens: int | None) -> Limits:
-        cap = ready.max_model_len - 1
+        # A request can never hold more tokens than the model's length, nor than the whole KV cache.
+        cap = min(ready.max_model_len - 1, (ready.num_pages - 1) * ready.page_size - 2)
         return cls(ready.vocab_size, ready.max_prompt_len, min(max_tokens, cap) if max_tokens else cap)
 
 
@@ -55,6 +56,9 @@ def validate_generate(msg: GenerateRequest, limits: Limits, tokenizer: Tokenizer
             raise bad("prompt is empty")
         if tokenizer is None:
             raise bad("this model has no tokenizer: send prompt_token_ids")
+        if len(msg.prompt) > limits.max_prompt_len * tokenizer.max_token_chars:  # surely too long: skip encoding
+            raise bad(f"prompt has {len(msg.prompt)} characters, more than {limits.max_prompt_len} tokens can hold",
+                      ErrorCode.PROMPT_TOO_LONG)
         ids = tokenizer.encode(msg.prompt)
         if not ids:
             raise bad("prompt encodes to no tokens")

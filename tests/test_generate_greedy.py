@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from scheduler.request import Request
+from scheduler.request import FinishReason, Request
 from tests.fixtures_models import fragment, hf_model, is_fragmented
-from tests.helpers import make_checkpoint, make_core
+from tests.helpers import make_checkpoint, make_core, run_to_completion
 
 NEW_TOKENS = 64
 PROMPT_LENS = [1, 4, 15, 16, 17, 29]
@@ -94,3 +94,20 @@ def test_preempted_requests_still_match(model_dir, prompts, hf_outputs):
     core = make_core(model_dir, page_size=8, num_pages=40)
     assert generate(core, prompts) == hf_outputs
     assert core.num_preemptions > 0
+
+
+@pytest.mark.parametrize("spec", ["none", "draft_model"])
+def test_a_request_that_fills_the_kv_cache_finishes_with_length(tiny_target, tiny_draft, spec):
+    """max_tokens beyond what the whole KV cache holds: once the request is alone and cannot grow, it finishes
+    (length) with every token it could hold; the engine keeps serving and leaks no page. The other request is
+    preempted on the way and still completes."""
+    draft = str(tiny_draft) if spec == "draft_model" else None
+    core = make_core(tiny_target, page_size=4, num_pages=17, spec=spec, draft=draft, num_spec_tokens=3,
+                     spec_policy="fixed")  # 16 usable pages: 64 tokens of KV
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reqs = run_to_completion(core, [[5, 9, 11, 3, 7] * 2, [4, 2, 8]], [long, short])
+    assert reqs[0].finish_reason == FinishReason.LENGTH and 48 <= len(reqs[0].token_ids) <= 64
+    assert reqs[1].finish_reason == FinishReason.LENGTH and len(reqs[1].output_token_ids) == 8
+    after = run_to_completion(core, [[4, 2, 8]], short)  # still serving
+    assert after[0].output_token_ids == reqs[1].output_token_ids

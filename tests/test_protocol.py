@@ -28,6 +28,7 @@ from scheduler.protocol import (
     GenerateRequest,
     HealthReply,
     HealthRequest,
+    MsgType,
     ProtocolError,
     Ready,
     SpecStats,
@@ -68,7 +69,7 @@ def test_round_trips():
                 HealthReply(1, "ok", "m"), StatsReply(1, "ok", 0, 0, None)):
         assert decode_server(encode(msg)) == msg
     assert decode_to_engine(encode_engine(EngineRequest("1", [1, 2], seed=5))) == EngineRequest("1", [1, 2], seed=5)
-    outs = EngineOutputs([EngineOutput("1", [3]), EngineOutput("2", [4, 5], "stop", SpecStats(), 0.1, 0)])
+    outs = EngineOutputs([EngineOutput("1", [3]), EngineOutput("2", [4, 5], "stop", 3, 2, 0.1, 1)])
     assert decode_from_engine(encode_engine(outs)) == outs
     ready = Ready(1, 2, 3, 16, 512, 500, 320, 8, "cpu", "float32", "none", 0, [0])
     assert decode_from_engine(encode_engine(ready)) == ready
@@ -85,6 +86,15 @@ def test_wire_format_is_positional_arrays_with_trailing_defaults_optional():
     assert short == GenerateRequest("r", prompt="hello")
     # Integers are accepted where floats are expected.
     assert decode_client([b"\x01", msgspec.msgpack.encode(["r", "x", None, 4, 0])]).temperature == 0.0
+
+
+def test_an_extra_element_after_valid_fields_is_malformed():
+    req = GenerateRequest("a", prompt_token_ids=[1])
+    full = [msgspec.to_builtins(getattr(req, f)) for f in GenerateRequest.__struct_fields__]
+    assert decode_client([bytes([MsgType.GENERATE]), msgspec.msgpack.encode(full)]) == req
+    with pytest.raises(ProtocolError) as e:
+        decode_client([bytes([MsgType.GENERATE]), msgspec.msgpack.encode(full + ["extra"])])
+    assert e.value.code == ErrorCode.MALFORMED and e.value.request_id == "a"
 
 
 @pytest.mark.parametrize("frames, code, rid", [

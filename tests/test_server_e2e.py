@@ -23,6 +23,7 @@ from loadgen.client import Client
 from loadgen.server import ServerProcess
 from scheduler.protocol import (
     CLIENT_TYPES,
+    AbortRequest,
     Delta,
     Error,
     ErrorCode,
@@ -32,6 +33,7 @@ from scheduler.protocol import (
     HealthRequest,
     MsgType,
     StatsReply,
+    StatsRequest,
     decode_server,
     encode,
 )
@@ -135,6 +137,11 @@ async def test_stop_strings_and_stop_tokens(server, prompts, reference, tokenize
                                                stop=[stop, "never-appears"]), 30)
         assert res.final.finish_reason == "stop" and res.text == full[:cut]
         assert want[:len(res.token_ids)] == res.token_ids and stop in tokenizer.decode(res.token_ids)
+        # Cut by the frontend, not the engine: its speculation stats still come from the engine's steps.
+        whole = await c.complete(GenerateRequest("s0", prompt_token_ids=ids[4], max_tokens=len(res.token_ids),
+                                                 temperature=0.0), 30)
+        assert whole.final.spec.spec_steps > 0 and res.final.spec.spec_steps > 0
+        assert res.final.spec.drafted_tokens == sum(res.final.spec.drafted_per_position)
         # A stop token id: the output ends with it.
         tok = want[5]
         res = await c.complete(GenerateRequest("s2", prompt_token_ids=ids[4], max_tokens=REF_TOKENS, temperature=0.0,
@@ -173,6 +180,42 @@ async def test_abort_mid_stream_frees_pages_and_spares_others(server, prompts, r
     finally:
         a.close()
         b.close()
+
+
+async def test_abort_right_behind_its_generate(server, prompts):
+    """GENERATE and ABORT back to back reach the frontend together: the request's task is cancelled before it
+    ever runs, and the client must still get its abort Final, with nothing left in flight."""
+    _, ids = prompts
+    ctx = zmq.asyncio.Context()
+    sock = make_socket(ctx, zmq.DEALER, connect=server.address)
+    c = Client(server.address)
+    try:
+        for rid in ("r1", "r1", "r2"):  # the id is free again afterwards
+            await sock.send_multipart(encode(GenerateRequest(rid, prompt_token_ids=ids[1], max_tokens=LIMIT,
+                                                             temperature=0.0, ignore_eos=True)))
+            await sock.send_multipart(encode(AbortRequest(rid)))
+            reply = decode_server(await asyncio.wait_for(sock.recv_multipart(), 10))
+            assert isinstance(reply, Final) and reply.finish_reason == "abort" and reply.request_id == rid, reply
+        stats = await c.wait_idle(10)
+        assert stats.metrics.get('specstep_requests_total{finish_reason="abort"}', 0) >= 3, stats.metrics
+    finally:
+        c.close()
+        sock.close(0)
+        ctx.destroy(0)
+
+
+async def test_query_replies_keep_their_order(server):
+    """STATS waits for the scheduler and HEALTH does not: one client's replies still come back in order."""
+    ctx = zmq.asyncio.Context()
+    sock = make_socket(ctx, zmq.DEALER, connect=server.address)
+    try:
+        for body in (StatsRequest(), HealthRequest(), StatsRequest(), StatsRequest(), HealthRequest()):
+            await sock.send_multipart(encode(body))
+        kinds = [type(decode_server(await asyncio.wait_for(sock.recv_multipart(), 10))).__name__ for _ in range(5)]
+        assert kinds == ["StatsReply", "HealthReply", "StatsReply", "StatsReply", "HealthReply"]
+    finally:
+        sock.close(0)
+        ctx.destroy(0)
 
 
 async def test_client_that_disappears_leaks_nothing(server, prompts):
