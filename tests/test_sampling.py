@@ -96,6 +96,15 @@ def test_low_temperature_concentrates_on_argmax():
     assert share[0] < share[1] < share[2], share
 
 
+@pytest.mark.parametrize("temperature", [1e-30, 1e-8])
+def test_temperatures_too_small_for_float32_are_greedy(temperature):
+    """logits / 1e-30 overflows float32 (NaN probabilities, always token 0); such rows are argmax rows."""
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=temperature)] * 16
+    assert all(p.greedy for p in params)
+    assert torch.equal(sample(logits, tensors(params, range(16), 50), torch.arange(16)), logits.argmax(-1))
+
+
 def test_greedy_rows_take_argmax_whatever_their_seed():
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=1.0) for i in range(64)]
