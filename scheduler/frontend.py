@@ -109,8 +109,13 @@ class Frontend:
                 on_listening(f"specstep serve: metrics on http://127.0.0.1:{self.metrics_port}/metrics")
         poll_task = asyncio.create_task(self._poll_engine_stats())
         if not await self.supervisor.start():
-            on_listening("specstep serve: error: the scheduler process did not start (see its log above)")
-            code = 1
+            if self.draining:  # SIGTERM / Ctrl-C during start-up: a clean stop
+                on_listening("specstep serve: stopped during start-up")
+                await self._done.wait()
+                code = 0
+            else:
+                on_listening("specstep serve: error: the scheduler process did not start (see its log above)")
+                code = 1
         else:
             on_listening(f"specstep serve: ready ({self.supervisor.ready.spec}, "
                          f"{self.supervisor.ready.num_pages} KV pages) on {self.address}")

@@ -87,6 +87,7 @@ class SchedulerSupervisor:
         self._stats: dict[int, asyncio.Future] = {}
         self._tags = itertools.count(1)
         self._restart_task: asyncio.Task | None = None
+        self._start_task: asyncio.Future | None = None
 
     # ---- the frontend's side ---------------------------------------------------------------------------------
     async def wait_ready(self) -> Ready:
@@ -130,10 +131,18 @@ class SchedulerSupervisor:
 
     # ---- start / restart / stop ------------------------------------------------------------------------------
     async def start(self) -> bool:
-        """The first start; False (state `failed`) if the scheduler did not come up."""
-        if await self._launch():
-            return True
-        self._set_state("failed")
+        """The first start; False if the scheduler did not come up (state `failed`) or `stop()` was called
+        meanwhile (state `stopped`: the start is cancelled and its process reaped)."""
+        self._start_task = asyncio.ensure_future(self._launch())
+        try:
+            if await self._start_task:
+                return True
+        except asyncio.CancelledError:
+            if self.state not in ("stopping", "stopped"):
+                raise  # our caller was cancelled, not the start
+            return False
+        if self.state not in ("stopping", "stopped"):
+            self._set_state("failed")
         return False
 
     async def _launch(self) -> bool:
@@ -165,6 +174,8 @@ class SchedulerSupervisor:
         self._current = inc
         inc.tasks.append(asyncio.create_task(self._send(inc)))
         inc.tasks.append(asyncio.create_task(self._watch(inc, exited)))
+        if self.state in ("stopping", "stopped"):  # stop() is under way: it shuts this incarnation down
+            return True
         self._set_state("ready")
         log.info("scheduler process %d ready (pid %d)", number, inc.proc.pid)
         return True
@@ -195,21 +206,26 @@ class SchedulerSupervisor:
                 return
             self._restart_times.append(now)
             self.restarts += 1
-            if await self._launch():
-                return
+            try:
+                if await self._launch():
+                    return
+            except OSError:  # could not spawn or bind: counts as a failed start, not a stuck supervisor
+                log.exception("starting scheduler process failed")
             if self.state in ("stopping", "stopped"):
                 return
             await asyncio.sleep(min(0.5 * len(self._restart_times), 5.0))
 
     async def stop(self, drain: bool = True, timeout_s: float = 30.0) -> None:
-        """Ask the scheduler to exit (after finishing its requests if `drain`), then make sure it has."""
+        """Ask the scheduler to exit (after finishing its requests if `drain`), then make sure it has. A start
+        or restart still in progress is cancelled (its process is reaped)."""
         inc = self._current
         self._set_state("stopping")
-        if self._restart_task is not None and not self._restart_task.done():
-            self._restart_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._restart_task
-            inc = self._current  # a restart may have completed just before the cancel
+        for task in (self._start_task, self._restart_task):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        inc = self._current  # a start or restart may have completed just before the cancel
         if inc is not None and inc.proc is not None and inc.proc.returncode is None:
             inc.outbox.put_nowait(encode_engine(EngineShutdown(drain=drain)))
             try:

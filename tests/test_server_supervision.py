@@ -178,3 +178,23 @@ async def test_failed_start_is_reported_and_leaves_no_process(mode, monkeypatch)
     finally:
         await sup.stop(timeout_s=2)
         ctx.destroy(linger=0)
+
+
+async def test_stop_during_start_cancels_the_start(monkeypatch):
+    """SIGTERM while the model loads: stop() cancels the start and reaps the process, start() returns False,
+    and nothing becomes ready afterwards."""
+    monkeypatch.setenv("FAKE_MODE", "silent")  # the fake never reports ready: a start that would take forever
+    ctx = zmq.asyncio.Context()
+    sup = supervisor(ctx, Recorder(), [sys.executable, "-c", FAKE_SCHEDULER], startup_timeout_s=60)
+    try:
+        start = asyncio.ensure_future(sup.start())
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        await sup.stop(timeout_s=2)
+        assert time.monotonic() - t0 < 5 and sup.state == "stopped"
+        assert await asyncio.wait_for(start, 5) is False
+        await asyncio.sleep(0.2)
+        assert sup.state == "stopped" and sup.ready is None and sup._current is None
+    finally:
+        await sup.stop(timeout_s=2)
+        ctx.destroy(linger=0)
