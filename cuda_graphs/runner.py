@@ -89,6 +89,7 @@ class GraphRunner:
         self._graphs: dict[GraphKey, object] = {}
         self._dirty: dict[tuple[str, int], int] = {}  # lanes that may hold live data (not padding)
         self._spec_cache: dict[tuple[str, int], dict[str, BufferSpec]] = {}
+        self.replays = 0  # steps served by a graph (the rest ran eagerly)
 
     def register(self, kind: StepKind) -> None:
         if self._graphs:
@@ -184,6 +185,7 @@ class GraphRunner:
                 return step.fn(dict(inputs), GraphKey(kind, batch, q))
             self._load(graph.inputs, (kind, q), specs, inputs, batch, bucket)
             graph.replay()
+            self.replays += 1
         return {n: t[: batch * lanes_of(t, bucket)] for n, t in graph.outputs.items()}
 
     def _load(self, static: Mapping[str, torch.Tensor], ident: tuple[str, int], specs,

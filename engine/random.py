@@ -2,7 +2,9 @@
 
 Why not torch.Generator: one generator per request costs a launch per request and cannot be captured in a
 graph; a global generator makes a request's output depend on who else is in the batch. Hashing the counter
-gives per-request seeds, batch-independent results, reproducibility after preemption, and no host sync.
+gives per-request seeds, batch-independent results, reproducibility after preemption (for plain sampling; a
+speculating request's draws depend on what was drafted and accepted, so only its distribution is fixed), and
+no host sync.
 """
 
 from __future__ import annotations

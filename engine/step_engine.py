@@ -132,7 +132,7 @@ class StepEngine:
             for i, d in enumerate(host_drafts):
                 grid[i, 1: 1 + num_draft[i]] = d[: num_draft[i]]
         st = self.sampling_tensors(seqs)
-        graph = self.graphs is not None and self.graphs.has_graph(flavour(st, refill), k + 1, b)
+        graph = self.graphs is not None and self.graphs.has_graph(self._flavour(st, refill), k + 1, b)
         if graph:
             # Fixed shapes: q = k + 1 for every lane, page tables at the captured width. The step function
             # derives its layouts on device; `single_layout.page_table` carries the table in.
@@ -179,13 +179,18 @@ class StepEngine:
             if not plans:
                 self._patch(ctx, grid)
             if ctx.graph:
-                outs = self.graphs.run(flavour(ctx.st, ctx.refill), k + 1,
+                outs = self.graphs.run(self._flavour(ctx.st, ctx.refill), k + 1,
                                        graph_inputs(ctx, grid, ctx.single_layout.page_table), b)
                 # Static outputs are rewritten by the next replay, which may run before the host reads these.
                 out, accepted = outs["out_tokens"].clone(), outs["num_accepted"].clone()
             else:
                 out, accepted = self.decode_body(ctx, grid)
         return StepOutput(out_tokens=out, num_accepted=accepted, num_draft=ctx.num_draft, start=ctx.start)
+
+    def _flavour(self, st, refill: bool) -> str:
+        """The captured graph's name; without a draft model there is no refill to drop (only the refill
+        flavours are captured then)."""
+        return flavour(st, refill or not self.has_draft_model)
 
     @staticmethod
     def _patch(ctx: DecodeContext, grid: torch.Tensor) -> None:

@@ -76,8 +76,12 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     except CheckpointError:
         tokenizer = None
     eos = target.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer else ())
+    # A draft with a shorter context than the target drafts only while a request fits its context.
+    spec_max_len = proposer.network.cfg.max_position_embeddings if proposer is not None and proposer.has_model \
+        else None
     sched = SchedulerConfig(max_batch_size=cfg.max_batch_size, max_prefill_tokens=cfg.max_prefill_tokens,
-                            num_spec_tokens=cfg.num_spec_tokens if proposer else 0, max_model_len=max_len)
+                            num_spec_tokens=cfg.num_spec_tokens if proposer else 0, max_model_len=max_len,
+                            spec_max_len=spec_max_len)
     policy = AdaptivePolicy(PolicyConfig(kind=cfg.spec_policy, k_max=sched.num_spec_tokens,
                                          candidates=ks if capture is not None else None,
                                          can_drop_refill=cfg.spec == "draft_model",

@@ -43,6 +43,7 @@ class SchedulerConfig:
     max_prefill_tokens: int = 4096
     num_spec_tokens: int = 0  # k for every request unless overridden (0 = speculation off)
     max_model_len: int = 2048
+    spec_max_len: int | None = None  # the draft's own context limit: requests past it stop speculating
 
 
 @dataclass(slots=True)
@@ -195,14 +196,18 @@ class EngineCore:
         return outputs
 
     def _decide(self, reqs: list[Request], pending: np.ndarray | None = None) -> Decision:
-        """k per request from the policy, capped so no step drafts past max_tokens or the model's length.
-        `pending`: tokens a step in flight may still add (upper bound) for each request."""
+        """k per request from the policy, capped so no step drafts past max_tokens, the model's length or the
+        draft's context. `pending`: tokens a step in flight may still add (upper bound) for each request; it
+        surely adds one, which counts against max_tokens (the upper bound would forbid too much)."""
         b = len(reqs)
         if self.engine.proposer is None:
             return Decision(np.zeros(b, dtype=np.int64), 0, False, 0.0, 0.0)
         extra = pending if pending is not None else np.zeros(b, dtype=np.int64)
-        room = np.array([min(r.params.max_tokens - r.num_output_tokens,
-                             self.config.max_model_len - len(r.token_ids) - int(e) - self.lookahead) - 1
+        max_len = self.config.max_model_len
+        if self.config.spec_max_len is not None:
+            max_len = min(max_len, self.config.spec_max_len)
+        room = np.array([min(r.params.max_tokens - r.num_output_tokens - min(int(e), 1),
+                             max_len - len(r.token_ids) - int(e) - self.lookahead) - 1
                          for r, e in zip(reqs, extra)], dtype=np.int64)
         decision = self.policy.choose([r.acceptance for r in reqs], [r.num_spec_tokens for r in reqs], room)
         if not self.engine.has_draft_model:

@@ -7,7 +7,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from tests.fixtures_models import make_mtp_head
-from tests.helpers import make_core, run_to_completion
+from tests.helpers import make_checkpoint, make_core, run_to_completion
 
 PROMPTS = [[5, 9, 11, 3, 7], [4, 2], [8] * 11, [17, 4, 9, 21, 5, 6, 7]]
 
@@ -28,6 +28,7 @@ def test_graph_replay_matches_eager(tiny_target, tiny_draft, tmp_path, spec, tem
     graph, core = outputs(tiny_target, params, spec=spec, draft=draft, num_spec_tokens=3, graphs="on")
     assert graph == eager
     assert core.engine.graphs is not None and core.engine.graphs.buckets == (1, 2, 4)
+    assert core.engine.graphs.replays > 0  # decode steps really were replays (not eager behind a graph flag)
 
 
 def test_batch_above_the_largest_bucket_runs_eagerly(tiny_target):
@@ -54,3 +55,35 @@ def test_graph_lanes_near_max_model_len(tiny_target, tiny_draft, tmp_path, spec)
         core.stream.close()
     assert outs[0] == outs[1]
     assert len(outs[0][0]) == 3  # stopped at max_model_len; the others kept speculating alongside it
+
+
+def test_graph_lanes_past_the_rotary_table(tmp_path):
+    """max_model_len = max_position_embeddings (the default): a uniform graph lane near the limit feeds
+    positions past the rotary table (results discarded); they must not index past it."""
+    target = make_checkpoint(tmp_path / "t", seed=0, max_position_embeddings=32)
+    draft = make_checkpoint(tmp_path / "d", seed=1, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outs = []
+    for graphs in ("off", "on"):
+        core = make_core(target, page_size=4, max_batch_size=4, spec="draft_model", draft=str(draft),
+                         num_spec_tokens=3, spec_policy="fixed", graphs=graphs)
+        outs.append([r.output_token_ids for r in run_to_completion(core, [[3] * 29, [5, 9, 11], [4, 2, 8]], params)])
+        core.stream.close()
+    assert outs[0] == outs[1] and len(outs[0][0]) == 3
+
+
+def test_a_draft_with_a_shorter_context_stops_drafting_past_it(tmp_path):
+    """Target 64 positions, draft 32: requests past the draft's context decode without it, same tokens."""
+    target = make_checkpoint(tmp_path / "t", seed=0, max_position_embeddings=64)
+    draft = make_checkpoint(tmp_path / "d", seed=1, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain = make_core(target, page_size=4, graphs="off")
+    spec = make_core(target, page_size=4, spec="draft_model", draft=str(draft), num_spec_tokens=3,
+                     spec_policy="fixed", graphs="off")
+    assert spec.config.max_model_len == 64 and spec.config.spec_max_len == 32
+    prompts = [[3] * 24, [5, 9, 11]]
+    reqs = run_to_completion(spec, prompts, params)
+    assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in run_to_completion(plain, prompts, params)]
+    assert reqs[0].stats.drafted > 0  # it drafted while it fitted the draft's context

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -301,3 +302,14 @@ def test_caches_equal_a_fresh_prefill(tiny_target, drafts, proposer, temperature
             torch.testing.assert_close(prop.carried_hidden[r.slot], h_out[-1], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(prop.carried_logits[r.slot], target.compute_logits(h_out[-1]),
                                        rtol=1e-4, atol=1e-5)
+
+
+def test_a_chained_step_counts_the_token_in_flight_against_max_tokens(tiny_target, tiny_draft):
+    """Two tokens left: a step built from current lengths may draft one; a step built while another is in
+    flight (which surely adds a token) may draft none."""
+    core = make_core(tiny_target, spec="draft_model", draft=str(tiny_draft), num_spec_tokens=3, spec_policy="fixed")
+    req = Request("r", [5, 9, 11], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), seed=1)
+    req.token_ids += [7, 7, 7]  # three of five output tokens
+    assert core._decide([req]).num_draft.tolist() == [1]
+    assert core._decide([req], pending=np.array([4])).num_draft.tolist() == [0]
+    core.stream.close()
