@@ -81,7 +81,9 @@ class ThreadStream(DeviceStream):
     # it long enough to idle the device between steps. A short interval hands it over promptly.
     SWITCH_INTERVAL_S = 2e-4
 
-    def __init__(self, name: str = "device") -> None:
+    # Not "device": that is the trace's device track, made of the explicit DEVICE_TRACK ranges; host work the
+    # worker does (e.g. an attention plan) belongs on a CPU track of its own.
+    def __init__(self, name: str = "device-stream") -> None:
         sys.setswitchinterval(min(sys.getswitchinterval(), self.SWITCH_INTERVAL_S))
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)

@@ -321,6 +321,10 @@ class Frontend:
             self._reply(st.identity, e.to_wire())
         except asyncio.CancelledError:
             self._reply_cancelled(st)
+        except Exception as e:  # a bug must not leave the client waiting forever
+            log.exception("internal error serving request %r", st.request_id)
+            self._reply(st.identity, Error(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}: {e}",
+                                           st.request_id))
         finally:
             self._forget(st)
 

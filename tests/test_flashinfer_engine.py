@@ -63,3 +63,28 @@ def test_flashinfer_engine_catch_up_after_dropped_refill(monkeypatch, tiny_targe
     core.stream.close()
     assert [r.output_token_ids for r in reqs] == ref
     assert "catch_up" in core.engine.proposer.attention._planned
+
+
+def test_flashinfer_chained_steps_show_their_extra_sync_in_the_trace(monkeypatch, tiny_target, tiny_draft):
+    """With a planning backend a chained step waits for the previous step's lengths before it plans: the trace
+    shows it as a second host sync per decode step (and the report counts it), ranges still nest."""
+    from traces import ranges
+    from traces.report import analyze, spans_from_events
+    from traces.tracer import Tracer, TraceRecorder
+
+    fake_flashinfer.install(monkeypatch)
+    from engine.engine_config import EngineConfig
+    from scheduler.build import build_engine
+
+    recorder = TraceRecorder()
+    core, _, _ = build_engine(EngineConfig(model=str(tiny_target), spec="draft_model", draft=str(tiny_draft),
+                                           num_spec_tokens=3, spec_policy="fixed", device="cpu",
+                                           kv_cache_tokens=4096, attention="flashinfer"), Tracer(recorder))
+    run_to_completion(core, PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    core.stream.close()
+    spans = spans_from_events(recorder.to_json()["traceEvents"])
+    chained_waits = [s for s in spans if s.name == ranges.WAIT and s.args.get("chained")]
+    plans = [s for s in spans if s.name == ranges.PLAN]
+    report = analyze(spans)
+    assert chained_waits and len(plans) >= report.num_steps - 3  # every decode step planned (prefills: ragged)
+    assert report.max_syncs_per_step == 2 and 1.0 < report.syncs_per_step <= 2.0
