@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +83,7 @@ class Frontend:
         self.tracer = Tracer(self.recorder)
         self.requests: dict[tuple[bytes, str], RequestStream] = {}
         self.by_engine_id: dict[str, RequestStream] = {}
-        self._stats_pending: dict[bytes, asyncio.Task] = {}  # per client: its last queued HEALTH/STATS reply
+        self._query_replies: dict[bytes, asyncio.Task] = {}  # per client: its last queued HEALTH/STATS reply
         self._ids = itertools.count(1)
         self.draining = False
         self._done: asyncio.Event | None = None
@@ -109,7 +110,7 @@ class Frontend:
                 on_listening(f"specstep serve: metrics on http://127.0.0.1:{self.metrics_port}/metrics")
         poll_task = asyncio.create_task(self._poll_engine_stats())
         if not await self.supervisor.start():
-            if self.draining:  # SIGTERM / Ctrl-C during start-up: a clean stop
+            if self.draining and self.supervisor.state in ("stopping", "stopped"):  # SIGTERM during start-up
                 on_listening("specstep serve: stopped during start-up")
                 await self._done.wait()
                 code = 0
@@ -144,6 +145,9 @@ class Frontend:
         self.begin_drain()
 
     async def _drain(self) -> None:
+        if self.supervisor.state in ("starting", "restarting"):
+            # Nothing can finish before a scheduler is up: stop now; requests waiting for it get SHUTTING_DOWN.
+            await self.supervisor.stop(drain=False, timeout_s=5.0)
         deadline = time.monotonic() + self.cfg.drain_timeout_s
         while self.requests and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -187,7 +191,7 @@ class Frontend:
                 if st is not None:  # aborting an unknown or finished request is a no-op
                     self._cancel(st, "abort")
             elif isinstance(msg, HealthRequest):
-                if identity in self._stats_pending:  # replies to one client's queries go out in order
+                if identity in self._query_replies:  # replies to one client's queries go out in order
                     self._queue_control(identity, self._health_async)
                 else:
                     self._reply(identity, self._health())
@@ -236,10 +240,10 @@ class Frontend:
         return StatsReply(PROTOCOL_VERSION, self._status(), self.supervisor.restarts, len(self.requests), engine,
                           self.metrics.snapshot())
 
-    def _queue_control(self, identity: bytes, make) -> None:
+    def _queue_control(self, identity: bytes, make: Callable[[], Awaitable[Wire]]) -> None:
         """Answer a HEALTH/STATS query after this client's earlier queries (a STATS reply waits for the
         scheduler; the protocol matches replies to queries in order)."""
-        prev = self._stats_pending.get(identity)
+        prev = self._query_replies.get(identity)
 
         async def answer() -> None:
             if prev is not None:
@@ -252,11 +256,11 @@ class Frontend:
             self._reply(identity, reply)
 
         task = asyncio.get_running_loop().create_task(answer())
-        self._stats_pending[identity] = task
+        self._query_replies[identity] = task
 
         def done(_: asyncio.Task) -> None:
-            if self._stats_pending.get(identity) is task:
-                del self._stats_pending[identity]
+            if self._query_replies.get(identity) is task:
+                del self._query_replies[identity]
         task.add_done_callback(done)
 
     async def _poll_engine_stats(self, period_s: float = 1.0) -> None:

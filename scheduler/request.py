@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from scheduler.spec_counters import SpecStats
+from scheduler.spec_counters import SpecCounters
 from scheduler.spec_policy import RequestAcceptance
 
 
@@ -44,7 +44,7 @@ class Request:
     slot: int = -1
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
-    stats: SpecStats = field(default_factory=SpecStats)
+    stats: SpecCounters = field(default_factory=SpecCounters)
     num_preemptions: int = 0
     first_token_time: float | None = None
     acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from engine.tokenizer import Tokenizer
 from scheduler.detokenize import TextStream
 from scheduler.protocol import Delta, EngineOutput, EngineRequest, Final, GenerateRequest, Timings, Usage
-from scheduler.spec_counters import SpecStats
+from scheduler.spec_counters import SpecCounters
 
 
 @dataclass(eq=False, slots=True)
@@ -34,7 +34,7 @@ class RequestStream:
     first_token: float = 0.0
     last_token: float = 0.0
     max_gap: float = 0.0
-    spec: SpecStats = field(default_factory=SpecStats)  # summed from the engine's per-step counts
+    spec: SpecCounters = field(default_factory=SpecCounters)  # summed from the engine's per-step counts
     engine_queue_s: float = 0.0
     num_preemptions: int = 0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
 import sys
 from pathlib import Path
@@ -88,11 +89,12 @@ def _check(args: argparse.Namespace) -> tuple[EngineConfig, object]:
             raise SpecstepError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_restarts < 0:
         raise SpecstepError("--max-restarts must be >= 0")
-    if cfg.attention == "flashinfer":  # the scheduler process would fail at start-up: say it now
-        from engine.attention.flashinfer_backend import check_usable
-        from scheduler.build import resolve_device
-
-        check_usable(resolve_device(cfg.device))
+    if cfg.attention == "flashinfer":  # the scheduler would fail at start-up: say it now (without torch here)
+        if importlib.util.find_spec("flashinfer") is None:
+            raise SpecstepError("attention backend flashinfer: the flashinfer package is not installed "
+                                "(pip install specstep[cuda], or bring its wheel)")
+        if cfg.device == "cpu":
+            raise SpecstepError("attention backend flashinfer needs a CUDA device, not cpu")
     try:
         tokenizer = Tokenizer.from_folder(cfg.model)
     except CheckpointError:

@@ -9,7 +9,7 @@ from scheduler import protocol
 
 
 @dataclass(slots=True)
-class SpecStats:
+class SpecCounters:
     """Per-request speculation counters; positions are draft depths 0..k-1."""
 
     steps: int = 0  # decode steps that drafted at least one token

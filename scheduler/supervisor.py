@@ -92,7 +92,9 @@ class SchedulerSupervisor:
     # ---- the frontend's side ---------------------------------------------------------------------------------
     async def wait_ready(self) -> Ready:
         while self.state != "ready":
-            if self.state in ("failed", "stopping", "stopped"):
+            if self.state in ("stopping", "stopped"):
+                raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+            if self.state == "failed":
                 raise ProtocolError(ErrorCode.UNAVAILABLE, f"no scheduler process ({self.state})")
             self._state_changed.clear()
             await self._state_changed.wait()
@@ -148,12 +150,23 @@ class SchedulerSupervisor:
     async def _launch(self) -> bool:
         number = next(self._numbers)
         in_addr, out_addr = ipc_address("in"), ipc_address("out")
-        inc = Incarnation(number, make_socket(self.ctx, zmq.PUSH, bind=in_addr),
-                          make_socket(self.ctx, zmq.PULL, bind=out_addr), (in_addr, out_addr))
-        cfg = self.make_config(in_addr, out_addr)
-        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
-        inc.proc = await asyncio.create_subprocess_exec(*self.command, msgspec.json.encode(cfg).decode(), env=env)
+        push = make_socket(self.ctx, zmq.PUSH, bind=in_addr)
+        try:
+            pull = make_socket(self.ctx, zmq.PULL, bind=out_addr)
+        except BaseException:
+            push.close(linger=0)
+            remove_ipc(in_addr)
+            raise
+        inc = Incarnation(number, push, pull, (in_addr, out_addr))
+        try:
+            cfg = self.make_config(in_addr, out_addr)
+            env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
+            inc.proc = await asyncio.create_subprocess_exec(*self.command, msgspec.json.encode(cfg).decode(),
+                                                            env=env)
+        except BaseException:  # could not spawn, or cancelled meanwhile: leave no socket behind
+            await self._reap(inc)
+            raise
         inc.tasks.append(asyncio.create_task(self._read(inc)))
         exited = asyncio.ensure_future(inc.proc.wait())
         try:
@@ -209,7 +222,7 @@ class SchedulerSupervisor:
             try:
                 if await self._launch():
                     return
-            except OSError:  # could not spawn or bind: counts as a failed start, not a stuck supervisor
+            except (OSError, zmq.ZMQError):  # could not spawn or bind: a failed start, not a stuck supervisor
                 log.exception("starting scheduler process failed")
             if self.state in ("stopping", "stopped"):
                 return

@@ -83,7 +83,16 @@ def test_a_draft_with_a_shorter_context_stops_drafting_past_it(tmp_path):
     spec = make_core(target, page_size=4, spec="draft_model", draft=str(draft), num_spec_tokens=3,
                      spec_policy="fixed", graphs="off")
     assert spec.config.max_model_len == 64 and spec.config.spec_max_len == 32
+    decisions, decide = [], spec._decide
+
+    def recording(reqs, pending=None):
+        d = decide(reqs, pending)
+        decisions.extend(zip([len(r.token_ids) for r in reqs], d.num_draft.tolist()))
+        return d
+    spec._decide = recording
     prompts = [[3] * 24, [5, 9, 11]]
     reqs = run_to_completion(spec, prompts, params)
     assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in run_to_completion(plain, prompts, params)]
-    assert reqs[0].stats.drafted > 0  # it drafted while it fitted the draft's context
+    assert any(n > 0 for _, n in decisions)  # it drafted while requests fitted the draft's context ...
+    assert any(length >= 32 for length, _ in decisions)
+    assert all(n == 0 for length, n in decisions if length + n + 1 > 32)  # ... and never past it

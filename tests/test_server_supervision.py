@@ -198,3 +198,36 @@ async def test_stop_during_start_cancels_the_start(monkeypatch):
     finally:
         await sup.stop(timeout_s=2)
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("failure", ["bind", "spawn"])
+async def test_restarts_that_cannot_start_end_failed_not_stuck(failure, monkeypatch):
+    """The scheduler dies and its successors cannot even be started (ipc bind fails, or the command cannot be
+    spawned): the supervisor ends `failed` (waiting requests get UNAVAILABLE) and leaves no socket open."""
+    import scheduler.supervisor as sup_mod
+
+    ctx, rec = zmq.asyncio.Context(), Recorder()
+    sup = supervisor(ctx, rec, [sys.executable, "-c", FAKE_SCHEDULER], startup_timeout_s=30, max_restarts=2,
+                     restart_window_s=60)
+    made: list = []
+    real_make_socket = sup_mod.make_socket
+
+    def make_socket(*args, **kw):
+        if failure == "bind":
+            raise zmq.ZMQError(zmq.EADDRINUSE)
+        made.append(real_make_socket(*args, **kw))
+        return made[-1]
+    try:
+        assert await sup.start()
+        monkeypatch.setattr(sup_mod, "make_socket", make_socket)
+        if failure == "spawn":
+            sup.command = ["/nonexistent/specstep-scheduler"]
+        os.kill(sup.ready.pid, signal.SIGKILL)
+        await wait_for_state(sup, "failed")
+        with pytest.raises(ProtocolError) as e:
+            await sup.wait_ready()
+        assert e.value.code == ErrorCode.UNAVAILABLE
+        assert all(s.closed for s in made)
+    finally:
+        await sup.stop(timeout_s=2)
+        ctx.destroy(linger=0)

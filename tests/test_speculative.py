@@ -13,7 +13,8 @@ import torch
 from engine.batch_builder import build_forward_batch
 from engine.kv_cache import KVPool
 from engine.sampling_params import SamplingParams
-from scheduler.request import Request, SpecStats
+from scheduler.request import Request
+from scheduler.spec_counters import SpecCounters
 from tests.fixtures_models import fragment, make_mtp_head, make_permuted_draft, make_perturbed_copy
 from tests.helpers import make_checkpoint, make_core, run_to_completion
 
@@ -141,10 +142,10 @@ def test_greedy_equals_plain_with_partial_acceptance(tiny_vocab, proposer):
 # ---- acceptance statistics on constructed drafts ----------------------------------------------------------
 
 
-def expected_stats(max_tokens: int, k: int, always_accept: bool) -> SpecStats:
+def expected_stats(max_tokens: int, k: int, always_accept: bool) -> SpecCounters:
     """What the synchronous loop must record: the prefill emits one token, then every step drafts
     min(k, tokens left - 1) (the last token of a request is always a bonus/corrected token, never a draft)."""
-    s = SpecStats()
+    s = SpecCounters()
     left = max_tokens - 1
     while left > 0:
         nd = min(k, left - 1)
@@ -154,7 +155,7 @@ def expected_stats(max_tokens: int, k: int, always_accept: bool) -> SpecStats:
     return s
 
 
-def assert_stats(got: SpecStats, want: SpecStats) -> None:
+def assert_stats(got: SpecCounters, want: SpecCounters) -> None:
     fields = ("steps", "drafted", "accepted", "drafted_per_position", "accepted_per_position")
     assert {f: getattr(got, f) for f in fields} == {f: getattr(want, f) for f in fields}
     assert got.to_dict() == want.to_dict()
@@ -209,7 +210,7 @@ def test_stats_exact_when_draft_always_wrong(tiny_target, drafts, matrix, k, ove
 
 
 def test_spec_stats_record_first_j_right():
-    s = SpecStats()
+    s = SpecCounters()
     for nd, a in [(3, 1), (5, 5), (0, 0), (2, 0), (4, 2)]:
         s.record(nd, a)
     assert (s.steps, s.drafted, s.accepted) == (4, 14, 8)
@@ -219,7 +220,7 @@ def test_spec_stats_record_first_j_right():
     d = s.to_dict()
     assert d["acceptance_per_position"] == [0.75, 0.5, round(1 / 3, 4), 0.5, 1.0]
     assert (d["drafted_tokens"], d["accepted_tokens"], d["spec_steps"]) == (14, 8, 4)
-    assert SpecStats().to_dict()["mean_accepted_length"] == 0.0
+    assert SpecCounters().to_dict()["mean_accepted_length"] == 0.0
 
 
 # ---- KV consistency ----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttention
 from engine.config import ModelConfig
 from engine.errors import ConfigError
@@ -24,7 +25,7 @@ def resolve_backend(choice: str, device: torch.device) -> str:
 
 
 def make_backend(name: str, cfg: ModelConfig, page_size: int, dtype: torch.dtype, device: torch.device,
-                 max_pages_per_request: int, workspace: torch.Tensor | None = None):
+                 max_pages_per_request: int, workspace: torch.Tensor | None = None) -> AttentionBackend:
     """A backend for one model (head counts and page size fixed). FlashInfer instances of one engine may share
     a float `workspace` (their kernels run in stream order)."""
     if name == "torch":

@@ -10,7 +10,7 @@ tuple. New K/V are still written by `store_kv` (the model's slot_mapping); Flash
 are our flat token order (request-major), which is FlashInfer's ragged `qo_indptr` order; query head h uses
 KV head h // group in both. RoPE is applied by the model before the K/V write, so FlashInfer's is off.
 
-How the engine uses it (`engine.attention.select_backend`, `StepEngine`): one instance per model (target,
+How the engine uses it (`scheduler.build.install_attention`, `StepEngine`): one instance per model (target,
 draft model or MTP head: separate pools and head counts), installed as the model's `attention`. Every forward
 names its plan in `AttentionMetadata.slot`: "prefill", "verify", "draft.1" .. "draft.{k-1}", "refill".
 Before a forward runs, the step engine calls `plan(slot, q_lens, kv_lens, page_tables, lanes)` with that
@@ -65,6 +65,9 @@ except ImportError:  # CPU machines, or CUDA machines without the wheel
     flashinfer = None
 
 AVAILABLE = flashinfer is not None
+WORKSPACE_BYTES = 256 << 20
+INT_WORKSPACE_BYTES = 8 << 20
+KV_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's kernels have no float32 variant
 
 
 def check_usable(device: torch.device) -> None:
@@ -74,9 +77,6 @@ def check_usable(device: torch.device) -> None:
                           "(pip install specstep[cuda], or bring its wheel)")
     if device.type != "cuda":
         raise ConfigError(f"attention backend flashinfer needs a CUDA device, not {device}")
-WORKSPACE_BYTES = 256 << 20
-INT_WORKSPACE_BYTES = 8 << 20
-KV_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's kernels have no float32 variant
 
 
 @functools.cache
@@ -189,10 +189,9 @@ class FlashInferAttention:
         self._staging: dict[str, _StagingPair] = {}
         self._planned: dict[str, _Wrapper] = {}  # slot -> the wrapper its last plan went into
 
-    def _wrapper(self, slot: str, lanes: int | None, q: int) -> _Wrapper:
+    def _wrapper(self, slot: str, lanes: int | None, q: int, decode: bool) -> _Wrapper:
         """Graph-mode wrappers are fixed in lanes and rows: one per (slot, lanes, q). Ordinary wrappers: one
-        per slot and kernel family (decode kernels for q = 1, prefill kernels otherwise)."""
-        decode = q == 1 and slot != "prefill"
+        per slot and kernel family (`decode`: decode kernels, else prefill kernels)."""
         key = (slot, lanes, q) if lanes is not None else (slot, None, decode)
         w = self._wrappers.get(key)
         if w is None:
@@ -224,8 +223,8 @@ class FlashInferAttention:
         pt = np.full((rows, self.max_pages), DUMMY_PAGE, dtype=np.int32)
         width = min(page_tables.shape[1], self.max_pages)
         pt[:live, :width] = page_tables[:live, :width]
-        w = self._wrapper(slot, lanes, q)
-        decode = q == 1 and slot != "prefill"
+        decode = q == 1 and slot != "prefill"  # one new token per lane: the decode kernels
+        w = self._wrapper(slot, lanes, q, decode)
         cuda = self.device.type == "cuda"  # False only in the CPU tests of the host logic (fake flashinfer)
         s = self._staging.setdefault(slot, _StagingPair(self.max_pages, cuda)).next(rows)
         total = int(n_pages.sum())

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttention, dense_causal_attention, store_kv
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
@@ -50,7 +51,8 @@ class LlamaAttention(nn.Module):
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=-2)
         return q, k, v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: Rope, attention) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: Rope,
+                attention: AttentionBackend) -> torch.Tensor:
         q, k, v = self._qkv(x, rope)
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
@@ -83,7 +85,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: Rope, attention) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: Rope,
+                attention: AttentionBackend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, kv, rope, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -110,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.attention = TorchAttention()
+        self.attention: AttentionBackend = TorchAttention()
 
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttention
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
@@ -35,7 +36,7 @@ class MTPHead(nn.Module):
         self.fc = nn.Linear(2 * d, d, bias=False)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, 0)])
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.attention = TorchAttention()  # the engine may install FlashInfer (see LlamaForCausalLM)
+        self.attention: AttentionBackend = TorchAttention()  # the engine may install FlashInfer (see LlamaForCausalLM)
 
     def _fuse(self, token_embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.cat([self.hidden_norm(target_hidden), self.embed_norm(token_embeds)], dim=-1))

@@ -47,8 +47,9 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables for these positions, shaped to broadcast over [..., heads, head_dim]; computed once per
-        forward and shared by every layer. Positions past the table occur only in lanes whose results are
-        discarded (a graph lane's unused verify tail near the model's length): clamped, graph-safe."""
+        forward and shared by every layer. Positions past the table are clamped (graph-safe): they occur in
+        lanes whose results are discarded (a graph lane's unused verify tail near the model's length), and in
+        a short-context draft's refill of requests past its context, which no longer draft."""
         positions = positions.clamp_max(self.cos.shape[0] - 1)
         return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
 

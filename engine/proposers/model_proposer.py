@@ -17,6 +17,7 @@ from abc import abstractmethod
 import numpy as np
 import torch
 
+from engine.attention.backend import AttentionBackend
 from engine.batch_builder import build_forward_batch
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
@@ -48,7 +49,7 @@ class ModelProposer(Proposer):
         """The proposer's own network (draft model or head): its `cfg` and its `attention` backend."""
 
     @property
-    def attention(self):
+    def attention(self) -> AttentionBackend:
         return self.network.attention
 
     def plan_attention(self, ctx: DecodeContext, base: np.ndarray, verify_q: np.ndarray, lanes: int | None) -> None:
