@@ -17,9 +17,13 @@ class Tokenizer:
     def __init__(self, tok: HFTokenizer, eos_token_ids: tuple[int, ...] = ()) -> None:
         self._tok = tok
         self.eos_token_ids = eos_token_ids
-        # No token covers more characters than its vocabulary string has (byte-level BPE: one per byte), so a
-        # text of n characters has at least n / max_token_chars tokens: a bound checked before encoding.
-        self.max_token_chars = max((len(t) for t in tok.get_vocab(with_added_tokens=True)), default=1)
+        # Byte-level BPE without a normalizer: no token covers more characters than its vocabulary string has
+        # (one per byte), so a text of n characters has at least n / max_token_chars tokens, a bound checked
+        # before encoding. Not for other tokenizers: an unknown token or a normalizer can swallow any run.
+        byte_level = type(tok.pre_tokenizer).__name__ == "ByteLevel" and tok.normalizer is None \
+            and getattr(tok.model, "unk_token", None) is None
+        self.max_token_chars: int | None = (max((len(t) for t in tok.get_vocab(with_added_tokens=True)), default=1)
+                                            if byte_level else None)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:

@@ -19,7 +19,6 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from scheduler.protocol import (
     decode_client,
     encode,
 )
+from scheduler.query_replies import QueryReplies
 from scheduler.request_stream import RequestStream
 from scheduler.sockets import ROUTER_HWM, bound_address, make_socket, send_now
 from scheduler.supervisor import SchedulerSupervisor
@@ -83,11 +83,11 @@ class Frontend:
         self.tracer = Tracer(self.recorder)
         self.requests: dict[tuple[bytes, str], RequestStream] = {}
         self.by_engine_id: dict[str, RequestStream] = {}
-        self._query_replies: dict[bytes, asyncio.Task] = {}  # per client: its last queued HEALTH/STATS reply
         self._ids = itertools.count(1)
         self.draining = False
         self._done: asyncio.Event | None = None
         self.metrics = ServerMetrics()
+        self.queries = QueryReplies(self._reply)
         self.metrics_port: int | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
@@ -191,12 +191,12 @@ class Frontend:
                 if st is not None:  # aborting an unknown or finished request is a no-op
                     self._cancel(st, "abort")
             elif isinstance(msg, HealthRequest):
-                if identity in self._query_replies:  # replies to one client's queries go out in order
-                    self._queue_control(identity, self._health_async)
+                if self.queries.pending(identity):  # replies to one client's queries go out in order
+                    self.queries.queue(identity, self._health_async)
                 else:
                     self._reply(identity, self._health())
             elif isinstance(msg, StatsRequest):
-                self._queue_control(identity, self._stats_reply)
+                self.queries.queue(identity, self._stats_reply)
         except ProtocolError as e:
             self._reply(identity, e.to_wire())
 
@@ -239,29 +239,6 @@ class Frontend:
         self.metrics.update_engine(engine)
         return StatsReply(PROTOCOL_VERSION, self._status(), self.supervisor.restarts, len(self.requests), engine,
                           self.metrics.snapshot())
-
-    def _queue_control(self, identity: bytes, make: Callable[[], Awaitable[Wire]]) -> None:
-        """Answer a HEALTH/STATS query after this client's earlier queries (a STATS reply waits for the
-        scheduler; the protocol matches replies to queries in order)."""
-        prev = self._query_replies.get(identity)
-
-        async def answer() -> None:
-            if prev is not None:
-                await asyncio.wait([prev])
-            try:
-                reply = await make()
-            except Exception as e:  # noqa: BLE001 (answer the query whatever went wrong)
-                log.exception("internal error answering a query")
-                reply = Error(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
-            self._reply(identity, reply)
-
-        task = asyncio.get_running_loop().create_task(answer())
-        self._query_replies[identity] = task
-
-        def done(_: asyncio.Task) -> None:
-            if self._query_replies.get(identity) is task:
-                del self._query_replies[identity]
-        task.add_done_callback(done)
 
     async def _poll_engine_stats(self, period_s: float = 1.0) -> None:
         """Gauges (running, waiting, pages, k distribution) follow the scheduler's stats."""

@@ -56,7 +56,8 @@ def validate_generate(msg: GenerateRequest, limits: Limits, tokenizer: Tokenizer
             raise bad("prompt is empty")
         if tokenizer is None:
             raise bad("this model has no tokenizer: send prompt_token_ids")
-        if len(msg.prompt) > limits.max_prompt_len * tokenizer.max_token_chars:  # surely too long: skip encoding
+        bound = tokenizer.max_token_chars
+        if bound is not None and len(msg.prompt) > limits.max_prompt_len * bound:  # surely too long: no encoding
             raise bad(f"prompt has {len(msg.prompt)} characters, more than {limits.max_prompt_len} tokens can hold",
                       ErrorCode.PROMPT_TOO_LONG)
         ids = tokenizer.encode(msg.prompt)

@@ -201,3 +201,22 @@ def test_frontend_process_imports_no_torch():
     code = ("import sys; import scheduler.frontend, scheduler.serve_cmd, scheduler.supervisor, loadgen.client; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_rejected_before_encoding(tiny_target):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from scheduler.validate import Limits, validate_generate
+
+    tok = Tokenizer.from_folder(tiny_target)  # byte-level BPE
+    assert tok.max_token_chars is not None
+    limits = Limits(vocab_size=tok.vocab_size, max_prompt_len=8, max_tokens=16)
+    calls = []
+    tok.encode = lambda text: calls.append(text) or [1]
+    with pytest.raises(ProtocolError) as e:
+        validate_generate(GenerateRequest("r", prompt="x" * (8 * tok.max_token_chars + 1)), limits, tok, "1")
+    assert e.value.code == ErrorCode.PROMPT_TOO_LONG and not calls
+    # An unknown token may stand for any run of characters: no such bound for WordPiece-style models.
+    wordpiece = Tokenizer(HFTokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]")))
+    assert wordpiece.max_token_chars is None
