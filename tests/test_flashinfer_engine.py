@@ -87,4 +87,6 @@ def test_flashinfer_chained_steps_show_their_extra_sync_in_the_trace(monkeypatch
     plans = [s for s in spans if s.name == ranges.PLAN]
     report = analyze(spans)
     assert chained_waits and len(plans) >= report.num_steps - 3  # every decode step planned (prefills: ragged)
-    assert report.max_syncs_per_step == 2 and 1.0 < report.syncs_per_step <= 2.0
+    # (Which step a wait is attributed to goes by time, so per-step maxima vary with scheduling; totals do not.)
+    assert report.host_syncs == len([s for s in spans if s.name == ranges.WAIT])
+    assert 1.0 < report.syncs_per_step <= 2.0
