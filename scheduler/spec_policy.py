@@ -171,8 +171,10 @@ class AdaptivePolicy:
         explore = self._unmeasured(b)
         if explore is not None:
             k, refill = explore
-            nd = np.where(fixed, fixed_k, k)
-            return Decision(np.minimum(nd, room).clip(0), k, refill, 0.0, 0.0, explored=True)
+            nd = np.minimum(np.where(fixed, fixed_k, k), room).clip(0)
+            if (fixed & (nd > 0)).any():  # a fixed-k request drafts whatever is being measured: keep its draft
+                refill = refill or cfg.keeps_draft_kv or cfg.can_drop_refill  # current (a stale one can't draft)
+            return Decision(nd, int(nd.max(initial=0)), refill, 0.0, 0.0, explored=True)
 
         # Hysteresis on each request's inclusion too: one that drafted last step stays in at 0.65 of the threshold.
         threshold = np.array([cfg.min_gain * (0.65 if a.idle_steps == 0 and a.trials > 0 else 1.0)

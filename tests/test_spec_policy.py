@@ -131,3 +131,14 @@ def test_exploration_measures_each_candidate_first():
         pol.observe_step(1, d.k, d.refill, 1.0 + d.k)
     assert sorted(set(seen)) == [0, 1, 2]
     assert not choose(pol, requests_with_alpha([0.5])).explored
+
+
+def test_exploration_keeps_fixed_k_requests_drafting():
+    """While plain decoding without the draft's refill is measured, a request with a fixed k still drafts (with
+    its refill on: a stale draft cannot propose), and the decision's k is what the batch really drafts."""
+    pol = AdaptivePolicy(PolicyConfig(kind="adaptive", k_max=2, can_drop_refill=True))
+    accs = requests_with_alpha([0.5, 0.5])
+    for _ in range(12):
+        d = pol.choose(accs, [3, None], np.full(2, 100))
+        assert d.num_draft[0] == 3 and d.k == 3 and d.refill
+        pol.observe_step(2, d.k, d.refill, 1.0 + d.k)
