@@ -65,12 +65,7 @@ def plot(out_dir: Path, settings: dict[str, dict]) -> list[Path]:
     ax.set_xlabel("p99 inter-token latency (ms)")
     ax.set_ylabel("output tokens / s")
     ax.set_title("Throughput vs p99 inter-token latency")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths.append(out_dir / "throughput_vs_p99_itl.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, ax, out_dir / "throughput_vs_p99_itl.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, s in settings.items():
@@ -80,13 +75,17 @@ def plot(out_dir: Path, settings: dict[str, dict]) -> list[Path]:
     ax.set_xlabel("concurrency" if mode == "closed" else "arrival rate (requests / s)")
     ax.set_ylabel("output tokens / s")
     ax.set_xscale("log", base=2)
+    paths.append(_save(plt, fig, ax, out_dir / "throughput_vs_load.png"))
+    return paths
+
+
+def _save(plt, fig, ax, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    paths.append(out_dir / "throughput_vs_load.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return paths
+    return path
 
 
 def table(settings: dict[str, dict]):
