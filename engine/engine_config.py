@@ -1,22 +1,24 @@
-"""The engine's frozen configuration and the locations of the embedded default models."""
+"""The engine's frozen configuration."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-DEFAULTS_DIR = Path(__file__).parent / "defaults"
-DEFAULT_TARGET = DEFAULTS_DIR / "target"
-DEFAULT_DRAFTS = {"draft_model": DEFAULTS_DIR / "draft", "mtp": DEFAULTS_DIR / "mtp"}
+from engine.model_source import EMBEDDED_TARGET as DEFAULT_TARGET
+from engine.model_source import default_draft, resolve_model
+
 SPEC_KINDS = ("none", "draft_model", "mtp", "ngram")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
+    # A folder or a GGUF file. The library's default is the small embedded target (fast, for tests); the CLI's
+    # is the pretrained one (`engine.model_source.default_target`).
     model: str = str(DEFAULT_TARGET)
     spec: str = "none"  # none | draft_model | mtp | ngram
     draft: str | None = None  # draft model or MTP head folder; default: the embedded one for the default target
     num_spec_tokens: int = 4
+    draft_vocab: int | None = None  # drafter's reduced vocabulary: None = its folder's list if any, 0 = full, N = top N
     page_size: int = 16
     kv_cache_tokens: int = 65536  # KV capacity (tokens) when num_pages is not given
     num_pages: int | None = None
@@ -30,6 +32,7 @@ class EngineConfig:
     overlap: bool = True  # prepare step N+1 on the host while step N runs on the device stream
     graphs: str = "auto"  # auto (CUDA: on, CPU: off) | on (CPU: the contract-checking stand-in) | off
     attention: str = "auto"  # auto (torch until FlashInfer is GPU-validated) | torch | flashinfer (CUDA)
+    cpu_linear: str = "auto"  # CPU linears: auto (MKL or oneDNN per shape and rows, measured) | matmul | onednn
 
     def __post_init__(self) -> None:
         if self.spec not in SPEC_KINDS:
@@ -38,10 +41,14 @@ class EngineConfig:
             raise ValueError(f"--graphs must be auto, on or off, got {self.graphs!r}")
         if self.attention not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"--attention must be auto, torch or flashinfer, got {self.attention!r}")
+        if self.cpu_linear not in ("auto", "matmul", "onednn"):
+            raise ValueError(f"--cpu-linear must be auto, matmul or onednn, got {self.cpu_linear!r}")
         if self.page_size < 1:
             raise ValueError("page size must be >= 1")
         if self.spec_policy not in ("fixed", "adaptive"):
             raise ValueError(f"--spec-policy must be fixed or adaptive, got {self.spec_policy!r}")
+        if self.draft_vocab is not None and self.draft_vocab < 0:
+            raise ValueError("--draft-vocab must be >= 0 (0: the full vocabulary)")
         if self.num_spec_tokens < 0 or self.num_spec_tokens > 16:
             raise ValueError("num_spec_tokens must be in [0, 16]")
 
@@ -51,6 +58,7 @@ class EngineConfig:
             return None
         if self.draft:
             return self.draft
-        if Path(self.model).resolve() == DEFAULT_TARGET.resolve():
-            return str(DEFAULT_DRAFTS[self.spec])
-        raise ValueError(f"--spec {self.spec} needs --draft DIR for a non-default target")
+        shipped = default_draft(self.spec, resolve_model(self.model))
+        if shipped is not None:
+            return str(shipped)
+        raise ValueError(f"--spec {self.spec} needs --draft DIR: no shipped {self.spec} was trained for {self.model}")

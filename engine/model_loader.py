@@ -9,14 +9,18 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.loader import load_state_dict, resolve_dtype
+from engine.model_source import resolve_model
+from engine.models.cpu_linear import plan_linears
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mtp_head import MTPHead
 
 
-def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: str = "auto") -> LlamaForCausalLM:
-    folder = Path(folder)
+def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str = "auto",
+               cpu_linear: str = "auto") -> LlamaForCausalLM:
+    """`model`: a Hugging Face-format folder or a GGUF file (converted once, see `engine.gguf_checkpoint`)."""
+    folder = resolve_model(model)
     if not folder.is_dir():
-        raise CheckpointError(f"model folder {str(folder)!r} does not exist")
+        raise CheckpointError(f"model {str(folder)!r} is neither a model folder nor a GGUF file")
     cfg = ModelConfig.from_folder(folder)
     if cfg.architecture == "mtp":
         raise CheckpointError(f"{folder}: is an MTP head, not a language model (use it as --draft with --spec mtp)")
@@ -27,27 +31,14 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: st
     load_state_dict(model, folder, torch_dtype)
     # Buffers (rotary tables) were built on meta; rebuild them for real on the target device.
     model.rotary.build_tables()
-    model = model.to(device).eval()
+    model = model.to(device).eval().requires_grad_(False)  # serving weights; training heads keep the target frozen
     if device.type == "cpu":
-        transpose_linear_storage(model)
+        plan_linears(model, cpu_linear)  # per shape and row count: MKL or prepacked oneDNN (cpu_linear.py)
     return model
 
 
-def transpose_linear_storage(module: torch.nn.Module) -> None:
-    """Store each linear weight [out, in] as the transpose of a contiguous [in, out] buffer (same values).
-
-    F.linear then hands MKL a non-transposed right operand: `x @ W_t`, which on this CPU is markedly faster
-    for the few-row GEMMs of decode and verify (CPU_NOTES.md). Weights shared with an embedding stay as they
-    are (the lookup wants contiguous rows).
-    """
-    shared = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
-    for m in module.modules():
-        if isinstance(m, torch.nn.Linear) and id(m.weight) not in shared:
-            m.weight.data = m.weight.data.t().contiguous().t()
-
-
 def load_mtp_head(folder: str | Path, target_cfg: ModelConfig, device: str | torch.device = "cpu",
-                  dtype: torch.dtype = torch.float32) -> MTPHead:
+                  dtype: torch.dtype = torch.float32, cpu_linear: str = "auto") -> MTPHead:
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"head folder {str(folder)!r} does not exist")
@@ -64,5 +55,5 @@ def load_mtp_head(folder: str | Path, target_cfg: ModelConfig, device: str | tor
     head.rotary.build_tables()
     head = head.to(device).eval()
     if torch.device(device).type == "cpu":
-        transpose_linear_storage(head)
+        plan_linears(head, cpu_linear)
     return head

@@ -26,8 +26,12 @@ class Tokenizer:
                                             if byte_level else None)
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> Tokenizer:
-        path = Path(folder) / "tokenizer.json"
+    def from_folder(cls, model: str | Path) -> Tokenizer:
+        """`model`: a model folder, or a GGUF file (its converted folder; converting needs torch)."""
+        from engine.model_source import resolve_model
+
+        folder = resolve_model(model)
+        path = folder / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"{folder}: no tokenizer.json (pass prompt_token_ids instead of text)")
         tok = HFTokenizer.from_file(str(path))

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.engine_config import DEFAULT_TARGET, SPEC_KINDS
+from engine.engine_config import SPEC_KINDS
 from loadgen.workloads import WORKLOADS
 
 
@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--setting", action="append", default=[], metavar="NAME[=SERVE ARGS]",
                    help="start `specstep serve SERVE ARGS` and measure it; NAME alone may be off or a proposer "
                         f"({', '.join(SPEC_KINDS)}). Repeat for a sweep across settings (default: off)")
-    s.add_argument("--model", default=str(DEFAULT_TARGET), help="target model for started servers and prompts")
+    s.add_argument("--model", default=None,
+                   help="target model for started servers and prompts (default: serve's default target)")
     s.add_argument("--server-args", default="", help="extra arguments for every started server (one string)")
     s.add_argument("--startup-timeout", type=float, default=600.0)
     w = p.add_argument_group("load")
@@ -97,6 +98,14 @@ async def _sweep(args, settings: list[tuple[str, list[str]]], loads: list[float]
     from loadgen.server import ServerProcess
 
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)  # logs: do not squeeze the table
+    if args.model is None:
+        from engine.model_source import default_target
+
+        args.model = default_target().reference
+    if args.model.endswith(".gguf"):
+        from engine.model_source import resolve_model
+
+        args.model = str(resolve_model(args.model))  # converted once, here, for the servers and the prompts
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}

@@ -16,6 +16,7 @@ from engine.kv_cache import KVPool  # noqa: E402
 from engine.model_loader import load_model, load_mtp_head  # noqa: E402
 from engine.proposers.base import Proposer  # noqa: E402
 from engine.proposers.draft_model import DraftModelProposer  # noqa: E402
+from engine.proposers.draft_vocab import build_reduced_head  # noqa: E402
 from engine.proposers.mtp import MTPProposer  # noqa: E402
 from engine.proposers.ngram import NgramProposer  # noqa: E402
 from engine.step_engine import StepEngine  # noqa: E402
@@ -55,7 +56,7 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
         # With overlap, the scheduler thread and the stream's worker thread each take a core: one intra-op
         # thread. Inline, both cores go to the matmuls (measured faster from batch 1 up on this machine kind).
         torch.set_num_threads(cfg.threads or (1 if cfg.overlap else 2))
-    target = load_model(cfg.model, device, cfg.dtype)
+    target = load_model(cfg.model, device, cfg.dtype, cfg.cpu_linear)
     dtype = target.embed_tokens.weight.dtype
     max_len = min(cfg.max_model_len or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)
     num_pages = cfg.num_pages or (-(-cfg.kv_cache_tokens // cfg.page_size) + 1)
@@ -123,9 +124,13 @@ def build_proposer(cfg: EngineConfig, target, num_pages: int, dtype: torch.dtype
         return NgramProposer(device)
     path = cfg.draft_path
     if cfg.spec == "draft_model":
-        draft = load_model(path, device, str(dtype).replace("torch.", ""))
+        draft = load_model(path, device, str(dtype).replace("torch.", ""), cfg.cpu_linear)
         pool = KVPool(draft.cfg, draft.cfg.num_layers, num_pages, cfg.page_size, dtype, device)
-        return DraftModelProposer(draft, target.cfg.vocab_size, pool, cfg.max_batch_size + 1, device)
-    head = load_mtp_head(path, target.cfg, device, dtype)
+        reduced = build_reduced_head(draft.lm_head.weight, path, draft.cfg.vocab_size, cfg.draft_vocab,
+                                     cfg.cpu_linear)
+        return DraftModelProposer(draft, target.cfg.vocab_size, pool, cfg.max_batch_size + 1, device, reduced)
+    head = load_mtp_head(path, target.cfg, device, dtype, cfg.cpu_linear)
     pool = KVPool(head.cfg, 1, num_pages, cfg.page_size, dtype, device)
-    return MTPProposer(head, target, pool, cfg.max_batch_size + 1, device)  # + a scratch row for padding lanes
+    reduced = build_reduced_head(target.lm_head.weight, path, target.cfg.vocab_size, cfg.draft_vocab, cfg.cpu_linear)
+    # max_batch_size + 1: a scratch row for padding lanes
+    return MTPProposer(head, target, pool, cfg.max_batch_size + 1, device, reduced)

@@ -63,7 +63,8 @@ DIED = object()  # queue item: the scheduler incarnation serving this request di
 class FrontendConfig:
     address: str
     engine: dict  # EngineConfig fields, handed to the scheduler process
-    model_name: str = ""
+    model_name: str = ""  # in HEALTH_REPLY
+    model_origin: str = ""  # in the ready line: where the model came from
     max_tokens: int | None = None  # cap on a request's max_tokens (default: the model's length)
     max_prompt_len: int | None = None
     trace: str | None = None
@@ -118,8 +119,9 @@ class Frontend:
                 on_listening("specstep serve: error: the scheduler process did not start (see its log above)")
                 code = 1
         else:
-            on_listening(f"specstep serve: ready ({self.supervisor.ready.spec}, "
-                         f"{self.supervisor.ready.num_pages} KV pages) on {self.address}")
+            ready = self.supervisor.ready
+            on_listening(f"specstep serve: ready ({self.cfg.model_origin or self.cfg.model_name}; spec {ready.spec}, "
+                         f"{ready.num_pages} KV pages) on {self.address}")
             await self._done.wait()
             code = 0
         router_task.cancel()

@@ -14,17 +14,24 @@ import sys
 import time
 from pathlib import Path
 
-from engine.engine_config import DEFAULT_TARGET, SPEC_KINDS, EngineConfig
+from engine.engine_config import SPEC_KINDS, EngineConfig
 from engine.errors import SpecstepError
+from engine.model_source import default_target, resolve_model
 
 PER_LINE_FIELDS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Engine options shared by `generate` and `serve`."""
-    p.add_argument("--model", default=str(DEFAULT_TARGET), help="target model folder (default: embedded target)")
+    p.add_argument("--model", default=None,
+                   help="target model: a Hugging Face folder or a GGUF file (converted once into "
+                        f"~/.cache/specstep). Default: {default_target().origin}")
     p.add_argument("--spec", choices=SPEC_KINDS, default="none", help="speculation proposer")
-    p.add_argument("--draft", default=None, help="draft model or MTP head folder (default: embedded one)")
+    p.add_argument("--draft", default=None,
+                   help="draft model or MTP head folder (default: the one shipped for the target, if any)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="drafter vocabulary: the N most frequent tokens from its folder's draft_vocab.json "
+                        "(default: all of that list when present; 0: the full vocabulary). Lossless either way")
     p.add_argument("--num-spec-tokens", type=int, default=4, help="draft tokens per step (k; the maximum if adaptive)")
     p.add_argument("--spec-policy", choices=["fixed", "adaptive"], default="adaptive",
                    help="fixed k, or choose k per step/request from measured acceptance and step costs")
@@ -36,6 +43,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="captured step graphs (auto: on CUDA; on: the contract-checking CPU stand-in)")
     p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], default="auto",
                    help="paged-attention backend (auto: torch; flashinfer: CUDA with the flashinfer package)")
+    p.add_argument("--cpu-linear", choices=["auto", "matmul", "onednn"], default="auto",
+                   help="CPU linear kernels (auto: MKL or prepacked oneDNN per weight shape and row count, timed at "
+                        "load; matmul / onednn: one kernel everywhere)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV capacity in tokens")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-cache-tokens)")
@@ -47,13 +57,27 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads on CPU (default: 1 with overlap, 2 without)")
 
 
+def resolve_model_arg(args: argparse.Namespace) -> tuple[str, str]:
+    """Fill in the default target and convert a GGUF once, here; returns the model's (name, origin).
+
+    After this `args.model` is a Hugging Face-format folder, so the processes started later only load it."""
+    origin = args.model
+    if args.model is None:
+        choice = default_target(announce=True)
+        args.model, origin = choice.reference, choice.origin
+    name = Path(args.model).stem if Path(args.model).suffix == ".gguf" else Path(args.model).name
+    args.model = str(resolve_model(args.model))
+    return name, origin
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, spec=args.spec, draft=args.draft, num_spec_tokens=args.num_spec_tokens,
+                        draft_vocab=args.draft_vocab,
                         page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens, num_pages=args.num_pages,
                         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, dtype=args.dtype,
                         device=args.device, threads=args.threads, spec_policy=args.spec_policy,
                         overlap=resolve_overlap(args.overlap, args.device), graphs=args.graphs,
-                        attention=args.attention)
+                        attention=args.attention, cpu_linear=args.cpu_linear)
 
 
 def resolve_overlap(choice: str, device: str) -> bool:
@@ -124,8 +148,7 @@ def _run(args: argparse.Namespace) -> int:
     from scheduler.request import Request
 
     items = read_inputs(args)
-    if not Path(args.model).is_dir():
-        raise SpecstepError(f"model folder {args.model!r} does not exist")
+    resolve_model_arg(args)
     recorder, tracer = make_tracer(args.trace)
     core, tokenizer, info = build_engine(engine_config_from_args(args), tracer)
     reqs = []

@@ -12,9 +12,10 @@ import logging
 import sys
 from pathlib import Path
 
-from engine.engine_config import DEFAULT_DRAFTS, DEFAULT_TARGET, EngineConfig
+from engine.engine_config import EngineConfig
 from engine.errors import CheckpointError, SpecstepError
-from scheduler.generate_cmd import add_engine_arguments, engine_config_from_args
+from engine.model_source import default_draft
+from scheduler.generate_cmd import add_engine_arguments, engine_config_from_args, resolve_model_arg
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 
@@ -42,11 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def default_spec(model: str) -> str:
-    """The embedded target is served with its best embedded proposer; any other model without speculation."""
-    if Path(model).resolve() != DEFAULT_TARGET.resolve():
-        return "none"
+    """A target is served with the best proposer shipped for it (an MTP head, else a draft model); a target
+    with none shipped, with n-gram prompt lookup (no model, and the adaptive policy turns it off where it loses)."""
     for kind in ("mtp", "draft_model"):
-        if (DEFAULT_DRAFTS[kind] / "config.json").is_file():
+        if default_draft(kind, Path(model)) is not None:
             return kind
     return "ngram"
 
@@ -54,6 +54,7 @@ def default_spec(model: str) -> str:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="specstep serve %(levelname)s: %(message)s")
     try:
+        name, origin = resolve_model_arg(args)
         cfg, tokenizer = _check(args)
     except (SpecstepError, ValueError) as e:
         print(f"specstep serve: error: {e}", file=sys.stderr)
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     from scheduler.frontend import Frontend, FrontendConfig
 
-    fcfg = FrontendConfig(address=args.address, engine=dataclasses.asdict(cfg), model_name=Path(cfg.model).name,
+    fcfg = FrontendConfig(address=args.address, engine=dataclasses.asdict(cfg), model_name=name, model_origin=origin,
                           max_tokens=args.max_tokens_limit, max_prompt_len=args.max_prompt_len,
                           trace=args.trace, startup_timeout_s=args.startup_timeout,
                           max_restarts=args.max_restarts, restart_window_s=args.restart_window,
@@ -79,8 +80,6 @@ def _check(args: argparse.Namespace) -> tuple[EngineConfig, object]:
     if args.spec is None:
         args.spec = default_spec(args.model)
     cfg = engine_config_from_args(args)
-    if not Path(cfg.model).is_dir():
-        raise SpecstepError(f"model folder {cfg.model!r} does not exist")
     if cfg.draft_path is not None and not Path(cfg.draft_path).is_dir():
         raise SpecstepError(f"draft folder {cfg.draft_path!r} does not exist")
     for name in ("max_prompt_len", "max_tokens_limit", "max_inflight"):

@@ -106,7 +106,7 @@ def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str) -> No
 
 def test_missing_model_folder(tmp_path):
     res = cli("--model", tmp_path / "no-such-model", "--prompt", "hi")
-    assert_one_line_error(res, "model folder", "no-such-model", "does not exist")
+    assert_one_line_error(res, "model ", "no-such-model", "does not exist")
 
 
 def test_token_ids_outside_the_vocabulary(tiny_target, tmp_path):

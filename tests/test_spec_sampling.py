@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.proposers.draft_vocab import write_draft_vocab
 from engine.sampling_params import SamplingParams
 from tests.fixtures_models import hf_model, make_mtp_head, make_perturbed_copy
 from tests.fixtures_stats import assert_distribution, chi2_gof, reference_probs
@@ -26,11 +27,22 @@ SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_h
              initializer_range=0.2, eos_token_id=None, bos_token_id=None)  # a wide init: peaked distributions
 
 
+def with_draft_vocab(folder, size: int, seed: int):
+    """The drafter folder with a reduced draft vocabulary of `size` of the V tokens (drawn at random)."""
+    counts = torch.randperm(V, generator=torch.Generator().manual_seed(seed)).float()
+    write_draft_vocab(folder, counts, size)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("v12")
     target = make_checkpoint(tmp / "target", seed=0, **SMALL)
     return {
+        # Reduced draft vocabularies (5 of 12 tokens): q is zero outside them, and the output must not notice.
+        "perturbed-reduced": ("draft_model", with_draft_vocab(
+            make_perturbed_copy(tmp / "perturbed-reduced", target, 0.05), 5, seed=1)),
+        "mtp-reduced": ("mtp", with_draft_vocab(make_mtp_head(tmp / "head-reduced", target, std=0.3), 5, seed=2)),
         "target": target,
         "self": ("draft_model", target),
         "perturbed": ("draft_model", make_perturbed_copy(tmp / "perturbed", target, 0.05)),
@@ -79,6 +91,9 @@ SETTINGS = {  # name: (proposer, temperature, top_k, top_p)
     "bad-topp": ("bad", 1.0, 0, 0.8),
     "mtp-topp": ("mtp", 1.2, 0, 0.8),
     "ngram-topk-topp": ("ngram", 1.0, 6, 0.9),
+    "perturbed-reduced-T1": ("perturbed-reduced", 1.0, 0, 1.0),
+    "mtp-reduced-T1": ("mtp-reduced", 1.0, 0, 1.0),
+    "mtp-reduced-topk": ("mtp-reduced", 0.8, 4, 1.0),
 }
 
 

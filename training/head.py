@@ -41,8 +41,10 @@ from rich.progress import Progress  # noqa: E402
 
 import engine  # noqa: E402
 from engine.model_loader import load_model, load_mtp_head  # noqa: E402
+from engine.model_source import resolve_model, target_marker  # noqa: E402
 from engine.models.llama import LlamaForCausalLM  # noqa: E402
 from engine.models.mtp_head import MTPHead  # noqa: E402
+from engine.proposers.draft_vocab import write_draft_vocab  # noqa: E402
 from training.head_data import FeaturePool, PagedRunner, precompute, topk_index_dtype  # noqa: E402
 from training.head_eval import engine_acceptance, validate  # noqa: E402
 from training.head_model import build_head, folder_bytes, head_config_dict, save_head  # noqa: E402
@@ -199,7 +201,8 @@ def train_head_folder(target_dir: Path, out: Path, train_stream: np.ndarray, hel
                       settings: HeadSettings, intermediate_size: int | None = None, seed: int = 0,
                       val_windows: int = 64, engine_prompts: list[list[int]] | None = None,
                       engine_ks: Sequence[int] = (1, 3), engine_new_tokens: int = 64, threads: int = 1,
-                      sampled_acceptance: bool = True, console: Console | None = None) -> dict[str, Any]:
+                      sampled_acceptance: bool = True, console: Console | None = None, draft_vocab: int = 0,
+                      target_name: str | None = None, save_dtype: str = "float32") -> dict[str, Any]:
     """Everything but reading the corpus: train, save, reload, validate, measure the engine; returns quality."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -215,7 +218,10 @@ def train_head_folder(target_dir: Path, out: Path, train_stream: np.ndarray, hel
         progress.console.log(f"head: 1 layer, hidden {config['hidden_size']}, intermediate "
                              f"{config['intermediate_size']}, {params:,} params; target {target_dir}")
         stats = train_head(head, target, train_stream, settings, rng, progress, val)
-        save_head(head, config, out)
+        save_head(head, config, out, getattr(torch, save_dtype))
+        vocab = write_head_vocab(out, train_stream, target.cfg, draft_vocab) if draft_vocab else None
+        (out / "specstep_target.json").write_text(json.dumps(
+            target_marker(resolve_model(target_dir), "mtp", target_name or Path(target_dir).name), indent=2) + "\n")
 
         # Everything below uses the head as saved: reloaded through the engine's loader.
         reloaded = load_mtp_head(out, target.cfg)
@@ -238,6 +244,7 @@ def train_head_folder(target_dir: Path, out: Path, train_stream: np.ndarray, hel
         "settings": asdict(settings) | {"seed": seed, "threads": threads, "val_windows": len(val)},
         "training": stats.summary(),
         "validation_inference_path": {k: round(v, 4) if isinstance(v, float) else v for k, v in val_metrics.items()},
+        "draft_vocab": vocab,
         "engine": engine_figures,
         "wall_seconds": round(time.perf_counter() - wall, 1),
         "torch": torch.__version__,
@@ -247,10 +254,18 @@ def train_head_folder(target_dir: Path, out: Path, train_stream: np.ndarray, hel
     return quality
 
 
+def write_head_vocab(out: Path, train_stream: np.ndarray, cfg, size: int) -> dict[str, Any]:
+    """The head's reduced draft vocabulary: the `size` most frequent tokens of its training data (plus EOS)."""
+    counts = torch.from_numpy(np.bincount(train_stream.astype(np.int64), minlength=cfg.vocab_size))
+    write_draft_vocab(out, counts, size, always=tuple(cfg.eos_token_ids))
+    top = torch.sort(counts, descending=True).values
+    return {"size": size, "train_coverage": round(float(top[:size].sum() / top.sum()), 4)}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = HeadSettings()
     parser.add_argument("--target", type=Path, default=default_target(),
-                        help="target model folder (default: %(default)s)")
+                        help="target model folder or GGUF file (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=default_out(), help="output head folder (default: %(default)s)")
     parser.add_argument("--minutes", type=float, default=d.minutes, help="budget of precompute + training")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimiser steps")
@@ -267,6 +282,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reuse", type=float, default=d.reuse, help="draws per precomputed window")
     parser.add_argument("--max-pool-tokens", type=int, default=d.max_pool_tokens,
                         help="cap on precomputed positions held in memory")
+    parser.add_argument("--save-dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                        help="dtype of the saved head weights (the engine casts to its own at load)")
+    parser.add_argument("--draft-vocab", type=int, default=0,
+                        help="also write a reduced draft vocabulary of the N most frequent training tokens (0: none)")
     parser.add_argument("--val-windows", type=int, default=64, help="held-out windows for the final validation")
     parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for engine acceptance")
     parser.add_argument("--eval-prompt-tokens", type=int, default=128)
@@ -281,6 +300,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
+    target_name = args.target.stem if args.target.suffix == ".gguf" else args.target.name
+    args.target = resolve_model(args.target)  # a GGUF target is converted once, like the engine does
     tok_path = args.target / "tokenizer.json"
     if not tok_path.is_file():
         console.print(f"[red]{args.target}: no tokenizer.json (needed to encode the corpus)[/red]")
@@ -296,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
                             max_pool_tokens=args.max_pool_tokens)
     quality = train_head_folder(args.target, args.out, train_stream, heldout_stream, settings,
                                 args.intermediate_size or None, args.seed, args.val_windows, prompts,
-                                args.eval_k, args.eval_new_tokens, args.threads)
+                                args.eval_k, args.eval_new_tokens, args.threads, draft_vocab=args.draft_vocab,
+                                target_name=target_name, save_dtype=args.save_dtype)
     console.print_json(json.dumps({k: quality[k] for k in ("head", "validation_inference_path", "engine")}))
     tr, v = quality["training"], quality["validation_inference_path"]
     line = (f"[bold]head: {tr['steps']} steps, {tr['train_positions_per_s']:,.0f} positions/s; val loss "

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from engine.config import ModelConfig
@@ -48,10 +49,11 @@ def build_head(config: dict[str, Any]) -> MTPHead:
     return head
 
 
-def save_head(head: MTPHead, config: dict[str, Any], folder: Path) -> None:
+def save_head(head: MTPHead, config: dict[str, Any], folder: Path, dtype: torch.dtype = torch.float32) -> None:
     """Head weights only (hidden_norm, embed_norm, fc, layers.0.*, norm); embedding and lm_head stay the target's."""
-    state = {k: v for k, v in head.state_dict().items()}
-    save_checkpoint(local_to_hf(state, head.cfg), config, folder)
+    state = {k: v.to(dtype) for k, v in head.state_dict().items()}
+    save_checkpoint(local_to_hf(state, head.cfg), {**config, "torch_dtype": str(dtype).replace("torch.", "")},
+                    folder)
 
 
 def folder_bytes(folder: Path) -> int:

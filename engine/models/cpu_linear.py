@@ -1,0 +1,156 @@
+"""CPU linears whose kernel is chosen per weight shape and row count, by measurement at load.
+
+Two kernels compute the same `x @ W.T` (CPU_NOTES.md):
+  * `matmul`: MKL over a pre-transposed contiguous weight (`W` stored as the transpose of an [in, out] buffer).
+    Fastest at one row (a GEMV), but its cost grows with the rows: 5 rows of SmolLM2's lm_head cost ~3x one.
+  * `onednn`: torch's oneDNN linear over a weight reordered once into oneDNN's blocked layout. A fixed ~0.06 ms a
+    call, then rows are nearly free up to a few dozen: a verify step of k + 1 rows costs about a decode step.
+Which wins depends on the shape, the rows and the thread count, so `plan_linears` times both on each distinct
+(shape, rows) of the model and every linear then dispatches on its input's row count. The packing hint only
+matters as 1 vs more (oneDNN picks a GEMV-style layout for 1), so one packed copy serves every row count > 1.
+
+Only the CPU uses this; CUDA keeps `nn.Linear`. The weight parameter stays (state dicts, autograd, a tied
+embedding); the packed copy is extra memory (a tied `lm_head` thereby stops reading the embedding's storage,
+itself a 2x slowdown). Autograd always takes the matmul path: the oneDNN op has no backward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODES = ("auto", "matmul", "onednn")
+PROBE_ROWS = (1, 2, 5, 8, 16, 32)  # decode, small verify, verify at k=4, batches; beyond 32 the 32 choice holds
+PACK_HINT = 16
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@dataclass(frozen=True, slots=True)
+class LinearPlan:
+    """rows <= PROBE_ROWS[i] use `onednn[i]`; past the last probe, the last choice."""
+
+    onednn: tuple[bool, ...]
+
+    def use_onednn(self, rows: int) -> bool:
+        for bound, choice in zip(PROBE_ROWS, self.onednn):
+            if rows <= bound:
+                return choice
+        return self.onednn[-1]
+
+    @property
+    def needs_pack(self) -> bool:
+        return any(self.onednn)
+
+
+class CpuLinear(nn.Module):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, plan: LinearPlan,
+                 shared: bool = False) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.plan = plan
+        # A weight shared with an embedding is stored [V, d] row-major, which MKL reads at a third of the speed:
+        # the matmul kernel gets its own copy in the fast layout (only if the plan uses it).
+        uses_matmul = not all(plan.onednn)
+        self._mm = matmul_storage(weight.detach()) if shared and uses_matmul else weight
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        # Rows -> kernel, precomputed so the hot path is one tuple lookup.
+        self._by_rows = tuple(plan.use_onednn(r) for r in range(PROBE_ROWS[-1] + 1))
+        self._packed = pack(weight.detach()) if plan.needs_pack else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        onednn = self._by_rows[rows] if rows < len(self._by_rows) else self._by_rows[-1]
+        if onednn and self._packed is not None and not (torch.is_grad_enabled() and x.requires_grad):
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        if torch.is_grad_enabled() and x.requires_grad:
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self._mm, self.bias)
+
+    def extra_repr(self) -> str:
+        rows = [r for r in PROBE_ROWS if self.plan.use_onednn(r)]
+        return f"in={self.in_features}, out={self.out_features}, onednn_rows={rows}"
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_HINT)
+
+
+def matmul_storage(weight: torch.Tensor) -> torch.Tensor:
+    """The same values, stored as the transpose of a contiguous [in, out] buffer: MKL's fast layout."""
+    return weight.t().contiguous().t()
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2] * 1e3
+
+
+def measure_plan(out_features: int, in_features: int, dtype: torch.dtype, budget_ms: float = 400.0) -> LinearPlan:
+    """Time both kernels on random data of this shape at each probe row count (alternating, median)."""
+    w = torch.randn(out_features, in_features, dtype=dtype)
+    w_mm, w_dnn = matmul_storage(w), pack(w)
+    choices = []
+    with torch.inference_mode():
+        for rows in PROBE_ROWS:
+            x = torch.randn(rows, in_features, dtype=dtype)
+            mm = lambda x=x: F.linear(x, w_mm)  # noqa: E731
+            dnn = lambda x=x: torch.ops.mkldnn._linear_pointwise(x, w_dnn, None, "none", [], "")  # noqa: E731
+            one = _median_ms(mm, 1)
+            reps = max(3, min(25, int(budget_ms / len(PROBE_ROWS) / 2 / max(one, 1e-3))))
+            a, b = [], []
+            for _ in range(3):  # alternate so machine noise hits both alike
+                a.append(_median_ms(mm, reps))
+                b.append(_median_ms(dnn, reps))
+            choices.append(sorted(b)[1] < 0.97 * sorted(a)[1])  # onednn must clearly win
+    return LinearPlan(tuple(choices))
+
+
+_PLANS: dict[tuple, LinearPlan] = {}  # measured once per process: every layer of a model shares its shapes
+
+
+def plan_for(out_features: int, in_features: int, dtype: torch.dtype, mode: str) -> LinearPlan:
+    if mode == "matmul" or not onednn_available() or dtype != torch.float32:
+        return LinearPlan((False,) * len(PROBE_ROWS))
+    if mode == "onednn":
+        return LinearPlan((True,) * len(PROBE_ROWS))
+    key = (out_features, in_features, dtype, torch.get_num_threads())
+    if key not in _PLANS:
+        _PLANS[key] = measure_plan(out_features, in_features, dtype)
+    return _PLANS[key]
+
+
+def plan_linears(module: nn.Module, mode: str = "auto") -> dict[str, LinearPlan]:
+    """Replace every `nn.Linear` of `module` by a `CpuLinear` with a measured plan; returns the plans by name.
+
+    Weights shared with an embedding keep their storage (the lookup wants contiguous rows; the linear gets a copy);
+    every other weight moves to the matmul layout in place, as the matmul path is what a plan falls back to.
+    """
+    if mode not in MODES:
+        raise ValueError(f"cpu linear mode must be one of {', '.join(MODES)}, got {mode!r}")
+    shared = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    plans: dict[str, LinearPlan] = {}
+    for name, parent in list(module.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            weight = child.weight
+            if id(weight) not in shared:
+                weight.data = matmul_storage(weight.data)
+            plan = plan_for(child.out_features, child.in_features, weight.dtype, mode)
+            setattr(parent, child_name, CpuLinear(weight, child.bias, plan, shared=id(weight) in shared))
+            plans[f"{name}.{child_name}".lstrip(".")] = plan
+    return plans
