@@ -101,6 +101,19 @@ def default_draft(spec: str, target_folder: Path) -> Path | None:
     return None
 
 
-def target_marker(target_folder: Path, spec: str, name: str) -> dict:
-    """What a shipped head writes into `specstep_target.json` to name its target."""
-    return {"spec": spec, "target": name, "fingerprint": fingerprint(target_folder)}
+def target_marker(target_folder: Path, spec: str, name: str, serve_default: bool = True) -> dict:
+    """What a shipped head writes into `specstep_target.json` to name its target. `serve_default`: whether
+    `serve` picks it without `--spec` (a shipped drafter measured to lose to n-gram should not be)."""
+    return {"spec": spec, "target": name, "fingerprint": fingerprint(target_folder), "serve_default": serve_default}
+
+
+def serve_default_spec(target_folder: Path) -> str:
+    """The proposer `serve` runs without `--spec`: a shipped drafter marked as the default, else n-gram."""
+    for kind in ("mtp", "draft_model"):
+        folder = default_draft(kind, target_folder)
+        if folder is None:
+            continue
+        marker = folder / "specstep_target.json"
+        if not marker.is_file() or json.loads(marker.read_text()).get("serve_default", True):
+            return kind
+    return "ngram"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.engine_config import EngineConfig
 from engine.errors import CheckpointError, SpecstepError
-from engine.model_source import default_draft
+from engine.model_source import serve_default_spec
 from scheduler.generate_cmd import add_engine_arguments, engine_config_from_args, resolve_model_arg
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
@@ -43,12 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def default_spec(model: str) -> str:
-    """A target is served with the best proposer shipped for it (an MTP head, else a draft model); a target
-    with none shipped, with n-gram prompt lookup (no model, and the adaptive policy turns it off where it loses)."""
-    for kind in ("mtp", "draft_model"):
-        if default_draft(kind, Path(model)) is not None:
-            return kind
-    return "ngram"
+    """A target is served with the proposer shipped as its default (an MTP head, else a draft model); a target
+    with none, with n-gram prompt lookup (no model, and the adaptive policy turns it off where it loses)."""
+    return serve_default_spec(Path(model))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -57,3 +57,18 @@ def test_a_shipped_head_is_found_by_its_targets_fingerprint(tmp_path, monkeypatc
     assert default_draft("draft_model", target) is None
     other = make_checkpoint(tmp_path / "o", seed=1, tokenizer=True, hidden_size=32)
     assert default_draft("mtp", other) is None
+
+
+def test_a_shipped_head_not_marked_as_serve_default_leaves_ngram(tmp_path, monkeypatch):
+    import json
+
+    target = make_checkpoint(tmp_path / "t", seed=0, tokenizer=True)
+    defaults = tmp_path / "defaults"
+    (defaults / "head").mkdir(parents=True)
+    marker = {"spec": "mtp", "target": "t", "fingerprint": fingerprint(target), "serve_default": False}
+    (defaults / "head" / "specstep_target.json").write_text(json.dumps(marker))
+    monkeypatch.setattr(model_source, "DEFAULTS_DIR", defaults)
+    assert serve_cmd.default_spec(str(target)) == "ngram"
+    marker["serve_default"] = True
+    (defaults / "head" / "specstep_target.json").write_text(json.dumps(marker))
+    assert serve_cmd.default_spec(str(target)) == "mtp"

@@ -6,7 +6,8 @@ Two kernels compute the same `x @ W.T` (CPU_NOTES.md):
   * `onednn`: torch's oneDNN linear over a weight reordered once into oneDNN's blocked layout. A fixed ~0.06 ms a
     call, then rows are nearly free up to a few dozen: a verify step of k + 1 rows costs about a decode step.
 Which wins depends on the shape, the rows and the thread count, so `plan_linears` times both on each distinct
-(shape, rows) of the model and every linear then dispatches on its input's row count. The packing hint only
+(shape, rows) of the model (on cold weights, as a forward reads them; the plans are cached on disk per machine)
+and every linear then dispatches on its input's row count. The packing hint only
 matters as 1 vs more (oneDNN picks a GEMV-style layout for 1), so one packed copy serves every row count > 1.
 
 Only the CPU uses this; CUDA keeps `nn.Linear`. The weight parameter stays (state dicts, autograd, a tied
@@ -16,8 +17,12 @@ itself a 2x slowdown). Autograd always takes the matmul path: the oneDNN op has 
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +31,8 @@ from torch import nn
 MODES = ("auto", "matmul", "onednn")
 PROBE_ROWS = (1, 2, 5, 8, 16, 32)  # decode, small verify, verify at k=4, batches; beyond 32 the 32 choice holds
 PACK_HINT = 16
+COLD_BYTES = 64 << 20  # timing cycles through this many bytes of weight copies: more than a last-level cache
+MAX_COPIES = 64  # ... but no more copies than this (tiny weights are dispatch-bound, hot or cold)
 
 
 def onednn_available() -> bool:
@@ -99,18 +106,24 @@ def _median_ms(fn, reps: int) -> float:
     return times[len(times) // 2] * 1e3
 
 
-def measure_plan(out_features: int, in_features: int, dtype: torch.dtype, budget_ms: float = 400.0) -> LinearPlan:
-    """Time both kernels on random data of this shape at each probe row count (alternating, median)."""
+def measure_plan(out_features: int, in_features: int, dtype: torch.dtype, budget_ms: float = 250.0) -> LinearPlan:
+    """Time both kernels on random data of this shape at each probe row count (alternating, median).
+
+    In a forward every weight is read once and is cold (a model's weights are many times the last-level cache),
+    so the timing cycles through enough copies of the weight to exceed the cache: timed on one hot copy, MKL looks
+    better than it is for small weights at several rows (it re-reads them), and the plan picks it wrongly."""
     w = torch.randn(out_features, in_features, dtype=dtype)
-    w_mm, w_dnn = matmul_storage(w), pack(w)
+    copies = min(MAX_COPIES, max(1, -(-COLD_BYTES // (w.numel() * w.element_size()))))
+    w_mm = [matmul_storage(w) for _ in range(copies)]
+    w_dnn = [pack(w) for _ in range(copies)]
     choices = []
     with torch.inference_mode():
         for rows in PROBE_ROWS:
             x = torch.randn(rows, in_features, dtype=dtype)
-            mm = lambda x=x: F.linear(x, w_mm)  # noqa: E731
-            dnn = lambda x=x: torch.ops.mkldnn._linear_pointwise(x, w_dnn, None, "none", [], "")  # noqa: E731
+            mm = lambda x=x: [F.linear(x, m) for m in w_mm]  # noqa: E731
+            dnn = lambda x=x: [torch.ops.mkldnn._linear_pointwise(x, d, None, "none", [], "") for d in w_dnn]  # noqa: E731
             one = _median_ms(mm, 1)
-            reps = max(3, min(25, int(budget_ms / len(PROBE_ROWS) / 2 / max(one, 1e-3))))
+            reps = max(1, min(15, int(budget_ms / len(PROBE_ROWS) / 6 / max(one, 1e-3))))
             a, b = [], []
             for _ in range(3):  # alternate so machine noise hits both alike
                 a.append(_median_ms(mm, reps))
@@ -119,7 +132,13 @@ def measure_plan(out_features: int, in_features: int, dtype: torch.dtype, budget
     return LinearPlan(tuple(choices))
 
 
-_PLANS: dict[tuple, LinearPlan] = {}  # measured once per process: every layer of a model shares its shapes
+_PLANS: dict[str, LinearPlan] = {}  # every layer of a model shares its shapes: measured once per process
+
+
+def _plan_cache() -> Path:
+    """Measured plans persist per machine (keyed by shape, threads, torch and CPU): only a first start pays."""
+    root = Path(os.environ.get("SPECSTEP_CACHE") or Path.home() / ".cache" / "specstep")
+    return root / f"linear_plans-{torch.__version__}-{platform.machine()}-{os.cpu_count()}.json"
 
 
 def plan_for(out_features: int, in_features: int, dtype: torch.dtype, mode: str) -> LinearPlan:
@@ -127,9 +146,25 @@ def plan_for(out_features: int, in_features: int, dtype: torch.dtype, mode: str)
         return LinearPlan((False,) * len(PROBE_ROWS))
     if mode == "onednn":
         return LinearPlan((True,) * len(PROBE_ROWS))
-    key = (out_features, in_features, dtype, torch.get_num_threads())
+    key = f"{out_features}x{in_features}:{str(dtype)}:t{torch.get_num_threads()}:rows{','.join(map(str, PROBE_ROWS))}"
     if key not in _PLANS:
-        _PLANS[key] = measure_plan(out_features, in_features, dtype)
+        path = _plan_cache()
+        try:
+            stored = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            stored = {}
+        if key in stored:
+            _PLANS[key] = LinearPlan(tuple(bool(c) for c in stored[key]))
+        else:
+            _PLANS[key] = measure_plan(out_features, in_features, dtype)
+            stored[key] = list(_PLANS[key].onednn)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(stored, indent=1))
+                tmp.replace(path)  # atomic: concurrent starts never read half a file
+            except OSError:
+                pass  # a read-only home: measure again next time
     return _PLANS[key]
 
 
