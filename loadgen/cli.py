@@ -98,14 +98,10 @@ async def _sweep(args, settings: list[tuple[str, list[str]]], loads: list[float]
     from loadgen.server import ServerProcess
 
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)  # logs: do not squeeze the table
-    if args.model is None:
-        from engine.model_source import default_target
+    from engine.model_source import default_target, resolve_model
 
-        args.model = default_target().reference
-    if args.model.endswith(".gguf"):
-        from engine.model_source import resolve_model
-
-        args.model = str(resolve_model(args.model))  # converted once, here, for the servers and the prompts
+    # A GGUF is converted once, here, for the servers and the prompts.
+    args.model = str(resolve_model(args.model or default_target().reference))
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model_source import cache_root
+
 MODES = ("auto", "matmul", "onednn")
 PROBE_ROWS = (1, 2, 5, 8, 16, 32)  # decode, small verify, verify at k=4, batches; beyond 32 the 32 choice holds
 PACK_HINT = 16
@@ -73,12 +75,12 @@ class CpuLinear(nn.Module):
         self._packed = pack(weight.detach()) if plan.needs_pack else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        onednn = self._by_rows[rows] if rows < len(self._by_rows) else self._by_rows[-1]
-        if onednn and self._packed is not None and not (torch.is_grad_enabled() and x.requires_grad):
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         if torch.is_grad_enabled() and x.requires_grad:
             return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // self.in_features
+        onednn = self._by_rows[rows] if rows < len(self._by_rows) else self._by_rows[-1]
+        if onednn and self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self._mm, self.bias)
 
     def extra_repr(self) -> str:
@@ -137,8 +139,7 @@ _PLANS: dict[str, LinearPlan] = {}  # every layer of a model shares its shapes: 
 
 def _plan_cache() -> Path:
     """Measured plans persist per machine (keyed by shape, threads, torch and CPU): only a first start pays."""
-    root = Path(os.environ.get("SPECSTEP_CACHE") or Path.home() / ".cache" / "specstep")
-    return root / f"linear_plans-{torch.__version__}-{platform.machine()}-{os.cpu_count()}.json"
+    return cache_root() / f"linear_plans-{torch.__version__}-{platform.machine()}-{os.cpu_count()}.json"
 
 
 def plan_for(out_features: int, in_features: int, dtype: torch.dtype, mode: str) -> LinearPlan:
