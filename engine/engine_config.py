@@ -29,6 +29,10 @@ class EngineConfig:
     device: str = "auto"
     threads: int | None = None  # torch intra-op threads on CPU; default 1 with overlap, 2 without
     spec_policy: str = "fixed"  # fixed (k = num_spec_tokens) | adaptive (k <= num_spec_tokens, from measurements)
+    spec_objective: str = "throughput"  # adaptive: throughput | latency (speculative steps within spec_itl_budget)
+    spec_itl_budget: float = 1.1  # latency objective: the longest speculative step, in plain steps
+    spec_delta: float = 0.02  # governor: tolerated loss against plain decoding while speculating
+    spec_epsilon: float | None = None  # governor: largest fraction of probe steps while off (None: per objective)
     overlap: bool = True  # prepare step N+1 on the host while step N runs on the device stream
     graphs: str = "auto"  # auto (CUDA: on, CPU: off) | on (CPU: the contract-checking stand-in) | off
     attention: str = "auto"  # auto (torch until FlashInfer is GPU-validated) | torch | flashinfer (CUDA)
@@ -47,6 +51,14 @@ class EngineConfig:
             raise ValueError("page size must be >= 1")
         if self.spec_policy not in ("fixed", "adaptive"):
             raise ValueError(f"--spec-policy must be fixed or adaptive, got {self.spec_policy!r}")
+        if self.spec_objective not in ("throughput", "latency"):
+            raise ValueError(f"--spec-objective must be throughput or latency, got {self.spec_objective!r}")
+        if self.spec_itl_budget < 1.0:
+            raise ValueError(f"--spec-itl-budget must be >= 1.0, got {self.spec_itl_budget}")
+        if not 0.0 <= self.spec_delta < 1.0:
+            raise ValueError(f"--spec-delta must be in [0, 1), got {self.spec_delta}")
+        if self.spec_epsilon is not None and not 0.0 < self.spec_epsilon <= 1.0:
+            raise ValueError(f"--spec-epsilon must be in (0, 1], got {self.spec_epsilon}")
         if self.draft_vocab is not None and self.draft_vocab < 0:
             raise ValueError("--draft-vocab must be >= 0 (0: the full vocabulary)")
         if self.num_spec_tokens < 0 or self.num_spec_tokens > 16:

@@ -7,8 +7,9 @@ A speculative step, all on device after the host has built its inputs:
     accept   rejection sampling -> out_tokens [B, k+1], num_accepted [B]            (no host sync)
     refill   the proposer re-runs over the emitted tokens, carrying logits forward  (no host sync)
 
-k = 0 is plain decoding (the proposer, if any, still refills so it can resume speculating later). The one host
-sync is the caller reading `StepOutput` back, as late as it likes.
+k = 0 is plain decoding: with refill, the proposer stays current; without (the policy's "off"), it keeps what
+its catch-up needs (`Proposer.keep`) and the step costs what plain decoding costs. The one host sync is the
+caller reading `StepOutput` back, as late as it likes.
 
 Attention backends that plan (FlashInfer) get every forward's exact lengths before the step is enqueued
 (`_plan_attention`); each forward names its plan in `ForwardBatch.derive(..., slot=...)`. For a chained step
@@ -113,9 +114,10 @@ class StepEngine:
 
     @torch.inference_mode()
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
-        """Bring a stale draft model up to date with tokens it skipped while its refill was dropped."""
-        assert self.has_draft_model and self.proposer.kind == "draft_model"
-        with self.tracer.range(ranges.REFILL, track=DEVICE_TRACK, catch_up=len(seqs)):
+        """Bring a stale proposer up to date with tokens it skipped while its refill was dropped."""
+        assert self.has_draft_model
+        with self.tracer.range(ranges.CATCH_UP, track=DEVICE_TRACK, batch=len(seqs),
+                               tokens=sum(len(s.token_ids) - n for s, n in zip(seqs, draft_lens))):
             self.proposer.catch_up(seqs, draft_lens)
 
     def decode_context(self, seqs: list[SeqState], num_draft: np.ndarray, host_drafts: list[list[int]] | None = None,
@@ -250,4 +252,6 @@ class StepEngine:
         if self.has_draft_model and ctx.refill:
             with tr.range(ranges.REFILL, track=dev):
                 self.proposer.refill(ctx, out, accepted, hidden)
+        elif self.has_draft_model:
+            self.proposer.keep(ctx, hidden)
         return out, accepted

@@ -24,6 +24,7 @@ from engine.stream import make_stream  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from scheduler.engine_core import EngineCore, SchedulerConfig  # noqa: E402
 from scheduler.page_allocator import PageAllocator  # noqa: E402
+from scheduler.spec_governor import GovernorConfig  # noqa: E402
 from scheduler.spec_policy import AdaptivePolicy, PolicyConfig  # noqa: E402
 from traces.tracer import NULL_TRACER, Tracer  # noqa: E402
 
@@ -83,10 +84,7 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     sched = SchedulerConfig(max_batch_size=cfg.max_batch_size, max_prefill_tokens=cfg.max_prefill_tokens,
                             num_spec_tokens=cfg.num_spec_tokens if proposer else 0, max_model_len=max_len,
                             spec_max_len=spec_max_len)
-    policy = AdaptivePolicy(PolicyConfig(kind=cfg.spec_policy, k_max=sched.num_spec_tokens,
-                                         candidates=ks if capture is not None else None,
-                                         can_drop_refill=cfg.spec == "draft_model",
-                                         keeps_draft_kv=cfg.spec in ("draft_model", "mtp")))
+    policy = AdaptivePolicy(policy_config(cfg, sched.num_spec_tokens, ks if capture is not None else None))
     core = EngineCore(step_engine, PageAllocator(num_pages, cfg.page_size), sched, eos, policy=policy,
                       stream=make_stream(device, cfg.overlap), tracer=tracer)
     info = EngineInfo(num_pages=num_pages, page_size=cfg.page_size, max_model_len=max_len,
@@ -94,6 +92,17 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
                       spec=cfg.spec, eos_token_ids=tuple(eos),
                       graphs=capture.to_dict() if capture is not None else None, attention=attention)
     return core, tokenizer, info
+
+
+def policy_config(cfg: EngineConfig, k_max: int, candidates: tuple[int, ...] | None) -> PolicyConfig:
+    """The speculation policy for an engine: n-gram's eager ragged verify costs per draft row; model proposers
+    and captured graphs pay per lane (see scheduler.spec_costs)."""
+    latency = cfg.spec_objective == "latency"
+    epsilon = cfg.spec_epsilon if cfg.spec_epsilon is not None else (0.005 if latency else 0.02)
+    return PolicyConfig(kind=cfg.spec_policy, k_max=k_max, candidates=candidates, objective=cfg.spec_objective,
+                        itl_budget=cfg.spec_itl_budget, keeps_draft_kv=cfg.spec in ("draft_model", "mtp"),
+                        cost_shape="rows" if cfg.spec == "ngram" and candidates is None else "lanes",
+                        governor=GovernorConfig(delta=cfg.spec_delta, epsilon=epsilon))
 
 
 def install_attention(cfg: EngineConfig, engine: StepEngine, max_kv_len: int, dtype: torch.dtype,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,8 +68,10 @@ class RequestOutput:
 class EngineCore:
     def __init__(self, step_engine: StepEngine, allocator: PageAllocator, config: SchedulerConfig,
                  eos_token_ids: tuple[int, ...] = (), policy: AdaptivePolicy | None = None,
-                 stream: DeviceStream | None = None, tracer: Tracer = NULL_TRACER) -> None:
+                 stream: DeviceStream | None = None, tracer: Tracer = NULL_TRACER,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.engine = step_engine
+        self.clock = clock  # step costs when inline (a test harness injects simulated device time)
         self.stream = stream or InlineStream()
         self.tracer = tracer
         self.inflight: InFlight | None = None
@@ -77,9 +80,8 @@ class EngineCore:
         self.allocator = allocator
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        can_drop = step_engine.proposer is not None and step_engine.proposer.kind == "draft_model"
         self.policy = policy or AdaptivePolicy(PolicyConfig(kind="fixed", k_max=config.num_spec_tokens,
-                                                            can_drop_refill=can_drop))
+                                                            keeps_draft_kv=step_engine.has_draft_model))
         self.last_decision: Decision | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -201,7 +203,7 @@ class EngineCore:
         surely adds one, which counts against max_tokens (the upper bound would forbid too much)."""
         b = len(reqs)
         if self.engine.proposer is None:
-            return Decision(np.zeros(b, dtype=np.int64), 0, False, 0.0, 0.0)
+            return Decision(np.zeros(b, dtype=np.int64), 0, False, 0.0, 0.0, "none")
         extra = pending if pending is not None else np.zeros(b, dtype=np.int64)
         max_len = self.config.max_model_len
         if self.config.spec_max_len is not None:
@@ -214,7 +216,7 @@ class EngineCore:
             decision.refill = False
         self.last_decision = decision
         if self.tracer.recording:
-            self.tracer.instant("spec_decision", batch=b, **decision.to_log())
+            self.tracer.instant("spec_decision", batch=b, governor=self.policy.governor_state, **decision.to_log())
         return decision
 
     def _reserve(self) -> tuple[Decision | None, list[RequestOutput]]:
@@ -255,11 +257,14 @@ class EngineCore:
         return [r for r in reqs if r.draft_len < len(r.token_ids)] if self.engine.has_draft_model else []
 
     def _catch_up(self, decision: Decision) -> None:
-        """The draft model skipped tokens while its refill was dropped; resync before it drafts or refills."""
+        """The proposer skipped tokens while its refill was dropped; resync before it drafts or refills. Its cost
+        is charged to this step (`Decision.catch_up_s`): resuming speculation pays it."""
         stale = self._stale(self.running) if decision.refill else []
         if stale:
             lens = [r.draft_len for r in stale]
-            self.stream.submit(ranges.REFILL, lambda: self.engine.catch_up(stale, lens)).wait()
+            t = self.clock()
+            self.stream.submit(ranges.CATCH_UP, lambda: self.engine.catch_up(stale, lens)).wait()
+            decision.catch_up_s = self.clock() - t
             for r in stale:
                 r.draft_len = len(r.token_ids)
 
@@ -274,7 +279,7 @@ class EngineCore:
         self.waiting.appendleft(req)
 
     def _launch(self, batch: list[Request], decision: Decision, chain: Chain | None) -> InFlight:
-        launched = time.perf_counter()
+        launched = self.clock()
         with self.tracer.range(ranges.BUILD_BATCH, batch=len(batch)):
             ctx = self.engine.plan_decode(batch, decision.num_draft, chain, decision.refill)
         decision.num_draft = ctx.num_draft
@@ -311,18 +316,19 @@ class EngineCore:
             tokens = out.out_tokens.tolist()
         outputs = []
         with self.tracer.range(ranges.PROCESS_OUTPUT):
-            for req, a, row, nd in zip(inf.batch, accepted, tokens, out.num_draft.tolist()):
+            probing = inf.decision.probing if inf.decision.probing is not None else np.zeros(len(inf.batch), bool)
+            for req, a, row, nd, probe in zip(inf.batch, accepted, tokens, out.num_draft.tolist(), probing.tolist()):
                 self._inflight_count[id(req)] -= 1
                 if self._inflight_count[id(req)] == 0:
                     del self._inflight_count[id(req)]
                 if req.finished:  # finished in an earlier step or aborted: a wasted lane
                     continue
                 req.stats.record(nd, a)
-                self.policy.observe_request(req.acceptance, nd, a)
+                self.policy.observe_request(req.acceptance, nd, a, probe)
                 req.num_computed = len(req.token_ids) + a  # target KV now holds last + a accepted drafts
-                out = self._append(req, row[: a + 1])
-                out.num_draft, out.num_accepted = nd, a
-                outputs.append(out)
+                ro = self._append(req, row[: a + 1])
+                ro.num_draft, ro.num_accepted = nd, a
+                outputs.append(ro)
                 if inf.decision.refill:
                     req.draft_len = len(req.token_ids)
             for req in [r for r in self._pending_release if id(r) not in self._inflight_count]:
@@ -331,8 +337,10 @@ class EngineCore:
         # The step's cost for the policy: device time when host work is hidden behind it (overlap); inline,
         # the whole step from build to processed outputs, since the host part then adds to every step too.
         d = inf.decision
-        cost = inf.handle.device_seconds() if self.overlap else time.perf_counter() - inf.launched
-        self.policy.observe_step(len(inf.batch), d.k if d.num_draft.any() else 0, d.refill, cost)
+        cost = inf.handle.device_seconds() if self.overlap else self.clock() - inf.launched
+        self.policy.observe_step(len(inf.batch), out.num_draft, d.refill, cost,
+                                 tokens=len(inf.batch) + sum(accepted), catch_up_s=d.catch_up_s,
+                                 auto_drafted=d.auto_drafts(out.num_draft))
         return outputs
 
     def _release(self, req: Request) -> None:

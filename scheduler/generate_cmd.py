@@ -17,6 +17,7 @@ from pathlib import Path
 from engine.engine_config import SPEC_KINDS, EngineConfig
 from engine.errors import SpecstepError
 from engine.model_source import default_target, resolve_model
+from scheduler.spec_policy import OBJECTIVES
 
 PER_LINE_FIELDS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
 
@@ -34,7 +35,19 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: all of that list when present; 0: the full vocabulary). Lossless either way")
     p.add_argument("--num-spec-tokens", type=int, default=4, help="draft tokens per step (k; the maximum if adaptive)")
     p.add_argument("--spec-policy", choices=["fixed", "adaptive"], default="adaptive",
-                   help="fixed k, or choose k per step/request from measured acceptance and step costs")
+                   help="fixed k, or choose k per step/request from measured acceptance and step costs, with a "
+                        "governor that turns speculation off where it loses more than --spec-delta")
+    p.add_argument("--spec-objective", choices=OBJECTIVES, default="throughput",
+                   help="what the adaptive policy optimises: tokens per second, or tokens per second with no "
+                        "speculative step longer than --spec-itl-budget times a plain step (p99 inter-token latency)")
+    p.add_argument("--spec-itl-budget", type=float, default=1.1,
+                   help="latency objective: the longest speculative step, as a multiple of a plain step")
+    p.add_argument("--spec-delta", type=float, default=0.02,
+                   help="adaptive: the governor switches speculation off when confident it runs below (1 - delta) "
+                        "of plain decoding's throughput")
+    p.add_argument("--spec-epsilon", type=float, default=None,
+                   help="adaptive: the largest fraction of steps spent probing while speculation is off "
+                        "(default 0.02; 0.005 with the latency objective)")
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="prepare step N+1 on the host while step N runs (auto: on for CUDA; off on CPU, where the "
                         "worker-thread stream shares the GIL and measured slower, see README)")
@@ -76,6 +89,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens, num_pages=args.num_pages,
                         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, dtype=args.dtype,
                         device=args.device, threads=args.threads, spec_policy=args.spec_policy,
+                        spec_objective=args.spec_objective, spec_itl_budget=args.spec_itl_budget,
+                        spec_delta=args.spec_delta, spec_epsilon=args.spec_epsilon,
                         overlap=resolve_overlap(args.overlap, args.device), graphs=args.graphs,
                         attention=args.attention, cpu_linear=args.cpu_linear)
 

@@ -13,6 +13,12 @@ Names follow the field's conventions (vLLM's spec-decode counters, `_total` coun
     specstep_spec_decode_tokens_per_step                     histogram of tokens a request got per step
                                                              (1 + accepted drafts; 1 when not speculating)
     specstep_num_requests_running / _waiting, specstep_kv_pages_used / _total, specstep_spec_decode_k{k}
+    specstep_spec_governor_on                                1 speculating allowed, 0 off (probes only)
+    specstep_spec_governor_ratio                             realised speculative / plain throughput (window)
+    specstep_spec_governor_switches                          on <-> off transitions so far
+    specstep_spec_requests_off                               policy-chosen requests drafting nothing (last step)
+    specstep_spec_decisions{reason}                          decisions so far: model, explore, remeasure,
+                                                             probe, off, fixed
 
 Counters are fed from the per-request final stats, so they equal the sum of those stats over a run. Gauges come
 from the scheduler's stats (polled). The same figures are in the `stats` protocol message (`snapshot()`).
@@ -55,6 +61,15 @@ class ServerMetrics:
         self.pages_total = Gauge("specstep_kv_pages_total", "Usable KV pages", registry=r)
         self.k = Gauge("specstep_spec_decode_k", "Requests per chosen k at the last decode step", ["k"], registry=r)
         self._k_seen: set[str] = set()
+        self.governor_on = Gauge("specstep_spec_governor_on", "1 while the governor allows speculation, 0 while off",
+                                 registry=r)
+        self.governor_ratio = Gauge("specstep_spec_governor_ratio",
+                                    "Realised speculative / plain throughput in the governor's window", registry=r)
+        self.governor_switches = Gauge("specstep_spec_governor_switches", "Governor on/off transitions", registry=r)
+        self.requests_off = Gauge("specstep_spec_requests_off",
+                                  "Policy-chosen requests drafting nothing at the last decode step", registry=r)
+        self.decisions = Gauge("specstep_spec_decisions", "Speculation decisions so far, by reason", ["reason"],
+                               registry=r)
 
     # ---- feeding -------------------------------------------------------------------------------------------
     def observe_step_output(self, num_tokens: int, gap_s: float | None, first: bool) -> None:
@@ -90,6 +105,12 @@ class ServerMetrics:
         for k in self._k_seen | current.keys():
             self.k.labels(k).set(current.get(k, 0))
         self._k_seen |= current.keys()
+        self.governor_on.set(1.0 if stats.spec_governor in ("on", "disabled") else 0.0)
+        self.governor_ratio.set(stats.spec_governor_ratio)
+        self.governor_switches.set(stats.spec_governor_switches)
+        self.requests_off.set(stats.spec_requests_off)
+        for reason, n in stats.spec_decisions.items():
+            self.decisions.labels(reason).set(n)
 
     # ---- reading -------------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, float]:

@@ -97,6 +97,12 @@ class SpecStats(Wire):
     acceptance_per_position: list[float] = msgspec.field(default_factory=list)
     drafted_per_position: list[int] = msgspec.field(default_factory=list)  # counts behind the rates above
     accepted_per_position: list[int] = msgspec.field(default_factory=list)
+    # How the adaptive policy treated it (docs/protocol.md): drafts in its last decode step, its acceptance
+    # estimate (per draft position), decode steps it drafted nothing, and steps it drafted only as a probe.
+    last_k: int = 0
+    acceptance_estimate: float = 0.0
+    steps_off: int = 0
+    steps_probing: int = 0
 
 
 class Timings(Wire):
@@ -161,6 +167,12 @@ class EngineStats(Wire):
     spec_policy: str = ""
     k_distribution: dict[int, int] = msgspec.field(default_factory=dict)  # requests per k at the last decode step
     step_costs_ms: dict[str, float] = msgspec.field(default_factory=dict)  # measured "bucket/k/refill" -> ms
+    spec_governor: str = ""  # on | off | disabled
+    spec_governor_ratio: float = 0.0  # realised speculative / plain throughput in its window (0: no samples)
+    spec_governor_switches: int = 0
+    spec_probes: int = 0  # decisions that probed
+    spec_decisions: dict[str, int] = msgspec.field(default_factory=dict)  # decisions by reason
+    spec_requests_off: int = 0  # policy-chosen requests drafting nothing at the last decode step
 
 
 class StatsReply(Wire):
@@ -249,6 +261,9 @@ class EngineOutput(Wire):
     num_accepted: int = 0  # of which accepted
     queue_s: float = 0.0  # on the request's first output: arrival at the scheduler -> first scheduled
     num_preemptions: int = 0  # so far
+    spec_acceptance: float = 0.0  # the policy's acceptance estimate for this request, now
+    spec_steps_off: int = 0  # so far: decode steps without drafts
+    spec_steps_probing: int = 0  # so far: decode steps drafting only as a probe
 
 
 class EngineOutputs(Wire):

@@ -50,6 +50,7 @@ class RequestStream:
     def add(self, out: EngineOutput, now: float) -> bool:
         """Take one engine output; True when a stop string ended the request (tokens after it are dropped)."""
         self.spec.record(out.num_draft, out.num_accepted)
+        self.spec.policy(out.spec_acceptance, out.spec_steps_off, out.spec_steps_probing)
         self.engine_queue_s = out.queue_s or self.engine_queue_s
         self.num_preemptions = out.num_preemptions
         if out.token_ids:

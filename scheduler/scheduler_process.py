@@ -193,9 +193,12 @@ class SchedulerLoop:
         if first:
             self._started.add(rid)
         self.num_output_tokens += len(out.new_token_ids)
+        acc = req.acceptance
         msg = EngineOutput(rid, list(out.new_token_ids), num_draft=out.num_draft, num_accepted=out.num_accepted,
                            queue_s=step_start - req.arrival_time if first else 0.0,
-                           num_preemptions=req.num_preemptions)
+                           num_preemptions=req.num_preemptions,
+                           spec_acceptance=round(self.core.policy.acceptance_estimate(acc), 4),
+                           spec_steps_off=acc.steps_off, spec_steps_probing=acc.steps_probing)
         if out.finished:
             self._started.discard(rid)
             self.num_finished += 1
@@ -219,8 +222,18 @@ class SchedulerLoop:
                            num_finished=self.num_finished, num_output_tokens=self.num_output_tokens,
                            drafted_tokens=self.drafted, accepted_tokens=self.accepted, pid=os.getpid(), tag=tag,
                            spec_policy=core.policy.cfg.kind, k_distribution=_k_distribution(core),
-                           step_costs_ms={f"{b}/{k}/{int(r)}": round(v * 1e3, 3)
-                                          for (b, k, r), v in core.policy.costs.table.items()})
+                           step_costs_ms=core.policy.costs.to_dict(), **_policy_stats(core))
+
+
+def _policy_stats(core: EngineCore) -> dict:
+    pol, d = core.policy, core.last_decision
+    state = pol.governor.state()
+    off = 0
+    if d is not None and d.auto is not None and len(d.auto) == len(d.num_draft):
+        off = int((d.auto & (d.num_draft == 0)).sum())
+    return dict(spec_governor=pol.governor_state, spec_governor_ratio=round(state[0], 4) if state else 0.0,
+                spec_governor_switches=pol.governor.switches, spec_probes=pol.reasons["probe"],
+                spec_decisions=dict(pol.reasons), spec_requests_off=off)
 
 
 def _k_distribution(core: EngineCore) -> dict[int, int]:

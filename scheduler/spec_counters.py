@@ -17,8 +17,17 @@ class SpecCounters:
     accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    last_k: int = 0  # drafts in the latest step
+    acceptance_estimate: float = 0.0  # the policy's, as last reported
+    steps_off: int = 0
+    steps_probing: int = 0
+
+    def policy(self, acceptance: float, steps_off: int, steps_probing: int) -> None:
+        """The engine's running view of how the policy treated the request (cumulative, so the latest wins)."""
+        self.acceptance_estimate, self.steps_off, self.steps_probing = acceptance, steps_off, steps_probing
 
     def record(self, num_draft: int, num_accepted: int) -> None:
+        self.last_k = max(num_draft, 0)
         if num_draft <= 0:
             return
         self.steps += 1
@@ -52,6 +61,10 @@ class SpecCounters:
                                         zip(self.accepted_per_position, self.drafted_per_position)],
             "drafted_per_position": list(self.drafted_per_position),
             "accepted_per_position": list(self.accepted_per_position),
+            "last_k": self.last_k,
+            "acceptance_estimate": round(self.acceptance_estimate, 4),
+            "steps_off": self.steps_off,
+            "steps_probing": self.steps_probing,
         }
 
     def to_wire(self) -> protocol.SpecStats:

@@ -2,38 +2,53 @@
 
 For request i with per-position acceptance alpha_i, a chain of k drafts emits in expectation
     E_i(k) = 1 + alpha_i + alpha_i^2 + ... + alpha_i^k        tokens per step (the bonus counted).
-A step of batch B with a set S of requests speculating k tokens costs about
-    C(B, k, S) = t(B, 0) + |S| / B * (t(B, k) - t(B, 0))        (n-gram: drafting is free, verify rows scale)
-    C(B, k, S) = t(B, k) for any non-empty S                     (model proposers: the draft loop runs every lane)
-where t(B, k) is the measured device time of a step at B's bucket with k drafts (t(B, 0): plain decode, with the
-draft's KV refill when it is kept). The policy maximises expected tokens per second of device time,
-    (B + sum_{i in S} (E_i(k) - 1)) / C(B, k, S),
-over k among the candidates and S: for a fixed k, the best S is a prefix of the requests sorted by E_i(k).
-Requests outside S draft nothing while the rest continue, and are re-probed every `probe_every` steps so a
-request whose text became predictable can come back. Hysteresis: the batch's k changes only when the new
-choice is expected to beat the current one by `margin`.
+A step whose lanes draft n_i tokens costs C(n), measured live (`spec_costs.StepCosts`: t(B, k) per lane layout
+for model proposers and graphs, t(B, 0) + m * sum(n) for n-gram's ragged verify). The policy maximises
+expected tokens per second of device time,
+    (B + sum_i (E_i(n_i) - 1)) / C(n),
+over k among the candidates and the set of requests that draft k: model proposers run the draft loop over
+every lane once anyone drafts, so it is everyone worth a draft or nobody; n-gram adds requests in order of
+gain while each improves the ratio. Hysteresis: the batch's k changes only when the new choice is expected
+to beat the current one by `margin`.
 
-The cost that stays when speculation is off: with every request at k = 0 the draft model still refills its KV
-(t_refill(B, 0)); the policy compares that with plain decoding without the draft (t_plain(B)) and drops the
-refill when nobody is expected to speculate soon, paying a catch-up prefill of the draft when someone does.
+"Off" is plain decoding for every proposer: a step in which nobody drafts drops the proposer's refill, and
+the draft model (or MTP head, from the target hidden states it kept) catches up on the skipped tokens in
+the step that resumes speculating; that catch-up is charged to the step that pays it.
+
+Measurements that stay true: each step's cost is recorded under the k it actually drafted; before the cost
+model is trusted each runnable k is measured `explore_samples` times; after that, in every bucket, one step in
+`remeasure_every` re-measures the stalest other candidate (plain decoding included), so costs follow context
+length and machine load.
+
+The floor: `spec_governor.Governor` watches the realised throughput of speculative steps against plain
+decoding and switches speculation off when it is confidently below (1 - delta) of plain; while off, only
+probes (at most a fraction epsilon of steps) speculate. The loss against plain is bounded by about
+    delta + epsilon * (probe cost / plain cost - 1)        (defaults: delta = epsilon = 0.02, about 3%).
+
+Objectives: `throughput` maximises tokens per second; `latency` only allows speculative steps expected to take
+at most `itl_budget` times a plain step (a step's duration is the gap between a stream's messages, so this
+bounds p99 inter-token latency), explores no k past the first that breaks the budget, and probes rarely.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+from scheduler.spec_costs import StepCosts, bucket
+from scheduler.spec_governor import Governor, GovernorConfig
+
+OBJECTIVES = ("throughput", "latency")
 
 
-def bucket(batch: int) -> int:
-    return next((b for b in BUCKETS if b >= batch), BUCKETS[-1])
-
-
-def expected_tokens(alpha: np.ndarray, k: int) -> np.ndarray:
-    """1 + a + a^2 + ... + a^k, elementwise."""
-    return np.sum(np.power.outer(np.asarray(alpha, dtype=np.float64), np.arange(k + 1)), axis=-1)
+def expected_tokens(alpha: np.ndarray, k: int | np.ndarray) -> np.ndarray:
+    """1 + a + a^2 + ... + a^k, elementwise (k: one for all, or one per request)."""
+    alpha = np.asarray(alpha, dtype=np.float64)
+    k = np.broadcast_to(np.asarray(k, dtype=np.int64), alpha.shape)
+    j = np.arange(int(k.max(initial=0)) + 1)
+    return np.sum(np.power.outer(alpha, j) * (j <= k[..., None]), axis=-1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,38 +56,62 @@ class PolicyConfig:
     kind: str = "adaptive"  # adaptive | fixed
     k_max: int = 4
     candidates: tuple[int, ...] | None = None  # k values allowed (e.g. those with captured graphs)
+    objective: str = "throughput"  # throughput | latency
+    itl_budget: float = 1.1  # latency objective: a speculative step may take at most this times a plain one
     prior_alpha: float = 0.6
-    alpha_decay: float = 0.7  # EMA weight of the past, per step
-    cost_decay: float = 0.8
+    alpha_decay: float = 0.85  # EMA weight of the past, per drafting step
+    cost_decay: float = 0.9  # EMA weight of the past, per measured step
+    cost_shape: str = "lanes"  # lanes | rows (see spec_costs)
     margin: float = 0.05  # hysteresis on the batch's k
     probe_every: int = 4  # first probe of a request that stopped speculating; doubles after each failed probe
     probe_max: int = 64
-    can_drop_refill: bool = False  # proposer supports catching up later (draft model: yes; MTP head: no)
     keeps_draft_kv: bool = True  # model proposers refill a KV cache; n-gram has none
-    explore_samples: int = 3  # measurements of each (bucket, k) before the cost model is trusted
+    can_drop_refill: bool = True  # the proposer catches up after steps without refill (every model proposer)
+    explore_samples: int = 2  # measurements of each k (across buckets) before the cost model is trusted
     min_gain: float = 0.3  # expected extra tokens per step below which a request is not worth a draft
+    remeasure_every: int = 32  # per bucket: one step in this many re-measures the stalest other candidate
+    governor: GovernorConfig = GovernorConfig()
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("adaptive", "fixed"):
+            raise ValueError(f"spec policy must be adaptive or fixed, got {self.kind!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"--spec-objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.itl_budget < 1.0:
+            raise ValueError(f"--spec-itl-budget must be >= 1.0 (a multiple of a plain step), got {self.itl_budget}")
+        if self.cost_shape not in ("lanes", "rows"):
+            raise ValueError(f"cost shape must be lanes or rows, got {self.cost_shape!r}")
+        self.governor.validate()
 
     @property
     def ks(self) -> tuple[int, ...]:
         if self.candidates is not None:
-            return tuple(sorted({0, *self.candidates}))
-        return tuple(sorted({0, *range(1, self.k_max + 1)}))
+            return tuple(sorted({0, *(k for k in self.candidates if k <= self.k_max)}))
+        return tuple(range(self.k_max + 1))
 
 
 @dataclass(slots=True)
 class RequestAcceptance:
-    """EMA of per-position acceptance: alpha = accepted / (accepted + rejections), both decayed per step."""
+    """EMA of per-position acceptance: alpha = accepted / (accepted + rejections), both decayed per step; and
+    how the request speculated, for its final message."""
 
     accepted: float = 0.0
     trials: float = 0.0
     idle_steps: int = 0  # consecutive steps without drafting
     probe_interval: int = 0  # idle steps before the next probe (0: not set yet)
+    steps_off: int = 0  # decode steps in which it drafted nothing
+    steps_probing: int = 0  # steps in which it drafted only to re-measure its acceptance
+    last_k: int = 0  # drafts in its latest step
 
-    def update(self, num_draft: int, num_accepted: int, decay: float) -> None:
+    def update(self, num_draft: int, num_accepted: int, decay: float, probe: bool = False) -> None:
+        self.last_k = num_draft
         if num_draft <= 0:
             self.idle_steps += 1
+            self.steps_off += 1
             return
-        if self.idle_steps >= self.probe_interval > 0:  # this was a probe: back off if it failed
+        if probe:
+            self.steps_probing += 1
+            # Back off after a failed probe; a probe that accepted something resets the interval.
             self.probe_interval = self.probe_interval // 2 if num_accepted else self.probe_interval * 2
         self.idle_steps = 0
         self.accepted = decay * self.accepted + num_accepted
@@ -85,193 +124,260 @@ class RequestAcceptance:
 @dataclass(slots=True)
 class Decision:
     num_draft: np.ndarray  # [B] per request
-    k: int  # the batch's k
+    k: int  # the batch's k (widest lane)
     refill: bool  # keep the draft's KV current this step
     expected_tokens: float
     expected_cost: float
-    explored: bool = False
+    reason: str = "model"  # model | explore | remeasure | probe | off | fixed | none
+    auto: np.ndarray | None = None  # [B] requests the policy decides for (not fixed-k overrides)
+    probing: np.ndarray | None = None  # [B] requests drafting only to re-measure their acceptance
+    catch_up_s: float = 0.0  # a stale draft's catch-up before this step (set by the engine core)
+
+    @property
+    def explored(self) -> bool:
+        return self.reason == "explore"
+
+    def auto_drafts(self, num_draft: np.ndarray) -> bool:
+        """Did the policy's choice (or a probe) have auto requests draft, given what the step really drafted?
+        Exploration and re-measurement steps run k values on purpose: the governor does not judge them."""
+        if self.reason not in ("model", "probe"):
+            return False
+        auto = self.auto if self.auto is not None else np.ones(len(num_draft), dtype=bool)
+        return bool((np.asarray(num_draft)[auto] > 0).any())
 
     def to_log(self) -> dict:
         return {"k": self.k, "refill": self.refill, "speculating": int((self.num_draft > 0).sum()),
                 "expected_tokens": round(self.expected_tokens, 3),
-                "expected_cost_ms": round(self.expected_cost * 1e3, 3),
-                "explored": self.explored}
-
-
-@dataclass
-class StepCosts:
-    """Measured device seconds per (batch bucket, k, refill), kept current with an EMA."""
-
-    decay: float
-    table: dict[tuple[int, int, bool], float] = field(default_factory=dict)
-    counts: dict[tuple[int, int, bool], int] = field(default_factory=dict)
-
-    def observe(self, batch: int, k: int, refill: bool, seconds: float) -> None:
-        key = (bucket(batch), k, refill)
-        n = self.counts.get(key, 0)
-        old = self.table.get(key)
-        # Plain mean while few samples exist, then an EMA that follows load changes.
-        w = max(self.decay, n / (n + 1)) if old is not None else 0.0
-        self.table[key] = seconds if old is None else w * old + (1 - w) * seconds
-        self.counts[key] = n + 1
-
-    def samples(self, batch: int, k: int, refill: bool) -> int:
-        return self.counts.get((bucket(batch), k, refill), 0)
-
-    def get(self, batch: int, k: int, refill: bool) -> float | None:
-        return self.table.get((bucket(batch), k, refill))
-
-    def total_samples(self, k: int, refill: bool) -> int:
-        return sum(n for (_, kk, r), n in self.counts.items() if kk == k and r == refill)
-
-    def ratio_near(self, batch: int, k: int, refill: bool) -> float | None:
-        """t(k) / t(0) at the measured bucket nearest to `batch` (in log2 distance)."""
-        target = bucket(batch).bit_length()
-        best = None
-        for (b, kk, r), t in self.table.items():
-            t0 = self.table.get((b, 0, r))
-            if kk == k and r == refill and t0:
-                d = abs(b.bit_length() - target)
-                if best is None or d < best[0]:
-                    best = (d, t / t0)
-        return None if best is None else best[1]
+                "expected_cost_ms": round(self.expected_cost * 1e3, 3), "reason": self.reason}
 
 
 class AdaptivePolicy:
     def __init__(self, cfg: PolicyConfig) -> None:
         self.cfg = cfg
-        self.costs = StepCosts(cfg.cost_decay)
+        self.costs = StepCosts(cfg.cost_decay, cfg.cost_shape)
+        self.governor = Governor(cfg.governor)
         self.current_k = cfg.k_max
         self.global_acc = RequestAcceptance()
         self.steps = 0
+        self.bucket_steps: Counter[int] = Counter()
+        self._next_remeasure: dict[int, int] = {}
+        self._since_probe = 0  # steps since auto requests last drafted (the global probe clock)
+        self.reasons: Counter[str] = Counter()  # decisions by reason, for metrics
+        self._explore_tries: Counter[int] = Counter()
 
     # ---- measurements (no extra syncs: the host already read these back) ---------------------------------------
-    def observe_request(self, acc: RequestAcceptance, num_draft: int, num_accepted: int) -> None:
-        acc.update(num_draft, num_accepted, self.cfg.alpha_decay)
+    def observe_request(self, acc: RequestAcceptance, num_draft: int, num_accepted: int, probe: bool = False) -> None:
+        acc.update(num_draft, num_accepted, self.cfg.alpha_decay, probe)
         if num_draft > 0:
             self.global_acc.update(num_draft, num_accepted, 0.98)
 
-    def observe_step(self, batch: int, k: int, refill: bool, seconds: float) -> None:
-        self.costs.observe(batch, k, refill, seconds)
+    def observe_step(self, batch: int, num_draft: np.ndarray, refill: bool, seconds: float,
+                     tokens: int | None = None, catch_up_s: float = 0.0, auto_drafted: bool = False) -> None:
+        """A finished step: its device seconds (body only), under what it really drafted; for the governor, the
+        tokens it emitted and the catch-up it paid, when policy-chosen requests drafted in it."""
+        num_draft = np.asarray(num_draft, dtype=np.int64)
+        b = bucket(batch)
+        self.costs.observe(batch, num_draft, refill, seconds, self.bucket_steps[b])
+        if auto_drafted and tokens is not None:
+            plain = self.costs.plain(batch, self._refill(np.zeros(1, np.int64)))
+            if plain:
+                self.governor.observe(tokens, batch * (seconds + catch_up_s) / plain)
+
+    def acceptance_estimate(self, acc: RequestAcceptance) -> float:
+        """A request's per-position acceptance as the policy sees it (its own, pulled toward the global one)."""
+        return acc.alpha(self.global_acc.alpha(self.cfg.prior_alpha, 2.0))
+
+    @property
+    def governor_state(self) -> str:
+        if self.cfg.kind == "fixed" or not self.cfg.governor.enabled:
+            return "disabled"
+        return "on" if self.governor.on else "off"
 
     # ---- the decision -------------------------------------------------------------------------------------------
+    def _refill(self, nd: np.ndarray) -> bool:
+        if not self.cfg.keeps_draft_kv:
+            return False
+        return bool(nd.any()) or not self.cfg.can_drop_refill
+
+    def _decision(self, nd: np.ndarray, auto: np.ndarray, reason: str, tokens: float = 0.0, cost: float = 0.0,
+                  probing: np.ndarray | None = None) -> Decision:
+        d = Decision(nd, int(nd.max(initial=0)), self._refill(nd), tokens, cost, reason, auto,
+                     probing if probing is not None else np.zeros(len(nd), dtype=bool))
+        self.reasons[reason] += 1
+        return d
+
     def choose(self, accs: list[RequestAcceptance], overrides: list[int | None], room: np.ndarray) -> Decision:
         """accs: per-request acceptance; overrides: per-request fixed k (None = auto); room: max drafts each."""
         self.steps += 1
-        b = len(accs)
-        cfg = self.cfg
-        prior = self.global_acc.alpha(cfg.prior_alpha, 2.0)
-        alpha = np.array([a.alpha(prior) for a in accs])
-        fixed = np.array([o is not None for o in overrides])
+        cfg, b = self.cfg, len(accs)
+        room = np.asarray(room, dtype=np.int64).clip(0)
+        auto = np.array([o is None for o in overrides], dtype=bool)
         fixed_k = np.array([o or 0 for o in overrides], dtype=np.int64)
         if cfg.kind == "fixed":
-            nd = np.where(fixed, fixed_k, cfg.k_max)
-            return Decision(np.minimum(nd, room).clip(0), int(nd.max(initial=0)), True, 0.0, 0.0)
+            nd = np.minimum(np.where(auto, cfg.k_max, fixed_k), room)
+            d = Decision(nd, int(nd.max(initial=0)), cfg.keeps_draft_kv, 0.0, 0.0, "fixed", auto)
+            self.reasons["fixed"] += 1
+            return d
+        bk = bucket(b)
+        self.bucket_steps[bk] += 1
+        forced = np.where(auto, 0, np.minimum(fixed_k, room))  # what fixed-k requests draft whatever we decide
+        probe_due = self.governor.tick()
 
-        explore = self._unmeasured(b)
-        if explore is not None:
-            k, refill = explore
-            nd = np.minimum(np.where(fixed, fixed_k, k), room).clip(0)
-            if (fixed & (nd > 0)).any():  # a fixed-k request drafts whatever is being measured: keep its draft
-                refill = refill or cfg.keeps_draft_kv or cfg.can_drop_refill  # current (a stale one can't draft)
-            return Decision(nd, int(nd.max(initial=0)), refill, 0.0, 0.0, explored=True)
+        k_explore = self._unmeasured(b, forced, room, auto)
+        if k_explore is not None:
+            who = auto.copy()
+            if cfg.cost_shape == "rows" and k_explore > 0:  # a marginal per row: one request measures it
+                who[:] = False
+                who[int(np.argmax(auto & (room > 0)))] = True
+            return self._decision(np.where(who, np.minimum(k_explore, room), forced), auto, "explore")
+        if not self.governor.on and not probe_due:
+            return self._decision(forced, auto, "off")
 
+        alpha = np.array([self.acceptance_estimate(a) for a in accs])
         # Hysteresis on each request's inclusion too: one that drafted last step stays in at 0.65 of the threshold.
-        threshold = np.array([cfg.min_gain * (0.65 if a.idle_steps == 0 and a.trials > 0 else 1.0)
-                                    for a in accs])
-        best: Decision | None = None
-        current: Decision | None = None
-        for k in cfg.ks:
-            d = self._evaluate(k, alpha, fixed, fixed_k, room, b, threshold)
-            if best is None or d.expected_tokens / d.expected_cost > best.expected_tokens / best.expected_cost:
-                best = d
-            if k == self.current_k:
-                current = d
-        assert best is not None
-        if current is not None and best.k != current.k:
+        threshold = np.array([cfg.min_gain * (0.65 if a.idle_steps == 0 and a.trials > 0 else 1.0) for a in accs])
+        options = [self._evaluate(k, alpha, auto, forced, room, b, threshold) for k in self._allowed_ks(b, forced)]
+        options = [d for d in options if d is not None]
+        if not options:  # nothing measured fits (latency budget): only the fixed-k requests draft
+            return self._decision(forced, auto, "model")
+        best = max(options, key=lambda d: d.expected_tokens / d.expected_cost)
+        current = next((d for d in options if d.k == self.current_k), None)
+        if current is not None and best is not current:
             gain = (best.expected_tokens / best.expected_cost) / (current.expected_tokens / current.expected_cost)
             if gain < 1 + cfg.margin:
                 best = current
         self.current_k = best.k
+
+        if probe_due:  # governor off: speculate with everyone at the best k the model sees, to re-measure
+            # (n-gram pays per row: the smallest k is enough to see whether acceptance came back)
+            probe_ks = [k for k in self._allowed_ks(b, forced) if k > 0]
+            if cfg.cost_shape == "rows":
+                probe_ks = probe_ks[:1]
+            forced_all = [self._evaluate(k, alpha, auto, forced, room, b, threshold, force_all=True)
+                          for k in probe_ks]
+            forced_all = [d for d in forced_all if d is not None and d.num_draft[auto].any()]
+            if not forced_all:
+                return self._decision(forced, auto, "off")
+            p = max(forced_all, key=lambda d: d.expected_tokens / d.expected_cost)
+            return self._decision(p.num_draft, auto, "probe", p.expected_tokens, p.expected_cost,
+                                  probing=auto & (p.num_draft > 0))
+
+        nd = best.num_draft
+        # Re-measure only while speculating: when the choice is plain, measuring drafts is what probes do, and
+        # they are rate-limited by epsilon.
+        stale = self._stale(b, forced, best.k) if best.num_draft[auto].any() else None
+        if stale is not None:
+            nd = np.where(auto, np.minimum(stale, room), forced)
+            return self._decision(nd, auto, "remeasure", best.expected_tokens, best.expected_cost)
+
         # Probes: a request that has not drafted for a while drafts one token so its acceptance estimate can
-        # recover (one extra verify row: small enough not to show in p99 latency); failed probes back off.
+        # recover; failed probes back off. Inside a speculating step that is one more verify row (the draft
+        # loop runs anyway); when nobody speculates, a probe step is rate-limited like the governor's.
         for a in accs:
             a.probe_interval = min(max(a.probe_interval, cfg.probe_every), cfg.probe_max)
-        probe = np.array([a.idle_steps >= a.probe_interval for a in accs]) & ~fixed
-        if probe.any():
-            k1 = min(k for k in cfg.ks if k > 0) if cfg.ks[-1] > 0 else 0
-            if best.k == 0 and k1:
-                best = Decision(np.zeros(b, dtype=np.int64), k1, best.refill or cfg.keeps_draft_kv,
-                                best.expected_tokens, best.expected_cost)
-            best.num_draft = np.where(probe & (best.num_draft == 0), min(k1, best.k), best.num_draft)
-        best.num_draft = np.minimum(best.num_draft, room).clip(0)
-        return best
+        due = np.array([a.idle_steps >= a.probe_interval for a in accs]) & auto & (nd == 0) & (room > 0)
+        speculating = bool(nd[auto].any())
+        self._since_probe = 0 if speculating else self._since_probe + 1
+        k1 = self._probe_k(b, forced)
+        probing = np.zeros(b, dtype=bool)
+        # Throughput: the governor judges probe steps too (off, it rate-limits them to epsilon). Latency: a probe
+        # step may exceed the ITL budget, so they are rate-limited to epsilon of the steps here as well.
+        limited = cfg.objective == "latency" and self._since_probe < cfg.governor.probe_every
+        if due.any() and k1 and (speculating or not limited):
+            self._since_probe = 0
+            probing = due
+            nd = np.where(due, min(k1, best.k) if speculating else k1, nd)
+        nd = np.minimum(nd, np.where(auto, room, nd))
+        reason = "probe" if probing.any() and not speculating else "model"
+        return self._decision(nd, auto, reason, best.expected_tokens, best.expected_cost, probing)
 
-    def _unmeasured(self, b: int) -> tuple[int, bool] | None:
-        """What to measure before trusting the cost model: each k a few times in some bucket (cost ratios carry
-        over between buckets), and plain decoding once in this bucket (the baseline the ratios scale)."""
-        r = self.cfg.keeps_draft_kv
-        n = self.cfg.explore_samples
-        if self.costs.samples(b, 0, r) < 1:
-            return 0, r
+    def _budget_ok(self, b: int, nd: np.ndarray, refill: bool) -> bool:
+        if self.cfg.objective != "latency" or not nd.any():
+            return True
+        cost = self.costs.predict(b, nd, refill)
+        plain = self.costs.plain(b, self._refill(np.zeros(1, np.int64)))
+        return cost is None or plain is None or cost <= self.cfg.itl_budget * plain
+
+    def _allowed_ks(self, b: int, forced: np.ndarray) -> list[int]:
+        """Candidate k for the auto requests (the latency objective drops those over the ITL budget)."""
+        ks = []
         for k in self.cfg.ks:
-            if self.costs.total_samples(k, r) < n:
-                return k, r
-        if self.cfg.can_drop_refill and self.costs.samples(b, 0, False) < 1:
-            return 0, False
+            nd = np.maximum(forced, k)
+            if k == 0 or self._budget_ok(b, nd, self._refill(nd)):
+                ks.append(k)
+        return ks
+
+    def _probe_k(self, b: int, forced: np.ndarray) -> int:
+        return next((k for k in self._allowed_ks(b, forced) if k > 0), 0)
+
+    def _unmeasured(self, b: int, forced: np.ndarray, room: np.ndarray, auto: np.ndarray) -> int | None:
+        """What to measure before trusting the cost model: plain decoding once in this bucket (when a fixed-k
+        request does not make it impossible), then each runnable k a few times in some bucket (cost ratios
+        carry over between buckets). The latency objective stops at the first k over its budget."""
+        n = self.cfg.explore_samples
+        kf = int(forced.max(initial=0))
+        plain_refill = self._refill(np.zeros(1, np.int64))
+        if kf == 0 and self.costs.samples(b, 0, plain_refill) < 1:
+            return 0
+        if not (auto & (room > 0)).any():
+            return None  # no auto request can draft: nothing this batch could measure
+        for k in self.cfg.ks:
+            if k == 0 or k < kf:
+                continue
+            if self.costs.total_samples(k, self.cfg.keeps_draft_kv) < n and self._explore_tries[k] < 3 * n:
+                self._explore_tries[k] += 1  # n-gram may draft less than asked: do not insist for ever
+                return k
+            if not self._budget_ok(b, np.maximum(forced, k), self._refill(np.ones(1, np.int64))):
+                break
         return None
 
-    def _raw_cost(self, b: int, k: int, r: bool) -> float | None:
-        """t(B, k) measured at B's bucket, else t(B, 0) scaled by t(k)/t(0) of the nearest bucket measuring both."""
-        measured = self.costs.get(b, k, r)
-        if measured is not None or k == 0:
-            return measured
-        t0 = self.costs.get(b, 0, r)
-        ratio = self.costs.ratio_near(b, k, r)
-        return None if t0 is None or ratio is None else t0 * ratio
+    def _stale(self, b: int, forced: np.ndarray, chosen: int) -> int | None:
+        """One step in `remeasure_every` per bucket: the candidate measured longest ago, if not the chosen one."""
+        bk = bucket(b)
+        now = self.bucket_steps[bk]
+        if now < self._next_remeasure.setdefault(bk, now + self.cfg.remeasure_every):
+            return None
+        self._next_remeasure[bk] = now + self.cfg.remeasure_every
+        kf = int(forced.max(initial=0))
+        keys = [k for k in self._allowed_ks(b, forced) if k != chosen and (k >= kf or k == 0) and not (k == 0 and kf)]
+        if not keys:
+            return None
 
-    def _cost(self, b: int, k: int) -> float:
-        """t(B, k), made non-decreasing in k (more drafts never cost less; noise must not say otherwise)."""
-        r = self.cfg.keeps_draft_kv
-        best = self._raw_cost(b, 0, r) or 1e-3
-        for kk in self.cfg.ks:
-            if kk > k:
-                break
-            best = max(best, self._raw_cost(b, kk, r) or best)
-        return best
+        def last(k: int) -> int:
+            nd = np.full(1, k)
+            return self.costs.last_step(b, k, self._refill(nd))
+        k = min(keys, key=last)
+        return k if now - last(k) >= self.cfg.remeasure_every else None
 
-    def _evaluate(self, k: int, alpha: np.ndarray, fixed: np.ndarray, fixed_k: np.ndarray, room: np.ndarray,
-                  b: int, threshold: np.ndarray | float = 0.0, force_all: bool = False) -> Decision:
-        t0, tk = self._cost(b, 0), self._cost(b, k)
-        gain = expected_tokens(alpha, k) - 1.0  # extra tokens if request i speculates k
-        per_req = (tk - t0) / b
-        order = np.argsort(-gain)
-        chosen = np.zeros(b, dtype=bool)
-        tokens, cost = float(b), t0
-        # Fixed overrides always speculate with their own k (their cost is charged like k's).
-        for i in np.flatnonzero(fixed & (fixed_k > 0)):
-            chosen[i] = True
-            tokens += float(expected_tokens(alpha[i:i + 1], int(min(fixed_k[i], room[i])))[0] - 1)
-            cost += per_req
-        if self.cfg.keeps_draft_kv and k > 0:
+    def _evaluate(self, k: int, alpha: np.ndarray, auto: np.ndarray, forced: np.ndarray, room: np.ndarray,
+                  b: int, threshold: np.ndarray, force_all: bool = False) -> Decision | None:
+        """The best request set drafting k (with the fixed-k requests' drafts), or None if unmeasured."""
+        kk = np.minimum(k, room)
+        gain = np.where(auto, expected_tokens(alpha, kk) - 1.0, 0.0)  # extra tokens if request i drafts k
+        fixed_gain = float((expected_tokens(alpha, forced) - 1.0)[~auto].sum())
+        want = auto & (kk > 0) & ((gain >= threshold) | force_all)
+        if self.cfg.keeps_draft_kv or k == 0:
             # A model proposer's draft loop runs over every lane once anyone drafts: a speculating step costs
             # about t(B, k) however few requests draft. So it is all requests worth a draft at k, or nobody.
-            chosen |= ~fixed & ((gain >= threshold) | force_all)
-            tokens += float(gain[chosen & ~fixed].sum())
-            cost = tk if chosen.any() else t0
-        for i in order:
-            if fixed[i] or k == 0 or self.cfg.keeps_draft_kv:
-                continue
-            if force_all or gain[i] / max(per_req, 1e-9) > tokens / cost:  # improves tokens per second
-                chosen[i] = True
-                tokens += float(gain[i])
-                cost += per_req
-        nd = np.where(fixed, fixed_k, np.where(chosen, k, 0)).astype(np.int64)
-        if not chosen.any():
-            k = 0  # nobody speculates: this is the k = 0 decision, whatever k was tried
-        refill = self.cfg.keeps_draft_kv
-        if self.cfg.can_drop_refill and not nd.any():
-            plain = self.costs.get(b, 0, False)
-            if plain is not None and plain < t0:
-                refill, cost = False, plain
-        return Decision(nd, k, refill, tokens, cost)
+            nd = np.where(want, kk, forced) if k > 0 else forced
+        else:
+            nd = forced.copy()
+            base = self.costs.predict(b, nd, False)
+            if base is None:
+                return None
+            tokens = b + fixed_gain
+            for i in np.argsort(-gain):
+                if not want[i]:
+                    continue
+                trial = nd.copy()
+                trial[i] = kk[i]
+                cost = self.costs.predict(b, trial, False)
+                if cost is None:
+                    return None
+                if force_all or (tokens + gain[i]) / cost > tokens / base:  # improves tokens per second
+                    nd, base, tokens = trial, cost, tokens + float(gain[i])
+        cost = self.costs.predict(b, nd, self._refill(nd))
+        if cost is None or cost <= 0:
+            return None
+        tokens = b + fixed_gain + float(gain[(nd > 0) & auto].sum())
+        return Decision(nd, int(nd.max(initial=0)), self._refill(nd), tokens, cost, "model", auto)

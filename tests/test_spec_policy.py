@@ -13,9 +13,11 @@ def policy_with_costs(cost, batch: int, k_max: int = 6, candidates=None, plain_c
     pol = AdaptivePolicy(PolicyConfig(kind="adaptive", k_max=k_max, candidates=candidates, **kw))
     for k in pol.cfg.ks:
         for _ in range(pol.cfg.explore_samples):
-            pol.observe_step(batch, k, True, cost(k))
-            if pol.cfg.can_drop_refill and k == 0:
-                pol.observe_step(batch, 0, False, plain_cost if plain_cost is not None else cost(0))
+            nd = np.full(batch, k)
+            if k == 0:
+                pol.observe_step(batch, nd, False, plain_cost if plain_cost is not None else cost(0))
+            else:
+                pol.observe_step(batch, nd, True, cost(k))
     return pol
 
 
@@ -85,10 +87,11 @@ def test_room_caps_drafts():
     assert d.num_draft.tolist() == [2, 0]
 
 
-def test_refill_dropped_when_nobody_speculates_and_plain_is_cheaper():
-    pol = policy_with_costs(lambda k: 1.3 + 0.3 * k, batch=4, can_drop_refill=True, plain_cost=1.0)
+def test_refill_dropped_when_nobody_speculates():
+    """"Off" is plain decoding: no refill, costed as the plain steps measured without it."""
+    pol = policy_with_costs(lambda k: 1.3 + 0.3 * k, batch=4, plain_cost=1.0)
     d = choose(pol, requests_with_alpha([0.0] * 4))
-    assert d.k == 0 and not d.refill
+    assert d.k == 0 and not d.refill and d.expected_cost == pytest.approx(1.0)
 
 
 def test_collapsed_request_is_probed_again():
@@ -124,21 +127,51 @@ def test_hysteresis_on_a_noisy_acceptance_series():
 def test_exploration_measures_each_candidate_first():
     pol = AdaptivePolicy(PolicyConfig(kind="adaptive", k_max=2))
     seen = []
-    for _ in range(9):
+    for _ in range(5):
         d = choose(pol, requests_with_alpha([0.5]))
         assert d.explored
         seen.append(d.k)
-        pol.observe_step(1, d.k, d.refill, 1.0 + d.k)
+        pol.observe_step(1, d.num_draft, d.refill, 1.0 + d.k)
     assert sorted(set(seen)) == [0, 1, 2]
     assert not choose(pol, requests_with_alpha([0.5])).explored
 
 
-def test_exploration_keeps_fixed_k_requests_drafting():
-    """While plain decoding without the draft's refill is measured, a request with a fixed k still drafts (with
-    its refill on: a stale draft cannot propose), and the decision's k is what the batch really drafts."""
-    pol = AdaptivePolicy(PolicyConfig(kind="adaptive", k_max=2, can_drop_refill=True))
-    accs = requests_with_alpha([0.5, 0.5])
-    for _ in range(12):
+def test_exploration_keeps_fixed_k_requests_drafting_and_ends():
+    """A request with a fixed k drafts in every step, exploration measures only what can run next to it (and
+    ends), and every cost lands under the k the step really drafted."""
+    pol = AdaptivePolicy(PolicyConfig(kind="adaptive", k_max=4))
+    accs = requests_with_alpha([0.5, 0.9])
+    explored = 0
+    for _ in range(30):
         d = pol.choose(accs, [3, None], np.full(2, 100))
-        assert d.num_draft[0] == 3 and d.k == 3 and d.refill
-        pol.observe_step(2, d.k, d.refill, 1.0 + d.k)
+        assert d.num_draft[0] == 3 and d.refill
+        explored += d.explored
+        pol.observe_step(2, d.num_draft, d.refill, 1.0 + d.k)
+    assert explored <= 4
+    assert pol.costs.samples(2, 0, False) == 0 and pol.costs.samples(2, 0, True) == 0
+    assert d.num_draft[1] > 0, "the predictable auto request next to the fixed one never drafted"
+
+
+def test_costs_are_a_real_exponential_average():
+    """After 200 samples at 1.0 and 50 at 2.0 the cost reads 2.0 (a running mean would say 1.2)."""
+    pol = AdaptivePolicy(PolicyConfig(kind="adaptive", k_max=2))
+    for x in [1.0] * 200 + [2.0] * 50:
+        pol.observe_step(1, np.zeros(1), False, x)
+    assert pol.costs.plain(1, False) == pytest.approx(2.0, rel=0.01)
+
+
+def test_costs_are_recorded_under_the_k_that_ran():
+    pol = AdaptivePolicy(PolicyConfig(kind="adaptive", k_max=4, cost_shape="rows", keeps_draft_kv=False))
+    pol.observe_step(2, np.array([0, 0]), False, 1.0)
+    pol.observe_step(2, np.array([3, 1]), False, 1.4)  # asked for 4, n-gram matched 3 and 1
+    assert pol.costs.samples(2, 3, False) == 1 and pol.costs.samples(2, 4, False) == 0
+    assert pol.costs.predict(2, np.array([3, 1]), False) == pytest.approx(1.4)
+    assert pol.costs.predict(2, np.array([3, 3]), False) == pytest.approx(1.6)
+
+
+def test_latency_objective_keeps_speculative_steps_within_the_itl_budget():
+    cost = {0: 1.0, 1: 1.08, 2: 1.15, 3: 1.3, 4: 1.4}
+    accs = requests_with_alpha([0.95])
+    thr = choose(policy_with_costs(cost.get, batch=1, k_max=4), accs)
+    lat = choose(policy_with_costs(cost.get, batch=1, k_max=4, objective="latency", itl_budget=1.1), accs)
+    assert thr.k == 4 and lat.k == 1

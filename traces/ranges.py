@@ -2,7 +2,8 @@
 
 Where each range goes (what `traces.report` relies on):
   * CPU threads (one track per thread): SCHEDULE .. SEND. Ranges on one track must nest properly.
-  * the device track (DEVICE_TRACK): one top-level range per device step (PREFILL or DECODE), with args
+  * the device track (DEVICE_TRACK): one top-level range per device step (PREFILL, DECODE, or CATCH_UP: a
+    proposer consuming the tokens it skipped while its refill was dropped), with args
     {"batch": B, "k": k} (and optionally "kind"), and the stages DRAFT .. REFILL nested inside it.
   * WAIT is the host sync on a step's accepted lengths; the report counts it per device step.
 """
@@ -27,8 +28,9 @@ DRAFT = "draft"
 VERIFY = "verify"
 ACCEPT = "accept"
 REFILL = "refill"
+CATCH_UP = "catch_up"
 
 CPU_PREP = (SCHEDULE, BUILD_BATCH, PLAN, COPY_TO_DEVICE, PATCH)
-DEVICE_STEPS = (PREFILL, DECODE)
+DEVICE_STEPS = (PREFILL, DECODE, CATCH_UP)
 DEVICE_STAGES = (DRAFT, VERIFY, ACCEPT, REFILL)
 DEVICE_TRACK = "device"

@@ -2,10 +2,16 @@
 
 Drafting feeds the head's own output forward as the hidden state (accuracy drifts with depth); refill runs
 over the verified positions with the target's hidden states from the verify forward (same ragged layout).
+
+Refill can be dropped (speculation off costs what plain decoding costs): each step without it keeps the
+target's hidden state at its input position in a per-slot ring of HISTORY positions, and the catch-up replays
+(h[p - 1], t[p]) over the skipped tokens. Positions older than the ring leave a hole in the head's KV: its
+drafts may get worse there, never the output (drafts are only proposals).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch
@@ -14,6 +20,9 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.mtp_head import MTPHead
 from engine.proposers.draft_vocab import ReducedLMHead
 from engine.proposers.model_proposer import ModelProposer
+from engine.step_context import DecodeContext, SeqState
+
+HISTORY = 256  # target hidden states kept per slot while refill is dropped
 
 
 class MTPProposer(ModelProposer):
@@ -26,6 +35,8 @@ class MTPProposer(ModelProposer):
         self.head = head
         self.target = target
         self.reduced_head = reduced_head  # the target's lm_head rows for the head's draft vocabulary
+        self.history = torch.zeros(max_slots, HISTORY, target.cfg.hidden_size, device=device,
+                                   dtype=target.embed_tokens.weight.dtype)
 
     @property
     def network(self) -> torch.nn.Module:
@@ -39,3 +50,22 @@ class MTPProposer(ModelProposer):
         if self.reduced_head is not None:
             return self.reduced_head(hidden)
         return self.target.compute_logits(hidden)
+
+    def keep(self, ctx: DecodeContext, target_hidden: torch.Tensor) -> None:
+        # Without refill nobody drafted (k = 0): one verify row per request, the target's hidden state at `start`.
+        rows = ctx.verify_layout.q_index[:, 0]
+        self.history[ctx.slots, ctx.start % HISTORY] = target_hidden[rows].to(self.history.dtype)
+
+    def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
+        # Token t[p] is consumed at position p - 1 with h[p - 1]; only the last HISTORY hidden states exist.
+        ids, starts, slots, positions = [], [], [], []
+        for s, n in zip(seqs, draft_lens):
+            first = max(n, len(s.token_ids) - HISTORY + 1)
+            ids.append(s.token_ids[first:])
+            starts.append(first - 1)
+            slots += [s.slot] * (len(s.token_ids) - first)
+            positions += range(first - 1, len(s.token_ids) - 1)
+        slot_t = torch.tensor(slots, device=self.device)
+        pos_t = torch.tensor(positions, device=self.device) % HISTORY
+        hidden = self.history[slot_t, pos_t]
+        self.run_host_tokens(seqs, ids, np.array(starts, dtype=np.int64), hidden, "catch_up")

@@ -1,0 +1,195 @@
+"""Measured step costs per (batch bucket, k, refill), kept current so the policy's comparisons stay true.
+
+Every decode step is recorded under the k it actually drafted (the widest lane of its layout), not the k a
+decision asked for: fixed-k requests, probes and n-gram matches shorter than asked all change what ran.
+
+Two shapes of cost, chosen by how the step runs:
+
+    lanes   t(B, k) per step: every lane pays for k drafts once anyone drafts k (model proposers run the
+            draft loop over every lane; captured graphs pad every lane to k + 1 verify rows)
+    rows    t(B, 0) + m(B, k) * R: ragged eager verify of a host proposer (n-gram) costs a marginal m per
+            draft row R actually verified; m is an average per (bucket, k) of each step's (cost - t0) / R,
+            weighted by R so a step with one draft row barely moves it. Where no plain step ever ran in a
+            bucket (a fixed-k request is always there), t0 and m come from a least-squares line instead.
+
+Each value is a bias-corrected exponential average (weights decay^age, normalised by their sum): the first
+sample counts fully, and after 1 / (1 - decay) samples it follows load and context length with that memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def bucket(batch: int) -> int:
+    return next((b for b in BUCKETS if b >= batch), BUCKETS[-1])
+
+
+@dataclass(slots=True)
+class Ema:
+    """Weighted exponential average: value = sum(w_i d^age_i x_i) / sum(w_i d^age_i)."""
+
+    decay: float
+    num: float = 0.0
+    den: float = 0.0
+    count: int = 0
+    last_step: int = -1  # the policy step of the latest sample (for re-measurement)
+
+    def add(self, x: float, weight: float = 1.0, step: int = -1) -> None:
+        self.num = self.decay * self.num + weight * x
+        self.den = self.decay * self.den + weight
+        self.count += 1
+        self.last_step = step
+
+    @property
+    def value(self) -> float | None:
+        return self.num / self.den if self.den > 0 else None
+
+
+Key = tuple[int, int, bool]  # (bucket, k, refill)
+
+
+@dataclass(slots=True)
+class Seen:
+    count: int = 0
+    last_step: int = -1  # the bucket's step counter at the latest sample (for re-measurement)
+
+
+@dataclass(slots=True)
+class LineFit:
+    """t = a + m * R by exponentially weighted least squares (rows shape, one per bucket and refill)."""
+
+    decay: float
+    s: list[float] = field(default_factory=lambda: [0.0] * 5)  # sums of 1, R, R^2, t, t * R (decayed)
+
+    def add(self, rows: float, seconds: float) -> None:
+        d = self.decay
+        for i, x in enumerate((1.0, rows, rows * rows, seconds, seconds * rows)):
+            self.s[i] = d * self.s[i] + x
+
+    def solve(self) -> tuple[float, float] | None:
+        """(a, m), or None while R has too little spread to separate them."""
+        n, sr, srr, st, str_ = self.s
+        if n <= 0:
+            return None
+        var = srr / n - (sr / n) ** 2
+        if var < 0.25:
+            return None
+        m = max((str_ / n - (sr / n) * (st / n)) / var, 0.0)
+        return st / n - m * sr / n, m
+
+
+@dataclass
+class StepCosts:
+    decay: float = 0.9
+    shape: str = "lanes"  # lanes | rows (see the module docstring)
+    lanes: dict[Key, Ema] = field(default_factory=dict)
+    marginal: dict[Key, Ema] = field(default_factory=dict)  # rows: seconds per draft row at (bucket, k)
+    rows: dict[tuple[int, bool], LineFit] = field(default_factory=dict)  # rows: t0 when no plain step ran
+    seen: dict[Key, Seen] = field(default_factory=dict)
+
+    def observe(self, batch: int, num_draft: np.ndarray, refill: bool, seconds: float, step: int = -1) -> None:
+        """One step's device seconds, under the k its widest lane drafted."""
+        b, k = bucket(batch), int(np.max(num_draft, initial=0))
+        seen = self.seen.setdefault((b, k, refill), Seen())
+        seen.count += 1
+        seen.last_step = step
+        if self.shape == "lanes" or k == 0:
+            self.lanes.setdefault((b, k, refill), Ema(self.decay)).add(seconds)
+        if self.shape == "rows":
+            rows = float(np.sum(num_draft))
+            self.rows.setdefault((b, refill), LineFit(self.decay)).add(rows, seconds)
+            t0 = self.plain(batch, refill)
+            if k > 0 and t0 is not None:
+                self.marginal.setdefault((b, k, refill), Ema(self.decay)).add((seconds - t0) / rows, weight=rows)
+
+    def samples(self, batch: int, k: int, refill: bool) -> int:
+        seen = self.seen.get((bucket(batch), k, refill))
+        return 0 if seen is None else seen.count
+
+    def last_step(self, batch: int, k: int, refill: bool) -> int:
+        seen = self.seen.get((bucket(batch), k, refill))
+        return -1 if seen is None else seen.last_step
+
+    def total_samples(self, k: int, refill: bool) -> int:
+        return sum(s.count for (_, kk, r), s in self.seen.items() if kk == k and r == refill)
+
+    def _nearest(self, batch: int, values: dict[int, float]) -> float | None:
+        if not values:
+            return None
+        target = bucket(batch).bit_length()
+        return values[min(values, key=lambda b: abs(b.bit_length() - target))]
+
+    def plain(self, batch: int, refill: bool) -> float | None:
+        """t(B, 0): a step in which nobody drafts. Rows shape, where no such step ran in this bucket (a fixed-k
+        request always drafts): the intercept of the line through the steps' (R, seconds)."""
+        ema = self.lanes.get((bucket(batch), 0, refill))
+        if ema is not None:
+            return ema.value
+        fit = self.rows.get((bucket(batch), refill))
+        line = None if fit is None else fit.solve()
+        return None if line is None else line[0]
+
+    def _marginal(self, batch: int, k: int, refill: bool) -> float | None:
+        ema = self.marginal.get((bucket(batch), k, refill))
+        if ema is not None:
+            return ema.value
+        fit = self.rows.get((bucket(batch), refill))
+        line = None if fit is None else fit.solve()
+        return None if line is None else line[1]
+
+    def _base(self, b: int, refill: bool) -> float | None:
+        """The plain cost that ratios are taken against: without refill where measured (what "off" costs)."""
+        for r in (False, refill, True):
+            ema = self.lanes.get((b, 0, r))
+            if ema is not None and ema.value:
+                return ema.value
+        return None
+
+    def _relative(self, batch: int, k: int, refill: bool, table: dict[Key, Ema]) -> float | None:
+        """table[(b, k)] / t(b, 0) at the nearest bucket measuring both: ratios carry over between buckets."""
+        ratios = {}
+        for (b, kk, r), e in table.items():
+            base = self._base(b, r)
+            if kk == k and r == refill and base:
+                ratios[b] = e.value / base
+        return self._nearest(batch, ratios)
+
+    def predict(self, batch: int, num_draft: np.ndarray, refill: bool) -> float | None:
+        """Expected seconds of a step whose lanes draft `num_draft`; None until enough is measured."""
+        k = int(np.max(num_draft, initial=0))
+        if k == 0:
+            return self.plain(batch, refill)
+        if self.shape == "rows":
+            t0 = self.plain(batch, refill)
+            if t0 is None:
+                return None
+            m = self._marginal(batch, k, refill)
+            if m is None:
+                rel = self._relative(batch, k, refill, self.marginal)
+                m = None if rel is None else rel * t0
+            return None if m is None else t0 + max(m, 0.0) * float(np.sum(num_draft))
+        ema = self.lanes.get((bucket(batch), k, refill))
+        value = None if ema is None else ema.value
+        t0 = self._base(bucket(batch), refill)
+        if value is None and t0 is not None:
+            rel = self._relative(batch, k, refill, self.lanes)
+            value = None if rel is None else rel * t0
+        if value is None:
+            return None
+        # More drafts never cost less: noise must not say otherwise.
+        for kk in range(1, k):
+            lower = self.lanes.get((bucket(batch), kk, refill))
+            if lower is not None:
+                value = max(value, lower.value)
+        return value
+
+    def to_dict(self) -> dict[str, float]:
+        """"bucket/k/refill" -> ms (rows shape, k > 0: ms per draft row)."""
+        out = {f"{b}/{k}/{int(r)}": round(e.value * 1e3, 4) for (b, k, r), e in sorted(self.lanes.items())}
+        out |= {f"{b}/{k}/{int(r)}": round(e.value * 1e3, 4) for (b, k, r), e in sorted(self.marginal.items())}
+        return out

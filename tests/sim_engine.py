@@ -1,0 +1,151 @@
+"""A simulated step engine for driving the real `EngineCore` and policy with injected step costs and acceptance
+(no model): device time is a virtual clock the engine core reads, so throughput figures are exact and fast.
+
+A scenario gives the cost of a step, cost(batch, num_draft, refill, tokens_so_far) in seconds, and each
+request's per-position acceptance, alpha(request_id, tokens_so_far). Catch-up after dropped refills costs
+`catch_up_per_token` per skipped token. Tokens are all 1 (no EOS): requests end at max_tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.step_engine import StepOutput
+from scheduler.engine_core import EngineCore, SchedulerConfig
+from scheduler.page_allocator import PageAllocator
+from scheduler.request import Request
+from scheduler.spec_policy import AdaptivePolicy, PolicyConfig
+
+
+class SimClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class SimProposer:
+    kind: str  # "mtp" (model: lanes, refill) or "ngram" (host: rows)
+    kv_lookahead: int = 0
+
+    @property
+    def has_model(self) -> bool:
+        return self.kind != "ngram"
+
+
+@dataclass
+class SimContext:
+    seqs: list[Request]
+    num_draft: np.ndarray
+    refill: bool
+
+
+@dataclass
+class Scenario:
+    cost: Callable[[int, np.ndarray, bool, int], float]
+    alpha: Callable[[str, int], float]
+    catch_up_per_token: float = 2e-5  # an MTP head: about 1 / num_layers of a prefill token
+    prefill_per_token: float = 1e-5
+
+
+@dataclass
+class SimStepEngine:
+    scenario: Scenario
+    clock: SimClock
+    proposer: SimProposer | None
+    seed: int = 0
+    vocab_size: int = 1000
+    device: torch.device = torch.device("cpu")
+    tokens: int = 0  # emitted so far (scenarios change with it)
+    steps: list[tuple[int, int, bool]] = field(default_factory=list)  # (batch, k, refill) per decode step
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.seed)
+
+    @property
+    def has_draft_model(self) -> bool:
+        return self.proposer is not None and self.proposer.has_model
+
+    def prefill(self, seqs):
+        self.clock.now += self.scenario.prefill_per_token * sum(len(s.token_ids) for s in seqs)
+        return torch.ones(len(seqs), dtype=torch.long)
+
+    def catch_up(self, seqs, draft_lens):
+        self.clock.now += self.scenario.catch_up_per_token * sum(len(s.token_ids) - n for s, n in zip(seqs, draft_lens))
+
+    def plan_decode(self, seqs, num_draft, chain=None, refill=True):
+        nd = np.asarray(num_draft, dtype=np.int64).copy()
+        if self.proposer is None or (self.has_draft_model and not refill):
+            nd[:] = 0
+        return SimContext(seqs, nd, refill)
+
+    def run_decode(self, ctx: SimContext) -> StepOutput:
+        b, nd = len(ctx.seqs), ctx.num_draft
+        k = int(nd.max(initial=0))
+        self.clock.now += self.scenario.cost(b, nd, ctx.refill and self.has_draft_model, self.tokens)
+        accepted = np.zeros(b, dtype=np.int64)
+        for i, s in enumerate(ctx.seqs):
+            a = self.scenario.alpha(s.request_id, self.tokens)
+            while accepted[i] < nd[i] and self.rng.random() < a:
+                accepted[i] += 1
+        self.tokens += int(accepted.sum()) + b
+        self.steps.append((b, k, ctx.refill))
+        return StepOutput(out_tokens=torch.ones(b, k + 1, dtype=torch.long), num_accepted=torch.from_numpy(accepted),
+                          num_draft=nd, start=torch.zeros(b, dtype=torch.long))
+
+
+@dataclass
+class SimResult:
+    tokens: int
+    seconds: float
+    steps: list[tuple[int, int, bool]]
+    requests: list[Request]
+    core: EngineCore
+    chosen_k: list[int]  # the policy's own choice of k after each step (not explorations, re-measurements, probes)
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.seconds
+
+    def k_switches(self) -> int:
+        ks = self.chosen_k
+        return sum(a != b for a, b in zip(ks, ks[1:]))
+
+    def speculating(self, lo: float = 0.0, hi: float = 1.0) -> float:
+        """Fraction of decode steps in [lo, hi) of the run (by step index) that drafted."""
+        part = self.steps[int(lo * len(self.steps)): int(hi * len(self.steps))]
+        return sum(k > 0 for _, k, _ in part) / max(len(part), 1)
+
+
+def simulate(scenario: Scenario, proposer: str | None, arrivals: list[tuple[int, str, int | None]],
+             max_tokens: int, policy: PolicyConfig | None = None, seed: int = 0) -> SimResult:
+    """arrivals: (tokens emitted when it arrives, request id, fixed k or None) per request."""
+    clock = SimClock()
+    engine = SimStepEngine(scenario, clock, SimProposer(proposer) if proposer else None, seed=seed)
+    k_max = policy.k_max if policy is not None else 0
+    pol = AdaptivePolicy(policy) if policy is not None else None
+    core = EngineCore(engine, PageAllocator(8192, 16), SchedulerConfig(max_batch_size=64, num_spec_tokens=k_max,
+                                                                        max_model_len=100_000),
+                      policy=pol, clock=clock)
+    pending = sorted(arrivals, key=lambda a: a[0])
+    reqs, chosen = [], []
+    while pending or core.has_unfinished():
+        while pending and pending[0][0] <= engine.tokens:
+            _, rid, k = pending.pop(0)
+            reqs.append(Request(rid, [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True),
+                                seed=1, num_spec_tokens=k))
+            core.add_request(reqs[-1])
+        if not core.has_unfinished():  # idle until the next arrival: jump there
+            engine.tokens = pending[0][0]
+            continue
+        core.step()
+        chosen.append(core.policy.current_k)
+    core.check_integrity()
+    return SimResult(engine.tokens, clock.now, engine.steps, reqs, core, chosen)
