@@ -33,7 +33,7 @@ bounds p99 inter-token latency), explores no k past the first that breaks the bu
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
