@@ -9,7 +9,8 @@ Workloads (closed loop, `concurrency` requests in flight):
 Settings: off (no proposer), k=1/2/4 (fixed), adaptive (throughput objective), latency (adaptive with the
 latency objective, p99 ITL budget 1.1x a plain step). Models: the pretrained default (SmolLM2) with n-gram and
 with its shipped MTP head; the embedded toy target with its draft model. Each engine first serves a warm-up of
-the same workload (a server runs for hours: the policy's measurements are warm), then the measured run. ITL is
+the same workload (a server runs for hours: the policy's measurements are warm), then rounds of waves run on
+each engine in turn, alternating the order (ratios are of totals; the spread is the per-round range). ITL is
 the gap between a request's consecutive token-carrying outputs, as a streaming client sees it.
 
     python -m benchmarks.bench_policy [--proposers ngram,mtp,draft_model] [--workloads ...] [--concurrency 1,4,16]
@@ -75,16 +76,40 @@ def config(model: str, proposer: str, setting: str) -> EngineConfig:
                         spec_objective="latency" if setting == "latency" else "throughput")
 
 
-def measure(model: str, proposer: str, setting: str, kind: str, concurrency: int, vocab: int) -> dict:
-    core, _, _ = build_engine(config(model, proposer, setting))
-    n = max(3, 2 * concurrency)
-    warm = [(p, SamplingParams(temperature=sp.temperature, max_tokens=24, ignore_eos=True))
-            for p, sp in workload(kind, max(2, concurrency), model, vocab, seed=7)]
-    run_closed_loop(core, warm, concurrency, 10**6)
-    res = run_closed_loop(core, workload(kind, n, model, vocab, seed=0), concurrency, 0)
-    res["policy"] = dict(core.policy.reasons) if setting in ("adaptive", "latency") else {}
-    core.stream.close()
-    return res
+def measure_cell(model: str, proposer: str, settings: list[str], kind: str, concurrency: int, vocab: int,
+                 rounds: int, wave: int) -> dict[str, dict]:
+    """Every setting's engine is built once and warmed up; then `rounds` rounds run one wave of the workload
+    on each engine in turn (order alternating), so slow drifts of a shared machine hit every setting alike."""
+    engines = {s: build_engine(config(model, proposer, s))[0] for s in settings}
+    for core in engines.values():
+        warm = [(p, SamplingParams(temperature=sp.temperature, max_tokens=24, ignore_eos=True))
+                for p, sp in workload(kind, concurrency, model, vocab, seed=7)]
+        run_closed_loop(core, warm, concurrency, 10**6)
+    n = max(2, wave * concurrency)
+    acc = {s: {"tokens": 0, "seconds": 0.0, "gaps": [], "steps": 0, "spec_steps": 0, "ratios": []} for s in settings}
+    for r in range(rounds):
+        work = workload(kind, n, model, vocab, seed=100 + r)
+        order = settings if r % 2 == 0 else settings[::-1]
+        res = {s: run_closed_loop(engines[s], work, concurrency, 1000 * (r + 1)) for s in order}
+        for s in settings:
+            a = acc[s]
+            for key in ("tokens", "seconds", "steps", "spec_steps"):
+                a[key] += res[s][key]
+            a["gaps"] += res[s]["gaps"]
+            if "off" in res:
+                rate = {x: res[x]["tokens"] / res[x]["seconds"] for x in (s, "off")}
+                a["ratios"].append(rate[s] / rate["off"])
+                # Greedy outputs must not depend on the setting (lossless).
+                assert res[s]["greedy"] == res["off"]["greedy"], f"{s} changed greedy output on {kind}"
+    out = {}
+    for s, a in acc.items():
+        out[s] = {"tok_s": a["tokens"] / a["seconds"], "itl_p99_ms": float(np.percentile(a["gaps"], 99)) * 1e3,
+                  "spec_fraction": a["spec_steps"] / max(a["steps"], 1),
+                  "spread": (min(a["ratios"]), max(a["ratios"])) if a["ratios"] else (0.0, 0.0),
+                  "policy": dict(engines[s].policy.reasons) if s in ("adaptive", "latency") else {}}
+    for core in engines.values():
+        core.stream.close()
+    return out
 
 
 def run_closed_loop(core, work, concurrency: int, seed0: int) -> dict:
@@ -108,11 +133,9 @@ def run_closed_loop(core, work, concurrency: int, seed0: int) -> dict:
                     gaps.append(now - last[rid])
                 last[rid] = now
         live = [r for r in live if not r.finished]
-    seconds = time.perf_counter() - start
-    tokens = sum(r.num_output_tokens for r in reqs)
-    return {"tok_s": tokens / seconds, "itl_p99_ms": float(np.percentile(gaps, 99)) * 1e3 if gaps else 0.0,
-            "spec_fraction": spec_steps / max(steps, 1),
-            "outputs": [r.output_token_ids for r in reqs if r.params.temperature == 0.0]}
+    return {"tokens": sum(r.num_output_tokens for r in reqs), "seconds": time.perf_counter() - start, "gaps": gaps,
+            "steps": steps, "spec_steps": spec_steps,
+            "greedy": [r.output_token_ids for r in reqs if r.params.temperature == 0.0]}
 
 
 def main() -> None:
@@ -121,7 +144,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="code,prose,random,mix")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--settings", default=",".join(SETTINGS))
-    ap.add_argument("--repeats", type=int, default=1, help="runs per setting (order alternated); medians reported")
+    ap.add_argument("--rounds", type=int, default=2, help="waves per setting, interleaved across settings")
+    ap.add_argument("--wave", type=int, default=1, help="requests per wave, in multiples of the concurrency")
     ap.add_argument("--json", type=Path, default=None, help="also write every measurement here")
     args = ap.parse_args()
     settings = args.settings.split(",")
@@ -134,21 +158,9 @@ def main() -> None:
         rows = []
         for kind in args.workloads.split(","):
             for c in (int(x) for x in args.concurrency.split(",")):
-                runs: dict[str, list[dict]] = {s: [] for s in settings}
-                for rep in range(args.repeats):
-                    order = settings if rep % 2 == 0 else settings[::-1]
-                    for s in order:
-                        runs[s].append(measure(model, proposer, s, kind, c, vocab))
-                med = {s: {key: float(np.median([r[key] for r in rs])) for key in ("tok_s", "itl_p99_ms",
-                                                                                  "spec_fraction")}
-                       for s, rs in runs.items()}
-                if "off" in runs:  # greedy outputs must not depend on the setting (lossless)
-                    ref = runs["off"][0]["outputs"]
-                    for s, rs in runs.items():
-                        assert all(r["outputs"] == ref for r in rs), f"{s} changed greedy output on {kind}"
+                med = measure_cell(model, proposer, settings, kind, c, vocab, args.rounds, args.wave)
                 rows.append((kind, c, med))
-                all_rows.append({"proposer": proposer, "workload": kind, "concurrency": c, "median": med,
-                                 "policy": runs.get("adaptive", [{}])[0].get("policy", {})})
+                all_rows.append({"proposer": proposer, "workload": kind, "concurrency": c, "results": med})
                 print_row(proposer, kind, c, med, settings)
         print_table(proposer, model, rows, settings)
     if args.json:
@@ -157,7 +169,8 @@ def main() -> None:
 
 def print_row(proposer, kind, c, med, settings) -> None:
     off = med.get("off", {}).get("tok_s") or 1.0
-    parts = [f"{s} {med[s]['tok_s'] / off:.2f}x" for s in settings]
+    parts = [f"{s} {med[s]['tok_s'] / off:.2f}x ({med[s]['spread'][0]:.2f}-{med[s]['spread'][1]:.2f})"
+             for s in settings]
     console.print(f"{proposer} {kind} c={c}: off {off:.1f} tok/s; " + ", ".join(parts), highlight=False,
                   soft_wrap=True)
 

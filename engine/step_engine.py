@@ -96,8 +96,9 @@ class StepEngine:
         return SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], self.vocab_size, self.device)
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[SeqState]) -> torch.Tensor:
-        """Run each request's uncomputed tokens; return the sampled next token per request [B] (device)."""
+    def prefill(self, seqs: list[SeqState], with_proposer: bool = True) -> torch.Tensor:
+        """Run each request's uncomputed tokens; return the sampled next token per request [B] (device).
+        Without the proposer (speculation is off), it only keeps what its later catch-up needs."""
         ids = [s.token_ids[s.num_computed:] for s in seqs]
         start = np.array([s.num_computed for s in seqs], dtype=np.int64)
         q_lens = np.array([len(t) for t in ids], dtype=np.int64)
@@ -108,8 +109,10 @@ class StepEngine:
             last = torch.from_numpy(np.cumsum(q_lens) - 1).to(self.device)
             st = self.sampling_tensors(seqs)
             tokens = sample(self.target.compute_logits(hidden[last]), st, to_device(start + q_lens, self.device))
-            if self.has_draft_model:
+            if self.has_draft_model and with_proposer:
                 self.proposer.prefill(seqs, hidden, q_lens, tokens, st)
+            elif self.has_draft_model:
+                self.proposer.keep_prefill(seqs, hidden, q_lens)
         return tokens
 
     @torch.inference_mode()

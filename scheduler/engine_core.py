@@ -182,7 +182,10 @@ class EngineCore:
         return batch
 
     def _prefill(self, batch: list[Request]) -> list[RequestOutput]:
-        handle = self.stream.submit(ranges.PREFILL, lambda: self.engine.prefill(batch))
+        # While speculation is off the proposer skips the prompt too (it catches up if speculation resumes):
+        # "off" costs what plain decoding costs, prefill included.
+        with_proposer = self.policy.proposer_current
+        handle = self.stream.submit(ranges.PREFILL, lambda: self.engine.prefill(batch, with_proposer))
         with self.tracer.range(ranges.WAIT):
             tokens = handle.wait().tolist()  # host sync: the new tokens decide what happens next
         now = time.monotonic()
@@ -190,7 +193,10 @@ class EngineCore:
         with self.tracer.range(ranges.PROCESS_OUTPUT):
             for req, tok in zip(batch, tokens):
                 req.num_computed = len(req.token_ids)
-                req.draft_len = len(req.token_ids) + 1  # the draft consumed the prompt and the sampled token
+                # The draft consumed the prompt and the sampled token, or (skipped) nothing it needs: a head
+                # never consumes t[0] (shift 1), a draft model starts at it.
+                shift = self.engine.proposer.shift if self.engine.has_draft_model else 0
+                req.draft_len = len(req.token_ids) + 1 if with_proposer else shift
                 self.running.append(req)
                 if req.first_token_time is None:
                     req.first_token_time = now

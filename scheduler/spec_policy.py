@@ -188,6 +188,13 @@ class AdaptivePolicy:
         return acc.alpha(self.global_acc.alpha(self.cfg.prior_alpha, 2.0))
 
     @property
+    def proposer_current(self) -> bool:
+        """Should the proposer keep up with new prompts? Not while speculation is off (it catches up later)."""
+        if self.cfg.kind == "fixed" or not self.cfg.can_drop_refill:
+            return True
+        return self.governor.on and self.current_k > 0
+
+    @property
     def governor_state(self) -> str:
         if self.cfg.kind == "fixed" or not self.cfg.governor.enabled:
             return "disabled"
@@ -353,8 +360,12 @@ class AdaptivePolicy:
                   b: int, threshold: np.ndarray, force_all: bool = False) -> Decision | None:
         """The best request set drafting k (with the fixed-k requests' drafts), or None if unmeasured."""
         kk = np.minimum(k, room)
-        gain = np.where(auto, expected_tokens(alpha, kk) - 1.0, 0.0)  # extra tokens if request i drafts k
-        fixed_gain = float((expected_tokens(alpha, forced) - 1.0)[~auto].sum())
+        # E_i(j) for every j at once (the chain sums), then each request's entry.
+        chain = np.cumsum(np.power.outer(alpha, np.arange(max(int(kk.max(initial=0)), int(forced.max(initial=0)))
+                                                          + 1)), axis=1)
+        rows = np.arange(len(alpha))
+        gain = np.where(auto, chain[rows, kk] - 1.0, 0.0)  # extra tokens if request i drafts k
+        fixed_gain = float((chain[rows, forced] - 1.0)[~auto].sum())
         want = auto & (kk > 0) & ((gain >= threshold) | force_all)
         if self.cfg.keeps_draft_kv or k == 0:
             # A model proposer's draft loop runs over every lane once anyone drafts: a speculating step costs

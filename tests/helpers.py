@@ -9,6 +9,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from engine.engine_config import EngineConfig  # noqa: E402
@@ -16,6 +17,7 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from scheduler.build import build_engine  # noqa: E402
 from scheduler.engine_core import EngineCore  # noqa: E402
 from scheduler.request import Request  # noqa: E402
+from scheduler.spec_policy import AdaptivePolicy, Decision, PolicyConfig  # noqa: E402
 
 TINY_VOCAB = 320
 
@@ -79,3 +81,22 @@ def run_to_completion(core: EngineCore, prompts: list[list[int]], params: Sampli
     core.check_integrity()
     assert core.allocator.num_free == core.allocator.num_usable, "pages leaked after all requests finished"
     return reqs
+
+
+class ScriptedPolicy(AdaptivePolicy):
+    """Drafts `k` on steps where pattern[i % len] is true; otherwise no drafts, refill as `off_refill`; the
+    proposer consumes prompts at prefill unless `prefill` is false (then it catches up when it first drafts)."""
+
+    def __init__(self, k: int, pattern: list[bool], off_refill: bool, prefill: bool = True) -> None:
+        super().__init__(PolicyConfig(kind="adaptive", k_max=k))
+        self.k, self.pattern, self.off_refill, self.i, self.prefill = k, pattern, off_refill, 0, prefill
+
+    @property
+    def proposer_current(self) -> bool:
+        return self.prefill
+
+    def choose(self, accs, overrides, room):
+        on = self.pattern[self.i % len(self.pattern)]
+        self.i += 1
+        nd = np.minimum(np.full(len(accs), self.k if on else 0), np.asarray(room)).clip(0)
+        return Decision(nd, int(nd.max(initial=0)), bool(on or self.off_refill), 0.0, 0.0, "model")

@@ -34,6 +34,7 @@ class SimClock:
 class SimProposer:
     kind: str  # "mtp" (model: lanes, refill) or "ngram" (host: rows)
     kv_lookahead: int = 0
+    shift: int = 0
 
     @property
     def has_model(self) -> bool:
@@ -73,7 +74,7 @@ class SimStepEngine:
     def has_draft_model(self) -> bool:
         return self.proposer is not None and self.proposer.has_model
 
-    def prefill(self, seqs):
+    def prefill(self, seqs, with_proposer: bool = True):
         self.clock.now += self.scenario.prefill_per_token * sum(len(s.token_ids) for s in seqs)
         return torch.ones(len(seqs), dtype=torch.long)
 

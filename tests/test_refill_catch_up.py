@@ -1,32 +1,17 @@
-"""Dropping the proposer's refill while nobody drafts, and catching up when drafting resumes: the output stays
-token-identical to plain decoding (greedy) and the proposer's carried state after a catch-up equals that of a
-run that refilled every step, for the MTP head (from the target hidden states it kept) and the draft model."""
+"""Dropping the proposer's refill while nobody drafts (and its prefill while speculation is off), and catching up
+when drafting resumes: the output stays token-identical to plain decoding (greedy) and the proposer's carried
+state after a catch-up equals that of a run that refilled every step, for the MTP head (from the target hidden
+states it kept) and the draft model."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 import engine.proposers.mtp as mtp
 from engine.sampling_params import SamplingParams
-from scheduler.spec_policy import AdaptivePolicy, Decision, PolicyConfig
 from tests.fixtures_models import make_mtp_head
-from tests.helpers import make_core, run_to_completion
-
-
-class ScriptedPolicy(AdaptivePolicy):
-    """Drafts `k` on steps where pattern[i % len] is true; otherwise no drafts, refill as `off_refill`."""
-
-    def __init__(self, k: int, pattern: list[bool], off_refill: bool) -> None:
-        super().__init__(PolicyConfig(kind="adaptive", k_max=k))
-        self.k, self.pattern, self.off_refill, self.i = k, pattern, off_refill, 0
-
-    def choose(self, accs, overrides, room):
-        on = self.pattern[self.i % len(self.pattern)]
-        self.i += 1
-        nd = np.minimum(np.full(len(accs), self.k if on else 0), np.asarray(room)).clip(0)
-        return Decision(nd, int(nd.max(initial=0)), bool(on or self.off_refill), 0.0, 0.0, "model")
+from tests.helpers import ScriptedPolicy, make_core, run_to_completion
 
 
 def run(core, prompts, params, policy):
@@ -48,8 +33,9 @@ def head(tiny_target, tmp_path_factory):
     return make_mtp_head(tmp_path_factory.mktemp("head"), tiny_target)
 
 
+@pytest.mark.parametrize("prefill", [True, False], ids=["prefilled", "prompt-skipped"])
 @pytest.mark.parametrize("spec", ["mtp", "draft_model"])
-def test_catch_up_equals_refilling_every_step(spec, tiny_target, tiny_draft, head):
+def test_catch_up_equals_refilling_every_step(spec, prefill, tiny_target, tiny_draft, head):
     draft = head if spec == "mtp" else tiny_draft
     prompts = [list(range(5, 30)), [7, 3, 9, 12]]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -58,7 +44,7 @@ def test_catch_up_equals_refilling_every_step(spec, tiny_target, tiny_draft, hea
     def core():
         return make_core(tiny_target, spec=spec, draft=str(draft), num_spec_tokens=2, overlap=False)
     plain = run_to_completion(make_core(tiny_target), prompts, params)
-    dropped, c_dropped = run(core(), prompts, params, ScriptedPolicy(2, pattern, off_refill=False))
+    dropped, c_dropped = run(core(), prompts, params, ScriptedPolicy(2, pattern, off_refill=False, prefill=prefill))
     kept, c_kept = run(core(), prompts, params, ScriptedPolicy(2, pattern, off_refill=True))
     for a, b, p in zip(dropped, kept, plain):
         assert a.output_token_ids == b.output_token_ids == p.output_token_ids

@@ -175,3 +175,19 @@ def test_latency_objective_keeps_speculative_steps_within_the_itl_budget():
     thr = choose(policy_with_costs(cost.get, batch=1, k_max=4), accs)
     lat = choose(policy_with_costs(cost.get, batch=1, k_max=4, objective="latency", itl_budget=1.1), accs)
     assert thr.k == 4 and lat.k == 1
+
+
+def test_bad_policy_settings_are_typed_errors():
+    from engine.engine_config import EngineConfig
+    from scheduler.spec_governor import GovernorConfig
+
+    with pytest.raises(ValueError, match="spec-objective"):
+        PolicyConfig(objective="fast")
+    with pytest.raises(ValueError, match="itl-budget"):
+        PolicyConfig(itl_budget=0.9)
+    with pytest.raises(ValueError, match="epsilon"):
+        PolicyConfig(governor=GovernorConfig(epsilon=0.0))
+    with pytest.raises(ValueError, match="spec-epsilon"):
+        EngineConfig(spec_epsilon=1.5)
+    with pytest.raises(ValueError, match="spec-delta"):
+        EngineConfig(spec_delta=-0.1)

@@ -16,7 +16,7 @@ from engine.proposers.draft_vocab import write_draft_vocab
 from engine.sampling_params import SamplingParams
 from tests.fixtures_models import hf_model, make_mtp_head, make_perturbed_copy
 from tests.fixtures_stats import assert_distribution, chi2_gof, reference_probs
-from tests.helpers import make_checkpoint, make_core, run_to_completion
+from tests.helpers import ScriptedPolicy, make_checkpoint, make_core, run_to_completion
 
 ALPHA = 1e-4  # false-failure rate of each test below
 V = 12
@@ -68,10 +68,14 @@ def exact_distribution(folder, temperature: float, top_k: int, top_p: float) -> 
     return p1[:, None, None, None] * p2[:, :, None, None] * p3[:, :, :, None] * p4
 
 
-def generate(models, proposer: str, params: list[SamplingParams], k: int = 3) -> np.ndarray:
+def generate(models, proposer: str, params: list[SamplingParams], k: int = 3, spec_policy: str = "fixed",
+             policy=None) -> np.ndarray:
     spec, draft = models[proposer]
     core = make_core(models["target"], spec=spec, draft=None if draft is None else str(draft), num_spec_tokens=k,
-                     page_size=16, max_batch_size=len(params), kv_cache_tokens=32 * len(params) + 64)
+                     page_size=16, max_batch_size=len(params), kv_cache_tokens=32 * len(params) + 64,
+                     spec_policy=spec_policy)
+    if policy is not None:
+        core.policy = policy
     reqs = run_to_completion(core, [PROMPT] * len(params), params, seeds=list(range(len(params))),
                              check_every_step=False)
     if proposer not in ("plain", "ngram"):
@@ -124,6 +128,26 @@ def test_speculative_sampling_matches_target_distribution(models, exact, setting
     joint = exact(temperature, top_k, top_p)
     assert_distribution(np.bincount(outputs[:, 0], minlength=V), joint.sum(axis=(1, 2, 3)), ALPHA, "t1")
     assert_distribution(counts_of(outputs), joint.sum(axis=0).ravel(), ALPHA, f"{setting}: (t2, t3, t4)")
+
+
+@pytest.mark.parametrize("proposer", ["perturbed", "mtp", "ngram"])
+def test_adaptive_policy_keeps_the_distribution(models, exact, proposer):
+    """Whatever the adaptive policy decides (exploring each k, dropping the refill, probing), the output
+    follows the target's distribution."""
+    params = [SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)]
+    outputs = generate(models, proposer, params * N, spec_policy="adaptive")
+    joint = exact(1.0, 0, 1.0)
+    assert_distribution(counts_of(outputs), joint.sum(axis=0).ravel(), ALPHA, f"adaptive {proposer}")
+
+
+@pytest.mark.parametrize("proposer", ["perturbed", "mtp"])
+def test_refill_drop_and_catch_up_keep_the_distribution(models, exact, proposer):
+    """A plain step without refill, then a catch-up and a speculative step: tokens 3-4 come from a proposer
+    that caught up (MTP: from the kept target hidden states)."""
+    params = [SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)]
+    outputs = generate(models, proposer, params * N, policy=ScriptedPolicy(3, [False, True], off_refill=False))
+    joint = exact(1.0, 0, 1.0)
+    assert_distribution(counts_of(outputs), joint.sum(axis=0).ravel(), ALPHA, f"catch-up {proposer}")
 
 
 def test_greedy_and_sampled_rows_in_one_batch(models, exact):

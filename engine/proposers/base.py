@@ -7,7 +7,7 @@ Life of a request's draft state (model proposers):
     refill  : after verification, the draft runs over the verified tokens (same ragged layout as verify, the
               accepted tokens plugged in on device) to fix its KV and carry logits from the last emitted token.
               Its inputs come from device tensors, so no host sync is needed before it.
-    keep    : a step without refill (nobody drafts: the step costs what plain decoding costs) keeps only what a
+    keep    : a prefill or a step without the proposer (nobody drafts: the step costs what plain decoding costs) keeps only what a
               later catch-up needs that the host does not have (MTP: the target's hidden states).
     catch_up: before the next step that drafts or refills, the draft consumes the tokens it skipped.
 """
@@ -47,6 +47,9 @@ class Proposer(ABC):
     def refill(self, ctx: DecodeContext, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
                target_hidden: torch.Tensor) -> None:
         """Bring the draft's KV and carried state up to date with the tokens just emitted."""
+
+    def keep_prefill(self, seqs: list[SeqState], target_hidden: torch.Tensor, q_lens: np.ndarray) -> None:
+        """A prefill ran without the proposer: keep what `catch_up` will need (device only)."""
 
     def keep(self, ctx: DecodeContext, target_hidden: torch.Tensor) -> None:
         """A step ran without refill: keep what `catch_up` will need and the host will not have (device only)."""

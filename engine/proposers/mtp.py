@@ -56,6 +56,20 @@ class MTPProposer(ModelProposer):
         rows = ctx.verify_layout.q_index[:, 0]
         self.history[ctx.slots, ctx.start % HISTORY] = target_hidden[rows].to(self.history.dtype)
 
+    def keep_prefill(self, seqs: list[SeqState], target_hidden: torch.Tensor, q_lens: np.ndarray) -> None:
+        # Row r of the ragged prefill is position num_computed + offset of its request; keep the last HISTORY.
+        slots, positions, rows = [], [], []
+        row = 0
+        for s, q in zip(seqs, q_lens.tolist()):
+            first = max(0, q - HISTORY)
+            rows += range(row + first, row + q)
+            positions += range(s.num_computed + first, s.num_computed + q)
+            slots += [s.slot] * (q - first)
+            row += q
+        dev = self.device
+        self.history[torch.tensor(slots, device=dev), torch.tensor(positions, device=dev) % HISTORY] = \
+            target_hidden[torch.tensor(rows, device=dev)].to(self.history.dtype)
+
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
         # Token t[p] is consumed at position p - 1 with h[p - 1]; only the last HISTORY hidden states exist.
         ids, starts, slots, positions = [], [], [], []
