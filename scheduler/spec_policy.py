@@ -277,18 +277,18 @@ class AdaptivePolicy:
             nd = np.where(auto, np.minimum(stale, room), forced)
             return self._decision(nd, auto, "remeasure", best.expected_tokens, best.expected_cost)
 
-        # Probes: a request that has not drafted for a while drafts one token so its acceptance estimate can
-        # recover; failed probes back off. Inside a speculating step that is one more verify row (the draft
-        # loop runs anyway); when nobody speculates, a probe step is rate-limited like the governor's.
+        # Probes: a request that has not drafted for a while drafts so its acceptance estimate can recover;
+        # failed probes back off (probe_every doubling to probe_max). Inside a speculating step that is a few
+        # more verify rows (the draft loop runs anyway). When nobody speculates it is a whole speculative step
+        # and a catch-up: the governor judges such steps, and once off it rate-limits them to epsilon.
         for a in accs:
             a.probe_interval = min(max(a.probe_interval, cfg.probe_every), cfg.probe_max)
         due = np.array([a.idle_steps >= a.probe_interval for a in accs]) & auto & (nd == 0) & (room > 0)
         speculating = bool(nd[auto].any())
         self._since_probe = 0 if speculating else self._since_probe + 1
-        k1 = self._probe_k(b, forced)
         probing = np.zeros(b, dtype=bool)
-        # Throughput: the governor judges probe steps too (off, it rate-limits them to epsilon). Latency: a probe
-        # step may exceed the ITL budget, so they are rate-limited to epsilon of the steps here as well.
+        k1 = self._probe_k(b, forced, due, alpha, auto, room, threshold) if due.any() else 0
+        # The latency objective also keeps them to epsilon of the steps while on (each may exceed the budget).
         limited = cfg.objective == "latency" and self._since_probe < cfg.governor.probe_every
         if due.any() and k1 and (speculating or not limited):
             self._since_probe = 0
@@ -314,8 +314,20 @@ class AdaptivePolicy:
                 ks.append(k)
         return ks
 
-    def _probe_k(self, b: int, forced: np.ndarray) -> int:
-        return next((k for k in self._allowed_ks(b, forced) if k > 0), 0)
+    def _probe_k(self, b: int, forced: np.ndarray, due: np.ndarray, alpha: np.ndarray, auto: np.ndarray,
+                 room: np.ndarray, threshold: np.ndarray) -> int:
+        """The k a probe drafts: the best one for the probed requests if their acceptance were the batch-wide
+        estimate (n-gram's first draft row costs most: probing one token at a time would be the dearest)."""
+        prior = self.global_acc.alpha(self.cfg.prior_alpha, 2.0)
+        trial = np.where(due, prior, alpha)
+        best, best_rate = 0, 0.0
+        for k in self._allowed_ks(b, forced):
+            if k == 0:
+                continue
+            d = self._evaluate(k, trial, due, forced, room, b, threshold, force_all=True)
+            if d is not None and d.expected_tokens / d.expected_cost > best_rate:
+                best, best_rate = k, d.expected_tokens / d.expected_cost
+        return best
 
     def _unmeasured(self, b: int, forced: np.ndarray, room: np.ndarray, auto: np.ndarray) -> int | None:
         """What to measure before trusting the cost model: plain decoding once in this bucket (when a fixed-k

@@ -7,8 +7,9 @@ Life of a request's draft state (model proposers):
     refill  : after verification, the draft runs over the verified tokens (same ragged layout as verify, the
               accepted tokens plugged in on device) to fix its KV and carry logits from the last emitted token.
               Its inputs come from device tensors, so no host sync is needed before it.
-    keep    : a prefill or a step without the proposer (nobody drafts: the step costs what plain decoding costs) keeps only what a
-              later catch-up needs that the host does not have (MTP: the target's hidden states).
+    keep    : a prefill or a step without the proposer (speculation off: it costs what plain decoding costs)
+              keeps only what a later catch-up needs that the host does not have (MTP: the target's hidden
+              states).
     catch_up: before the next step that drafts or refills, the draft consumes the tokens it skipped.
 """
 
