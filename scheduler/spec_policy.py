@@ -163,7 +163,7 @@ class AdaptivePolicy:
         self._next_remeasure: dict[int, int] = {}
         self._since_probe = 0  # steps since auto requests last drafted (the global probe clock)
         self.reasons: Counter[str] = Counter()  # decisions by reason, for metrics
-        self._explore_tries: Counter[int] = Counter()
+        self._explore_tries: Counter[int] = Counter()  # k > 0: tries of k; -bucket: tries of plain in it
 
     # ---- measurements (no extra syncs: the host already read these back) ---------------------------------------
     def observe_request(self, acc: RequestAcceptance, num_draft: int, num_accepted: int, probe: bool = False) -> None:
@@ -336,7 +336,9 @@ class AdaptivePolicy:
         n = self.cfg.explore_samples
         kf = int(forced.max(initial=0))
         plain_refill = self._refill(np.zeros(1, np.int64))
-        if kf == 0 and self.costs.samples(b, 0, plain_refill) < 1:
+        # (Once per bucket until it is measured: with overlap the next step is decided before this one ends.)
+        if kf == 0 and self.costs.samples(b, 0, plain_refill) < 1 and self._explore_tries[-bucket(b)] < 1:
+            self._explore_tries[-bucket(b)] += 1
             return 0
         if not (auto & (room > 0)).any():
             return None  # no auto request can draft: nothing this batch could measure

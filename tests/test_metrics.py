@@ -14,26 +14,27 @@ from loadgen.server import ServerProcess
 from scheduler.protocol import GenerateRequest
 
 
+def complete_all(address: str, reqs: list[GenerateRequest]):
+    """Send every request at once, wait for their FINALs and the server to go idle; (results, stats)."""
+    async def go():
+        client = Client(address)
+        try:
+            results = await asyncio.gather(*(client.complete(r, timeout_s=120) for r in reqs))
+            await client.wait_idle()
+            return results, await client.stats()
+        finally:
+            client.close()
+    return asyncio.run(go())
+
+
 def test_counters_match_final_stats_and_endpoint_is_valid(tiny_target):
     args = ["--model", str(tiny_target), "--spec", "draft_model", "--draft", str(tiny_target),
             "--num-spec-tokens", "3", "--spec-policy", "fixed", "--device", "cpu", "--kv-cache-tokens", "4096",
             "--metrics-port", "0"]
+    reqs = [GenerateRequest(request_id=f"m{i}", prompt_token_ids=[5 + i, 9, 11, 3][: 2 + i % 3],
+                            max_tokens=10 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
     with ServerProcess(args) as srv:
-        address = srv.start()
-
-        async def go():
-            client = Client(address)
-            try:
-                reqs = [GenerateRequest(request_id=f"m{i}", prompt_token_ids=[5 + i, 9, 11, 3][: 2 + i % 3],
-                                        max_tokens=10 + 3 * i, temperature=0.0, ignore_eos=True)
-                        for i in range(6)]
-                results = await asyncio.gather(*(client.complete(r, timeout_s=120) for r in reqs))
-                await client.wait_idle()
-                return results, await client.stats()
-            finally:
-                client.close()
-
-        results, stats = asyncio.run(go())
+        results, stats = complete_all(srv.start(), reqs)
         port = int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", srv.log()).group(1))
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
 
@@ -66,21 +67,10 @@ def test_policy_state_in_finals_stats_and_metrics(tiny_target, tiny_draft):
     the request spent off and probing and its acceptance estimate; stats and Prometheus show the decisions."""
     args = ["--model", str(tiny_target), "--spec", "draft_model", "--draft", str(tiny_draft),
             "--num-spec-tokens", "3", "--spec-policy", "adaptive", "--device", "cpu", "--kv-cache-tokens", "4096"]
+    reqs = [GenerateRequest(request_id=f"p{i}", prompt_token_ids=[5 + i, 9, 11, 3], max_tokens=80, temperature=0.0,
+                            ignore_eos=True) for i in range(3)]
     with ServerProcess(args) as srv:
-        address = srv.start()
-
-        async def go():
-            client = Client(address)
-            try:
-                reqs = [GenerateRequest(request_id=f"p{i}", prompt_token_ids=[5 + i, 9, 11, 3], max_tokens=80,
-                                        temperature=0.0, ignore_eos=True) for i in range(3)]
-                results = await asyncio.gather(*(client.complete(r, timeout_s=120) for r in reqs))
-                await client.wait_idle()
-                return results, await client.stats()
-            finally:
-                client.close()
-
-        results, stats = asyncio.run(go())
+        results, stats = complete_all(srv.start(), reqs)
     for r in results:
         spec = r.final.spec
         decode_steps = spec.steps_off + spec.spec_steps

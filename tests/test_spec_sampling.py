@@ -71,9 +71,10 @@ def exact_distribution(folder, temperature: float, top_k: int, top_p: float) -> 
 def generate(models, proposer: str, params: list[SamplingParams], k: int = 3, spec_policy: str = "fixed",
              policy=None) -> np.ndarray:
     spec, draft = models[proposer]
+    # A scripted policy runs inline: with overlap a chained step's decision may be re-made after a drain.
     core = make_core(models["target"], spec=spec, draft=None if draft is None else str(draft), num_spec_tokens=k,
                      page_size=16, max_batch_size=len(params), kv_cache_tokens=32 * len(params) + 64,
-                     spec_policy=spec_policy)
+                     spec_policy=spec_policy, overlap=policy is None)
     if policy is not None:
         core.policy = policy
     reqs = run_to_completion(core, [PROMPT] * len(params), params, seeds=list(range(len(params))),
