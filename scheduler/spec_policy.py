@@ -64,7 +64,9 @@ class PolicyConfig:
     cost_shape: str = "lanes"  # lanes | rows (see spec_costs)
     margin: float = 0.05  # hysteresis on the batch's k
     probe_every: int = 4  # first probe of a request that stopped speculating; doubles after each failed probe
-    probe_max: int = 64
+    # Longest probe interval; n-gram (rows) backs off less: its acceptance comes in bursts (a copied span)
+    # that sparse probes miss, and a probe costs it a few verify rows, not a draft loop over every lane.
+    probe_max: int | None = None  # None: 16 for rows, 64 for lanes
     keeps_draft_kv: bool = True  # model proposers refill a KV cache; n-gram has none
     can_drop_refill: bool = True  # the proposer catches up after steps without refill (every model proposer)
     explore_samples: int = 2  # measurements of each k (across buckets) before the cost model is trusted
@@ -281,8 +283,9 @@ class AdaptivePolicy:
         # failed probes back off (probe_every doubling to probe_max). Inside a speculating step that is a few
         # more verify rows (the draft loop runs anyway). When nobody speculates it is a whole speculative step
         # and a catch-up: the governor judges such steps, and once off it rate-limits them to epsilon.
+        probe_max = cfg.probe_max or (16 if cfg.cost_shape == "rows" else 64)
         for a in accs:
-            a.probe_interval = min(max(a.probe_interval, cfg.probe_every), cfg.probe_max)
+            a.probe_interval = min(max(a.probe_interval, cfg.probe_every), probe_max)
         due = np.array([a.idle_steps >= a.probe_interval for a in accs]) & auto & (nd == 0) & (room > 0)
         speculating = bool(nd[auto].any())
         self._since_probe = 0 if speculating else self._since_probe + 1
