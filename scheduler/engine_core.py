@@ -31,7 +31,8 @@ from engine.step_engine import StepEngine, StepOutput
 from engine.stream import DeviceStream, InlineStream, StepHandle
 from scheduler.page_allocator import PageAllocator
 from scheduler.request import FinishReason, Request, Status
-from scheduler.spec_policy import AdaptivePolicy, Decision, PolicyConfig
+from scheduler.spec_decision import Decision
+from scheduler.spec_policy import AdaptivePolicy, PolicyConfig
 from traces import ranges
 from traces.tracer import NULL_TRACER, Tracer
 

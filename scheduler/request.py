@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 from scheduler.spec_counters import SpecCounters
-from scheduler.spec_policy import RequestAcceptance
+from scheduler.spec_decision import RequestAcceptance
 
 
 class Status(enum.IntEnum):

@@ -38,17 +38,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from scheduler.spec_costs import StepCosts, bucket
+from scheduler.spec_decision import Decision, RequestAcceptance
 from scheduler.spec_governor import Governor, GovernorConfig
 
 OBJECTIVES = ("throughput", "latency")
 
 
+def chain_sums(alpha: np.ndarray, k_max: int) -> np.ndarray:
+    """[B, k_max + 1]: entry (i, k) = E_i(k) = 1 + a_i + a_i^2 + ... + a_i^k."""
+    return np.cumsum(np.power.outer(np.asarray(alpha, dtype=np.float64), np.arange(k_max + 1)), axis=-1)
+
+
 def expected_tokens(alpha: np.ndarray, k: int | np.ndarray) -> np.ndarray:
-    """1 + a + a^2 + ... + a^k, elementwise (k: one for all, or one per request)."""
-    alpha = np.asarray(alpha, dtype=np.float64)
+    """E_i(k) elementwise (k: one for all, or one per request)."""
+    alpha = np.atleast_1d(np.asarray(alpha, dtype=np.float64))
     k = np.broadcast_to(np.asarray(k, dtype=np.int64), alpha.shape)
-    j = np.arange(int(k.max(initial=0)) + 1)
-    return np.sum(np.power.outer(alpha, j) * (j <= k[..., None]), axis=-1)
+    return chain_sums(alpha, int(k.max(initial=0)))[np.arange(len(alpha)), k]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,67 +95,6 @@ class PolicyConfig:
         if self.candidates is not None:
             return tuple(sorted({0, *(k for k in self.candidates if k <= self.k_max)}))
         return tuple(range(self.k_max + 1))
-
-
-@dataclass(slots=True)
-class RequestAcceptance:
-    """EMA of per-position acceptance: alpha = accepted / (accepted + rejections), both decayed per step; and
-    how the request speculated, for its final message."""
-
-    accepted: float = 0.0
-    trials: float = 0.0
-    idle_steps: int = 0  # consecutive steps without drafting
-    probe_interval: int = 0  # idle steps before the next probe (0: not set yet)
-    steps_off: int = 0  # decode steps in which it drafted nothing
-    steps_probing: int = 0  # steps in which it drafted only to re-measure its acceptance
-    last_k: int = 0  # drafts in its latest step
-
-    def update(self, num_draft: int, num_accepted: int, decay: float, probe: bool = False) -> None:
-        self.last_k = num_draft
-        if num_draft <= 0:
-            self.idle_steps += 1
-            self.steps_off += 1
-            return
-        if probe:
-            self.steps_probing += 1
-            # Back off after a failed probe; a probe that accepted something resets the interval.
-            self.probe_interval = self.probe_interval // 2 if num_accepted else self.probe_interval * 2
-        self.idle_steps = 0
-        self.accepted = decay * self.accepted + num_accepted
-        self.trials = decay * self.trials + num_accepted + (1 if num_accepted < num_draft else 0)
-
-    def alpha(self, prior: float, prior_weight: float = 1.0) -> float:
-        return (self.accepted + prior * prior_weight) / (self.trials + prior_weight)
-
-
-@dataclass(slots=True)
-class Decision:
-    num_draft: np.ndarray  # [B] per request
-    k: int  # the batch's k (widest lane)
-    refill: bool  # keep the draft's KV current this step
-    expected_tokens: float
-    expected_cost: float
-    reason: str = "model"  # model | explore | remeasure | probe | off | fixed | none
-    auto: np.ndarray | None = None  # [B] requests the policy decides for (not fixed-k overrides)
-    probing: np.ndarray | None = None  # [B] requests drafting only to re-measure their acceptance
-    catch_up_s: float = 0.0  # a stale draft's catch-up before this step (set by the engine core)
-
-    @property
-    def explored(self) -> bool:
-        return self.reason == "explore"
-
-    def auto_drafts(self, num_draft: np.ndarray) -> bool:
-        """Did the policy's choice (or a probe) have auto requests draft, given what the step really drafted?
-        Exploration and re-measurement steps run k values on purpose: the governor does not judge them."""
-        if self.reason not in ("model", "probe"):
-            return False
-        auto = self.auto if self.auto is not None else np.ones(len(num_draft), dtype=bool)
-        return bool((np.asarray(num_draft)[auto] > 0).any())
-
-    def to_log(self) -> dict:
-        return {"k": self.k, "refill": self.refill, "speculating": int((self.num_draft > 0).sum()),
-                "expected_tokens": round(self.expected_tokens, 3),
-                "expected_cost_ms": round(self.expected_cost * 1e3, 3), "reason": self.reason}
 
 
 class AdaptivePolicy:
@@ -378,8 +322,7 @@ class AdaptivePolicy:
         """The best request set drafting k (with the fixed-k requests' drafts), or None if unmeasured."""
         kk = np.minimum(k, room)
         # E_i(j) for every j at once (the chain sums), then each request's entry.
-        chain = np.cumsum(np.power.outer(alpha, np.arange(max(int(kk.max(initial=0)), int(forced.max(initial=0)))
-                                                          + 1)), axis=1)
+        chain = chain_sums(alpha, max(int(kk.max(initial=0)), int(forced.max(initial=0))))
         rows = np.arange(len(alpha))
         gain = np.where(auto, chain[rows, kk] - 1.0, 0.0)  # extra tokens if request i drafts k
         fixed_gain = float((chain[rows, forced] - 1.0)[~auto].sum())

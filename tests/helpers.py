@@ -17,7 +17,8 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from scheduler.build import build_engine  # noqa: E402
 from scheduler.engine_core import EngineCore  # noqa: E402
 from scheduler.request import Request  # noqa: E402
-from scheduler.spec_policy import AdaptivePolicy, Decision, PolicyConfig  # noqa: E402
+from scheduler.spec_decision import Decision  # noqa: E402
+from scheduler.spec_policy import AdaptivePolicy, PolicyConfig  # noqa: E402
 
 TINY_VOCAB = 320
 

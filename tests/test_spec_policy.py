@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler.spec_policy import AdaptivePolicy, PolicyConfig, RequestAcceptance, expected_tokens
+from scheduler.spec_decision import RequestAcceptance
+from scheduler.spec_policy import AdaptivePolicy, PolicyConfig, expected_tokens
 
 
 def policy_with_costs(cost, batch: int, k_max: int = 6, candidates=None, plain_cost=None, **kw) -> AdaptivePolicy:

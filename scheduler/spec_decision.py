@@ -1,0 +1,68 @@
+"""What the speculation policy tracks per request and what it hands the engine core per step (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class RequestAcceptance:
+    """EMA of per-position acceptance: alpha = accepted / (accepted + rejections), both decayed per step; and
+    how the request speculated, for its final message."""
+
+    accepted: float = 0.0
+    trials: float = 0.0
+    idle_steps: int = 0  # consecutive steps without drafting
+    probe_interval: int = 0  # idle steps before the next probe (0: not set yet)
+    steps_off: int = 0  # decode steps in which it drafted nothing
+    steps_probing: int = 0  # steps in which it drafted only to re-measure its acceptance
+    last_k: int = 0  # drafts in its latest step
+
+    def update(self, num_draft: int, num_accepted: int, decay: float, probe: bool = False) -> None:
+        self.last_k = num_draft
+        if num_draft <= 0:
+            self.idle_steps += 1
+            self.steps_off += 1
+            return
+        if probe:
+            self.steps_probing += 1
+            # Back off after a failed probe; a probe that accepted something resets the interval.
+            self.probe_interval = self.probe_interval // 2 if num_accepted else self.probe_interval * 2
+        self.idle_steps = 0
+        self.accepted = decay * self.accepted + num_accepted
+        self.trials = decay * self.trials + num_accepted + (1 if num_accepted < num_draft else 0)
+
+    def alpha(self, prior: float, prior_weight: float = 1.0) -> float:
+        return (self.accepted + prior * prior_weight) / (self.trials + prior_weight)
+
+
+@dataclass(slots=True)
+class Decision:
+    num_draft: np.ndarray  # [B] per request
+    k: int  # the batch's k (widest lane)
+    refill: bool  # keep the draft's KV current this step
+    expected_tokens: float
+    expected_cost: float
+    reason: str = "model"  # model | explore | remeasure | probe | off | fixed | none
+    auto: np.ndarray | None = None  # [B] requests the policy decides for (not fixed-k overrides)
+    probing: np.ndarray | None = None  # [B] requests drafting only to re-measure their acceptance
+    catch_up_s: float = 0.0  # a stale draft's catch-up before this step (set by the engine core)
+
+    @property
+    def explored(self) -> bool:
+        return self.reason == "explore"
+
+    def auto_drafts(self, num_draft: np.ndarray) -> bool:
+        """Did the policy's choice (or a probe) have auto requests draft, given what the step really drafted?
+        Exploration and re-measurement steps run k values on purpose: the governor does not judge them."""
+        if self.reason not in ("model", "probe"):
+            return False
+        auto = self.auto if self.auto is not None else np.ones(len(num_draft), dtype=bool)
+        return bool((np.asarray(num_draft)[auto] > 0).any())
+
+    def to_log(self) -> dict:
+        return {"k": self.k, "refill": self.refill, "speculating": int((self.num_draft > 0).sum()),
+                "expected_tokens": round(self.expected_tokens, 3),
+                "expected_cost_ms": round(self.expected_cost * 1e3, 3), "reason": self.reason}
