@@ -15,9 +15,9 @@ from pathlib import Path
 
 from benchmarks.bench_peers import prose_prompts
 from benchmarks.common import code_prompts, console, machine, run_engine, table
-from engine.engine_config import EngineConfig
-from engine.model_source import default_draft, default_target, resolve_model
-from engine.sampling_params import SamplingParams
+from specstep.engine.engine_config import EngineConfig
+from specstep.engine.model_source import default_draft, default_target, resolve_model
+from specstep.engine.sampling_params import SamplingParams
 
 
 def main() -> None:

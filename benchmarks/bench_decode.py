@@ -13,9 +13,9 @@ import time
 import torch
 
 from benchmarks.common import code_prompts, console, machine, run_engine, table
-from engine.engine_config import EngineConfig
-from engine.model_source import default_target, resolve_model
-from engine.sampling_params import SamplingParams
+from specstep.engine.engine_config import EngineConfig
+from specstep.engine.model_source import default_target, resolve_model
+from specstep.engine.sampling_params import SamplingParams
 
 
 def transformers_tok_per_s(model_dir: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import code_prompts, console, machine, run_engine, table
-from engine.engine_config import EngineConfig
-from engine.model_source import default_draft, default_target, resolve_model
-from engine.sampling_params import SamplingParams
+from specstep.engine.engine_config import EngineConfig
+from specstep.engine.model_source import default_draft, default_target, resolve_model
+from specstep.engine.sampling_params import SamplingParams
 
 PROSE = [
     "Explain how photosynthesis works to a ten-year-old.",
@@ -42,7 +42,7 @@ VLLM_VENV = Path(__file__).resolve().parents[1] / ".vllm-venv"
 
 
 def prose_prompts(model: str) -> list[list[int]]:
-    from engine.tokenizer import Tokenizer
+    from specstep.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(model)
     return [tok.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n") for q in PROSE]

@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import code_prompts, console, machine
-from engine.engine_config import DEFAULT_TARGET, EngineConfig
-from engine.model_source import pretrained_gguf, resolve_model
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from scheduler.build import build_engine
-from scheduler.request import Request
+from specstep.engine.engine_config import DEFAULT_TARGET, EngineConfig
+from specstep.engine.model_source import pretrained_gguf, resolve_model
+from specstep.engine.sampling_params import SamplingParams
+from specstep.engine.tokenizer import Tokenizer
+from specstep.scheduler.build import build_engine
+from specstep.scheduler.request import Request
 
 SETTINGS = ("off", "k1", "k2", "k4", "adaptive", "latency")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-out/bench}
 SPEC=${SPEC:-mtp}
 export OMP_WAIT_POLICY=PASSIVE
-LG=(.venv/bin/python -m scheduler.cli loadgen --max-tokens 64 --prompt-tokens 64 --quiet)
+LG=(.venv/bin/python -m specstep.scheduler.cli loadgen --max-tokens 64 --prompt-tokens 64 --quiet)
 
 # Issue 4: throughput vs concurrency, speculation off / on (fixed k), held-out code.
 "${LG[@]}" --workload code --concurrency 1,4,16,32 --output-dir "$OUT/concurrency" \
@@ -19,7 +19,7 @@ LG=(.venv/bin/python -m scheduler.cli loadgen --max-tokens 64 --prompt-tokens 64
   --setting "overlap-off=--spec none --overlap off" \
   --setting "spec-overlap-on=--spec $SPEC --spec-policy fixed --num-spec-tokens 4 --overlap on" \
   --setting "spec-overlap-off=--spec $SPEC --spec-policy fixed --num-spec-tokens 4 --overlap off"
-.venv/bin/python -m scheduler.cli trace report "$OUT/overlap/trace-on.json" | tee "$OUT/overlap/trace-report.txt"
+.venv/bin/python -m specstep.scheduler.cli trace report "$OUT/overlap/trace-on.json" | tee "$OUT/overlap/trace-report.txt"
 
 # Issue 6: adaptive against every fixed k and speculation off, on predictable, unpredictable and mixed load.
 for wl in code random mix; do

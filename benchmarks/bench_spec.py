@@ -14,8 +14,8 @@ import time
 import torch
 
 from benchmarks.common import code_prompts, console, machine, random_prompts, run_engine, table
-from engine.engine_config import DEFAULT_DRAFTS, DEFAULT_TARGET, EngineConfig
-from engine.sampling_params import SamplingParams
+from specstep.engine.engine_config import DEFAULT_DRAFTS, DEFAULT_TARGET, EngineConfig
+from specstep.engine.sampling_params import SamplingParams
 
 WORKLOADS = {
     "code": ("held-out code, greedy", 0.0),

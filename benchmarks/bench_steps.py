@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from benchmarks.common import code_prompts, machine, table
-from engine.engine_config import EngineConfig
-from engine.model_source import default_draft, default_target, resolve_model
-from engine.sampling_params import SamplingParams
-from scheduler.build import build_engine
-from scheduler.request import Request
+from specstep.engine.engine_config import EngineConfig
+from specstep.engine.model_source import default_draft, default_target, resolve_model
+from specstep.engine.sampling_params import SamplingParams
+from specstep.scheduler.build import build_engine
+from specstep.scheduler.request import Request
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -19,10 +19,10 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from engine.engine_config import DEFAULT_TARGET, EngineConfig  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from scheduler.build import build_engine  # noqa: E402
-from scheduler.request import Request  # noqa: E402
+from specstep.engine.engine_config import DEFAULT_TARGET, EngineConfig  # noqa: E402
+from specstep.engine.sampling_params import SamplingParams  # noqa: E402
+from specstep.scheduler.build import build_engine  # noqa: E402
+from specstep.scheduler.request import Request  # noqa: E402
 
 console = Console()
 
@@ -31,7 +31,7 @@ def code_prompts(n: int, length: int, seed: int = 0, model: Path = DEFAULT_TARGE
     """Prompts cut from held-out standard-library files (never seen in training)."""
     from tokenizers import Tokenizer
 
-    from training.data import heldout_prompts
+    from specstep.training.data import heldout_prompts
 
     return heldout_prompts(Tokenizer.from_file(str(Path(model) / "tokenizer.json")), n, length, seed)
 

@@ -14,8 +14,8 @@ import argparse
 import time
 from contextlib import nullcontext
 
-from traces import ranges
-from traces.tracer import NULL_TRACER, Tracer, TraceRecorder, nvtx_active
+from specstep.traces import ranges
+from specstep.traces.tracer import NULL_TRACER, Tracer, TraceRecorder, nvtx_active
 
 
 def per_call_ns(fn, n: int) -> float:

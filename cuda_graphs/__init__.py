@@ -8,7 +8,7 @@
     steps.py        graph-safe layouts and reference step functions
 """
 
-from cuda_graphs.contract import BufferSpec, GraphContractError, GraphKey, StepKind
-from cuda_graphs.runner import CaptureInfo, GraphConfig, GraphRunner
+from specstep.cuda_graphs.contract import BufferSpec, GraphContractError, GraphKey, StepKind
+from specstep.cuda_graphs.runner import CaptureInfo, GraphConfig, GraphRunner
 
 __all__ = ["BufferSpec", "CaptureInfo", "GraphConfig", "GraphContractError", "GraphKey", "GraphRunner", "StepKind"]

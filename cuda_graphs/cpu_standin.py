@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from cuda_graphs.contract import GraphContractError, GraphKey, StepFn
+from specstep.cuda_graphs.contract import GraphContractError, GraphKey, StepFn
 
 _SYNC_OPS = {"item", "_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "unique",
              "_unique", "_unique2", "unique_consecutive", "unique_dim", "allclose", "nonzero_static_", "tolist"}

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
-from cuda_graphs.contract import GraphContractError, GraphKey, StepFn
+from specstep.cuda_graphs.contract import GraphContractError, GraphKey, StepFn
 
 
 class CudaGraph:

@@ -41,11 +41,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from cuda_graphs.buckets import bucket_for, default_buckets, plan_buckets
-from cuda_graphs.contract import BufferSpec, GraphContractError, GraphKey, StepKind, lanes_of
-from cuda_graphs.cpu_standin import StandInBackend
-from traces import ranges
-from traces.tracer import NULL_TRACER, Tracer
+from specstep.cuda_graphs.buckets import bucket_for, default_buckets, plan_buckets
+from specstep.cuda_graphs.contract import BufferSpec, GraphContractError, GraphKey, StepKind, lanes_of
+from specstep.cuda_graphs.cpu_standin import StandInBackend
+from specstep.traces import ranges
+from specstep.traces.tracer import NULL_TRACER, Tracer
 
 log = logging.getLogger("specstep.graphs")
 
@@ -202,6 +202,6 @@ class GraphRunner:
 
 
 def _cuda_backend(device: torch.device):
-    from cuda_graphs.cuda_graph import CudaGraphBackend
+    from specstep.cuda_graphs.cuda_graph import CudaGraphBackend
 
     return CudaGraphBackend(device)

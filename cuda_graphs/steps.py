@@ -19,11 +19,11 @@ from collections.abc import Mapping
 
 import torch
 
-from cuda_graphs.contract import BufferSpec, GraphKey, InputSpecs, StepFn
-from engine.forward_batch import BatchLayout, ForwardBatch
-from engine.kv_cache import DUMMY_PAGE, KVPool
-from engine.models.llama import LlamaForCausalLM
-from engine.models.mtp_head import MTPHead
+from specstep.cuda_graphs.contract import BufferSpec, GraphKey, InputSpecs, StepFn
+from specstep.engine.forward_batch import BatchLayout, ForwardBatch
+from specstep.engine.kv_cache import DUMMY_PAGE, KVPool
+from specstep.engine.models.llama import LlamaForCausalLM
+from specstep.engine.models.mtp_head import MTPHead
 
 Tensors = Mapping[str, torch.Tensor]
 

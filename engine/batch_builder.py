@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.forward_batch import BatchLayout, ForwardBatch
-from engine.kv_cache import DUMMY_PAGE
+from specstep.engine.forward_batch import BatchLayout, ForwardBatch
+from specstep.engine.kv_cache import DUMMY_PAGE
 
 
 def to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:

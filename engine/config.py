@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import CheckpointError
+from specstep.engine.errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.model_source import EMBEDDED_TARGET as DEFAULT_TARGET
-from engine.model_source import default_draft, resolve_model
+from specstep.engine.model_source import EMBEDDED_TARGET as DEFAULT_TARGET
+from specstep.engine.model_source import default_draft, resolve_model
 
 SPEC_KINDS = ("none", "draft_model", "mtp", "ngram")
 

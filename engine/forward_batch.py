@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_cache import DUMMY_PAGE
+from specstep.engine.kv_cache import DUMMY_PAGE
 
 
 @dataclass(slots=True)

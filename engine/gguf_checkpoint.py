@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.errors import CheckpointError
-from engine.gguf_tokenizer import tokenizer_from_gguf
-from engine.model_source import cache_root
+from specstep.engine.errors import CheckpointError
+from specstep.engine.gguf_tokenizer import tokenizer_from_gguf
+from specstep.engine.model_source import cache_root
 
 CONVERTER_VERSION = 1  # bump when the converted folder's contents change, so caches are rebuilt
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from engine.errors import CheckpointError
+from specstep.engine.errors import CheckpointError
 
 # llama.cpp's regexes for the pre-tokenizers that split before the byte-level mapping (llama-vocab.cpp).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
+from specstep.engine.config import ModelConfig
 
 DUMMY_PAGE = 0
 

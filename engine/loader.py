@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.config import DTYPES, ModelConfig
-from engine.errors import CheckpointError
+from specstep.engine.config import DTYPES, ModelConfig
+from specstep.engine.errors import CheckpointError
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 # merged parameter -> the Hugging Face pieces, in concatenation order

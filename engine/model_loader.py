@@ -6,13 +6,13 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
-from engine.errors import CheckpointError
-from engine.loader import load_state_dict, resolve_dtype
-from engine.model_source import resolve_model
-from engine.models.cpu_linear import plan_linears
-from engine.models.llama import LlamaForCausalLM
-from engine.models.mtp_head import MTPHead
+from specstep.engine.config import ModelConfig
+from specstep.engine.errors import CheckpointError
+from specstep.engine.loader import load_state_dict, resolve_dtype
+from specstep.engine.model_source import resolve_model
+from specstep.engine.models.cpu_linear import plan_linears
+from specstep.engine.models.llama import LlamaForCausalLM
+from specstep.engine.models.mtp_head import MTPHead
 
 
 def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str = "auto",

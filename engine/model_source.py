@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import CheckpointError
+from specstep.engine.errors import CheckpointError
 
 DEFAULTS_DIR = Path(__file__).parent / "defaults"
 EMBEDDED_TARGET = DEFAULTS_DIR / "target"
@@ -80,7 +80,9 @@ def resolve_model(reference: str | Path) -> Path:
                 raise CheckpointError(f"{gguf}: not a GGUF file (no GGUF magic) and not a model folder")
     if gguf is None:
         return path
-    from engine.gguf_checkpoint import converted_folder  # torch and numpy: only when there is a file to convert
+    from specstep.engine.gguf_checkpoint import (
+        converted_folder,  # torch and numpy: only when there is a file to convert
+    )
 
     return converted_folder(gguf)
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.random import ACCEPT, SAMPLE, uniform
-from engine.sampler import processed_probs, sample_from_probs
-from engine.sampling_params import SamplingTensors
+from specstep.engine.random import ACCEPT, SAMPLE, uniform
+from specstep.engine.sampler import processed_probs, sample_from_probs
+from specstep.engine.sampling_params import SamplingTensors
 
 
 def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:

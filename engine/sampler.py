@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.random import SAMPLE, exponential
-from engine.sampling_params import SamplingTensors
+from specstep.engine.random import SAMPLE, exponential
+from specstep.engine.sampling_params import SamplingTensors
 
 
 def processed_probs(logits: torch.Tensor, st: SamplingTensors, rows: torch.Tensor | None = None) -> torch.Tensor:

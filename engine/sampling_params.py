@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import InvalidRequestError
+from specstep.engine.errors import InvalidRequestError
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 

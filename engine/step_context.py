@@ -8,8 +8,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from engine.forward_batch import BatchLayout
-from engine.sampling_params import SamplingParams, SamplingTensors
+from specstep.engine.forward_batch import BatchLayout
+from specstep.engine.sampling_params import SamplingParams, SamplingTensors
 
 
 class SeqState(Protocol):

@@ -24,22 +24,22 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.batch_builder import build_forward_batch, build_layout, page_table_array, to_device
-from engine.forward_batch import ForwardBatch
-from engine.kv_cache import KVPool
-from engine.models.llama import LlamaForCausalLM
-from engine.proposers.base import Proposer
-from engine.rejection_sampler import rejection_sample
-from engine.sampler import sample
-from engine.sampling_params import SamplingTensors
-from engine.step_context import Chain, DecodeContext, SeqState
-from engine.step_graphs import flavour, graph_inputs, register_decode_graphs
-from traces import ranges
-from traces.ranges import DEVICE_TRACK
-from traces.tracer import NULL_TRACER, Tracer
+from specstep.engine.batch_builder import build_forward_batch, build_layout, page_table_array, to_device
+from specstep.engine.forward_batch import ForwardBatch
+from specstep.engine.kv_cache import KVPool
+from specstep.engine.models.llama import LlamaForCausalLM
+from specstep.engine.proposers.base import Proposer
+from specstep.engine.rejection_sampler import rejection_sample
+from specstep.engine.sampler import sample
+from specstep.engine.sampling_params import SamplingTensors
+from specstep.engine.step_context import Chain, DecodeContext, SeqState
+from specstep.engine.step_graphs import flavour, graph_inputs, register_decode_graphs
+from specstep.traces import ranges
+from specstep.traces.ranges import DEVICE_TRACK
+from specstep.traces.tracer import NULL_TRACER, Tracer
 
 if TYPE_CHECKING:
-    from cuda_graphs.runner import GraphRunner
+    from specstep.cuda_graphs.runner import GraphRunner
 
 
 @dataclass(slots=True)

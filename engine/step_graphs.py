@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cuda_graphs.contract import BufferSpec, GraphKey, StepKind
-from cuda_graphs.steps import uniform_layout
-from engine.kv_cache import DUMMY_PAGE
-from engine.sampling_params import SamplingTensors
-from engine.step_context import DecodeContext
+from specstep.cuda_graphs.contract import BufferSpec, GraphKey, StepKind
+from specstep.cuda_graphs.steps import uniform_layout
+from specstep.engine.kv_cache import DUMMY_PAGE
+from specstep.engine.sampling_params import SamplingTensors
+from specstep.engine.step_context import DecodeContext
 
 if TYPE_CHECKING:
-    from cuda_graphs.runner import GraphRunner
-    from engine.step_engine import StepEngine
+    from specstep.cuda_graphs.runner import GraphRunner
+    from specstep.engine.step_engine import StepEngine
 
 FLAVOURS = ("greedy", "general", "greedy_norefill", "general_norefill")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.errors import CheckpointError
+from specstep.engine.errors import CheckpointError
 
 
 class Tokenizer:
@@ -28,7 +28,7 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, model: str | Path) -> Tokenizer:
         """`model`: a model folder, or a GGUF file (its converted folder; converting needs torch)."""
-        from engine.model_source import resolve_model
+        from specstep.engine.model_source import resolve_model
 
         folder = resolve_model(model)
         path = folder / "tokenizer.json"

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from engine.engine_config import SPEC_KINDS
-from loadgen.workloads import WORKLOADS
+from specstep.engine.engine_config import SPEC_KINDS
+from specstep.loadgen.workloads import WORKLOADS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("give --address or --setting, not both")
         loads = parse_loads(args.concurrency if args.mode == "closed" else args.rate,
                             "concurrency" if args.mode == "closed" else "rate")
-        from loadgen.workloads import Workload
+        from specstep.loadgen.workloads import Workload
 
         workload = Workload(args.workload, args.prompt_tokens, args.max_tokens, not args.respect_eos, args.seed)
     except ValueError as e:
@@ -94,11 +94,11 @@ def run(args: argparse.Namespace) -> int:
 async def _sweep(args, settings: list[tuple[str, list[str]]], loads: list[float], workload) -> int:
     from rich.console import Console
 
-    from loadgen import report
-    from loadgen.server import ServerProcess
+    from specstep.loadgen import report
+    from specstep.loadgen.server import ServerProcess
 
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)  # logs: do not squeeze the table
-    from engine.model_source import default_target, resolve_model
+    from specstep.engine.model_source import default_target, resolve_model
 
     # A GGUF is converted once, here, for the servers and the prompts.
     args.model = str(resolve_model(args.model or default_target().reference))
@@ -136,10 +136,10 @@ async def _sweep(args, settings: list[tuple[str, list[str]]], loads: list[float]
 async def _measure(args, name: str, address: str, loads: list[float], workload, console) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from loadgen.client import Client
-    from loadgen.metrics import summarize
-    from loadgen.runner import LoadPoint, run_point
-    from loadgen.workloads import build_requests
+    from specstep.loadgen.client import Client
+    from specstep.loadgen.metrics import summarize
+    from specstep.loadgen.runner import LoadPoint, run_point
+    from specstep.loadgen.workloads import build_requests
 
     client = Client(address)
     try:

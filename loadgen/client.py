@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from scheduler.protocol import (
+from specstep.scheduler.protocol import (
     AbortRequest,
     Delta,
     Error,
@@ -30,7 +30,7 @@ from scheduler.protocol import (
     decode_server,
     encode,
 )
-from scheduler.sockets import make_socket
+from specstep.scheduler.sockets import make_socket
 
 Event = Delta | Final | Error
 

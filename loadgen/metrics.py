@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 
-from loadgen.runner import RunResult
+from specstep.loadgen.runner import RunResult
 
 PERCENTILES = (50, 90, 99)
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from loadgen.client import Client, Result
-from scheduler.protocol import Error, GenerateRequest
+from specstep.loadgen.client import Client, Result
+from specstep.scheduler.protocol import Error, GenerateRequest
 
 CLIENT_TIMEOUT = 0  # an error code of our own: the server's codes start at 1
 

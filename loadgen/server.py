@@ -6,20 +6,26 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from specstep.scheduler.launch import module_command
+
 _LISTENING = re.compile(r"listening on (\S+)")
 
 
 class ServerProcess:
     """`specstep serve ARGS --address tcp://127.0.0.1:0`; `start()` returns the bound address once ready."""
 
-    def __init__(self, args: list[str], host: str = "127.0.0.1", log_path: str | Path | None = None) -> None:
+    def __init__(self, args: list[str], host: str = "127.0.0.1", log_path: str | Path | None = None,
+                 cwd: str | Path | None = None, env: dict[str, str] | None = None,
+                 launcher: list[str] | None = None) -> None:
         self.args = list(args)
+        self.cwd = cwd  # where it runs: nothing there can shadow the installed code (see scheduler/launch.py)
+        self.extra_env = dict(env or {})
+        # What runs `specstep` (an installed console script, say); by default this interpreter, cwd-proof.
+        self.launcher = list(launcher) if launcher else module_command("specstep.scheduler.cli")
         self.host = host
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="specstep-serve-",
                                                                               suffix=".log")[1])
@@ -29,12 +35,11 @@ class ServerProcess:
     def start(self, timeout_s: float = 300.0) -> str:
         if self.proc is not None and self.proc.poll() is None and self.address is not None:
             return self.address  # already running (e.g. started by `with`): never start a second server
-        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1", **self.extra_env)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "scheduler.cli", "serve", "--address", f"tcp://{self.host}:0", *self.args],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=PROJECT_ROOT)
+                [*self.launcher, "serve", "--address", f"tcp://{self.host}:0", *self.args],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             text = self.log()

@@ -14,7 +14,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler.protocol import GenerateRequest
+from specstep.scheduler.protocol import GenerateRequest
 
 WORKLOADS = ("code", "random", "mix")
 
@@ -68,7 +68,7 @@ def code_prompts(n: int, prompt_tokens: int, model_dir: str | None, seed: int) -
         try:
             from tokenizers import Tokenizer
 
-            from training.data import heldout_prompts
+            from specstep.training.data import heldout_prompts
 
             return heldout_prompts(Tokenizer.from_file(str(tok_file)), n, prompt_tokens, seed)
         except (ImportError, ValueError):

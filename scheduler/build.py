@@ -9,24 +9,24 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning Op
 
 import torch  # noqa: E402
 
-from engine.attention import make_backend, resolve_backend  # noqa: E402
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.errors import CheckpointError  # noqa: E402
-from engine.kv_cache import KVPool  # noqa: E402
-from engine.model_loader import load_model, load_mtp_head  # noqa: E402
-from engine.proposers.base import Proposer  # noqa: E402
-from engine.proposers.draft_model import DraftModelProposer  # noqa: E402
-from engine.proposers.draft_vocab import build_reduced_head  # noqa: E402
-from engine.proposers.mtp import MTPProposer  # noqa: E402
-from engine.proposers.ngram import NgramProposer  # noqa: E402
-from engine.step_engine import StepEngine  # noqa: E402
-from engine.stream import make_stream  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
-from scheduler.engine_core import EngineCore, SchedulerConfig  # noqa: E402
-from scheduler.page_allocator import PageAllocator  # noqa: E402
-from scheduler.spec_governor import GovernorConfig  # noqa: E402
-from scheduler.spec_policy import AdaptivePolicy, PolicyConfig  # noqa: E402
-from traces.tracer import NULL_TRACER, Tracer  # noqa: E402
+from specstep.engine.attention import make_backend, resolve_backend  # noqa: E402
+from specstep.engine.engine_config import EngineConfig  # noqa: E402
+from specstep.engine.errors import CheckpointError  # noqa: E402
+from specstep.engine.kv_cache import KVPool  # noqa: E402
+from specstep.engine.model_loader import load_model, load_mtp_head  # noqa: E402
+from specstep.engine.proposers.base import Proposer  # noqa: E402
+from specstep.engine.proposers.draft_model import DraftModelProposer  # noqa: E402
+from specstep.engine.proposers.draft_vocab import build_reduced_head  # noqa: E402
+from specstep.engine.proposers.mtp import MTPProposer  # noqa: E402
+from specstep.engine.proposers.ngram import NgramProposer  # noqa: E402
+from specstep.engine.step_engine import StepEngine  # noqa: E402
+from specstep.engine.stream import make_stream  # noqa: E402
+from specstep.engine.tokenizer import Tokenizer  # noqa: E402
+from specstep.scheduler.engine_core import EngineCore, SchedulerConfig  # noqa: E402
+from specstep.scheduler.page_allocator import PageAllocator  # noqa: E402
+from specstep.scheduler.spec_governor import GovernorConfig  # noqa: E402
+from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig  # noqa: E402
+from specstep.traces.tracer import NULL_TRACER, Tracer  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,7 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     ks = graph_ks(k_max)
     capture = None
     if cfg.graphs == "on" or (cfg.graphs == "auto" and device.type == "cuda"):
-        from cuda_graphs.runner import GraphConfig, GraphRunner
+        from specstep.cuda_graphs.runner import GraphConfig, GraphRunner
 
         runner = GraphRunner(device, GraphConfig(max_batch=cfg.max_batch_size))
         capture = step_engine.use_graphs(runner, ks, max_len, scratch_slot=cfg.max_batch_size)

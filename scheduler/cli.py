@@ -14,12 +14,12 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 SUBCOMMANDS = {
-    "generate": ("scheduler.generate_cmd", "offline batched generation from prompts or JSONL"),
-    "serve": ("scheduler.serve_cmd", "serve the ZeroMQ protocol (frontend + scheduler process)"),
-    "loadgen": ("loadgen.cli", "load generator: throughput/latency sweeps against a server"),
-    "trace": ("traces.cli", "analyse a trace file written with --trace"),
-    "train-defaults": ("training.defaults", "train the embedded default tokenizer, target and draft"),
-    "train-head": ("training.head", "train an MTP (EAGLE-style) head for a target"),
+    "generate": ("specstep.scheduler.generate_cmd", "offline batched generation from prompts or JSONL"),
+    "serve": ("specstep.scheduler.serve_cmd", "serve the ZeroMQ protocol (frontend + scheduler process)"),
+    "loadgen": ("specstep.loadgen.cli", "load generator: throughput/latency sweeps against a server"),
+    "trace": ("specstep.traces.cli", "analyse a trace file written with --trace"),
+    "train-defaults": ("specstep.training.defaults", "train the embedded default tokenizer, target and draft"),
+    "train-head": ("specstep.training.head", "train an MTP (EAGLE-style) head for a target"),
 }
 
 

@@ -7,7 +7,7 @@ the stop string, the token that completed it is the last token reported, and the
 
 from __future__ import annotations
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from specstep.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextStream:

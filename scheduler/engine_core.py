@@ -25,16 +25,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.step_context import Chain
-from engine.step_engine import StepEngine, StepOutput
-from engine.stream import DeviceStream, InlineStream, StepHandle
-from scheduler.page_allocator import PageAllocator
-from scheduler.request import FinishReason, Request, Status
-from scheduler.spec_decision import Decision
-from scheduler.spec_policy import AdaptivePolicy, PolicyConfig
-from traces import ranges
-from traces.tracer import NULL_TRACER, Tracer
+from specstep.engine.errors import InvalidRequestError
+from specstep.engine.step_context import Chain
+from specstep.engine.step_engine import StepEngine, StepOutput
+from specstep.engine.stream import DeviceStream, InlineStream, StepHandle
+from specstep.scheduler.page_allocator import PageAllocator
+from specstep.scheduler.request import FinishReason, Request, Status
+from specstep.scheduler.spec_decision import Decision
+from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig
+from specstep.traces import ranges
+from specstep.traces.tracer import NULL_TRACER, Tracer
 
 log = logging.getLogger("specstep.engine")
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from engine.tokenizer import Tokenizer
-from scheduler.metrics import ServerMetrics
-from scheduler.protocol import (
+from specstep.engine.tokenizer import Tokenizer
+from specstep.scheduler.metrics import ServerMetrics
+from specstep.scheduler.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
     EngineAbort,
@@ -47,13 +47,13 @@ from scheduler.protocol import (
     decode_client,
     encode,
 )
-from scheduler.query_replies import QueryReplies
-from scheduler.request_stream import RequestStream
-from scheduler.sockets import ROUTER_HWM, bound_address, make_socket, send_now
-from scheduler.supervisor import SchedulerSupervisor
-from scheduler.validate import Limits, check_request_id, validate_generate
-from traces.ranges import DETOKENIZE, SEND
-from traces.tracer import Tracer, TraceRecorder
+from specstep.scheduler.query_replies import QueryReplies
+from specstep.scheduler.request_stream import RequestStream
+from specstep.scheduler.sockets import ROUTER_HWM, bound_address, make_socket, send_now
+from specstep.scheduler.supervisor import SchedulerSupervisor
+from specstep.scheduler.validate import Limits, check_request_id, validate_generate
+from specstep.traces.ranges import DETOKENIZE, SEND
+from specstep.traces.tracer import Tracer, TraceRecorder
 
 log = logging.getLogger("specstep.frontend")
 DIED = object()  # queue item: the scheduler incarnation serving this request died
@@ -205,11 +205,12 @@ class Frontend:
     def _on_generate(self, identity: bytes, msg: GenerateRequest) -> None:
         check_request_id(msg.request_id)
         key = (identity, msg.request_id)
+        # Duplicates first: any other error carrying a running request's id would end it for the client.
+        if key in self.requests:
+            raise ProtocolError(ErrorCode.DUPLICATE_REQUEST_ID, f"request_id: {msg.request_id!r} is already in "
+                                "flight on this connection; that request continues", msg.request_id)
         if self.draining:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the server is shutting down", msg.request_id)
-        if key in self.requests:
-            raise ProtocolError(ErrorCode.DUPLICATE_REQUEST_ID,
-                                f"request id {msg.request_id!r} is already in flight", msg.request_id)
         if len(self.requests) >= self.cfg.max_inflight:
             raise ProtocolError(ErrorCode.OVERLOADED, f"{len(self.requests)} requests in flight; retry later",
                                 msg.request_id)
@@ -220,13 +221,14 @@ class Frontend:
         st.task.add_done_callback(lambda _, st=st: self._on_task_done(st))
 
     def _health(self) -> HealthReply:
+        """Always every field: before the first ready, the scheduler's ("" / 0) are placeholders."""
         ready = self.supervisor.ready
         status = self._status()
         if ready is None:
-            return HealthReply(PROTOCOL_VERSION, status, self.cfg.model_name)
+            return HealthReply(PROTOCOL_VERSION, status, self.cfg.model_name, address=self.address)
         return HealthReply(PROTOCOL_VERSION, status, self.cfg.model_name, ready.spec, ready.max_model_len,
                            ready.max_prompt_len, Limits.from_ready(ready, self.cfg.max_tokens).max_tokens,
-                           ready.vocab_size)
+                           ready.vocab_size, self.address)
 
     def _status(self) -> str:
         if self.draining:
@@ -253,6 +255,8 @@ class Frontend:
                     pass
 
     def _reply(self, identity: bytes, msg: Wire) -> bool:
+        if isinstance(msg, Error):  # every error a client gets passes here, whichever path produced it
+            self.metrics.observe_error(msg.code)
         with self.tracer.range(SEND):
             return send_now(self.router, [identity, *encode(msg)])
 

@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from engine.engine_config import SPEC_KINDS, EngineConfig
-from engine.errors import SpecstepError
-from engine.model_source import default_target, resolve_model
-from scheduler.spec_policy import OBJECTIVES
+from specstep.engine.engine_config import SPEC_KINDS, EngineConfig
+from specstep.engine.errors import SpecstepError
+from specstep.engine.model_source import default_target, resolve_model
+from specstep.scheduler.spec_policy import OBJECTIVES
 
 PER_LINE_FIELDS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
 
@@ -158,9 +158,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine.sampling_params import SamplingParams
-    from scheduler.build import build_engine
-    from scheduler.request import Request
+    from specstep.engine.sampling_params import SamplingParams
+    from specstep.scheduler.build import build_engine
+    from specstep.scheduler.request import Request
 
     items = read_inputs(args)
     resolve_model_arg(args)
@@ -226,7 +226,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def make_tracer(path: str | None):
     """NVTX ranges always (free without a profiler); a recorder too when a trace file is asked for."""
-    from traces.tracer import Tracer, TraceRecorder
+    from specstep.traces.tracer import Tracer, TraceRecorder
 
     recorder = TraceRecorder() if path else None
     return recorder, Tracer(recorder)

@@ -1,27 +1,10 @@
 """Server metrics for operators: Prometheus counters, histograms and gauges on the frontend.
 
-Names follow the field's conventions (vLLM's spec-decode counters, `_total` counters, `_seconds` units):
-
-    specstep_requests_total{finish_reason}                   finished requests
-    specstep_prompt_tokens_total, specstep_generation_tokens_total
-    specstep_spec_decode_num_drafts_total                    decode steps in which a request drafted
-    specstep_spec_decode_num_draft_tokens_total              drafted tokens
-    specstep_spec_decode_num_accepted_tokens_total           accepted drafts
-    specstep_spec_decode_num_accepted_tokens_per_pos_total{position}
-    specstep_time_to_first_token_seconds                     histogram
-    specstep_inter_token_latency_seconds                     histogram, one sample per streamed step output
-    specstep_spec_decode_tokens_per_step                     histogram of tokens a request got per step
-                                                             (1 + accepted drafts; 1 when not speculating)
-    specstep_num_requests_running / _waiting, specstep_kv_pages_used / _total, specstep_spec_decode_k{k}
-    specstep_spec_governor_on                                1 speculating allowed, 0 off (probes only)
-    specstep_spec_governor_ratio                             realised speculative / plain throughput (window)
-    specstep_spec_governor_switches                          on <-> off transitions so far
-    specstep_spec_requests_off                               policy-chosen requests drafting nothing (last step)
-    specstep_spec_decisions{reason}                          decisions so far: model, explore, remeasure,
-                                                             probe, off, fixed
-
-Counters are fed from the per-request final stats, so they equal the sum of those stats over a run. Gauges come
-from the scheduler's stats (polled). The same figures are in the `stats` protocol message (`snapshot()`).
+Every metric, its labels and what it counts: docs/metrics.md (keep the two in step). Names follow the field's
+conventions (vLLM's spec-decode counters, `_total` counters, `_seconds` units). Counters are fed from the
+per-request FINALs (so they equal the sum of those stats over a run) and from every ERROR sent; histograms from
+each engine output; gauges from the scheduler's stats (polled each second). The same figures are in the
+`stats` protocol message (`snapshot()`).
 """
 
 from __future__ import annotations
@@ -30,7 +13,7 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
-from scheduler.protocol import EngineStats, Final
+from specstep.scheduler.protocol import EngineStats, ErrorCode, Final
 
 log = logging.getLogger("specstep.metrics")
 
@@ -40,9 +23,12 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.6
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("specstep_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.requests = Counter("specstep_requests", "Requests ended with a FINAL, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.errors = Counter("specstep_errors", "ERROR replies sent, by code name", ["code"], registry=r)
         self.prompt_tokens = Counter("specstep_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("specstep_generation_tokens", "Generated tokens", registry=r)
+        self.generation_tokens = Counter("specstep_generation_tokens", "Output tokens of requests ended with a FINAL",
+                                         registry=r)
         self.drafts = Counter("specstep_spec_decode_num_drafts", "Decode steps with drafts", registry=r)
         self.draft_tokens = Counter("specstep_spec_decode_num_draft_tokens", "Drafted tokens", registry=r)
         self.accepted_tokens = Counter("specstep_spec_decode_num_accepted_tokens", "Accepted drafts", registry=r)
@@ -50,7 +36,8 @@ class ServerMetrics:
                                         "Accepted drafts by draft position", ["position"], registry=r)
         self.ttft = Histogram("specstep_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("specstep_inter_token_latency_seconds", "Time between streamed step outputs",
+        self.itl = Histogram("specstep_inter_token_latency_seconds",
+                             "Time between a request's consecutive token-carrying step outputs (stream or not)",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.tokens_per_step = Histogram("specstep_spec_decode_tokens_per_step",
                                          "Tokens a request received per decode step (1 + accepted drafts)",
@@ -70,6 +57,7 @@ class ServerMetrics:
                                   "Policy-chosen requests drafting nothing at the last decode step", registry=r)
         self.decisions = Gauge("specstep_spec_decisions", "Speculation decisions so far, by reason", ["reason"],
                                registry=r)
+        self._reasons_seen: set[str] = set()
 
     # ---- feeding -------------------------------------------------------------------------------------------
     def observe_step_output(self, num_tokens: int, gap_s: float | None, first: bool) -> None:
@@ -80,6 +68,10 @@ class ServerMetrics:
             self.tokens_per_step.observe(num_tokens)
             if gap_s is not None:
                 self.itl.observe(gap_s)
+
+    def observe_error(self, code: int) -> None:
+        name = ErrorCode(code).name if code in ErrorCode._value2member_map_ else str(code)
+        self.errors.labels(name).inc()
 
     def observe_final(self, final: Final) -> None:
         self.requests.labels(final.finish_reason).inc()
@@ -109,8 +101,10 @@ class ServerMetrics:
         self.governor_ratio.set(stats.spec_governor_ratio)
         self.governor_switches.set(stats.spec_governor_switches)
         self.requests_off.set(stats.spec_requests_off)
-        for reason, n in stats.spec_decisions.items():
-            self.decisions.labels(reason).set(n)
+        # A restarted scheduler counts from zero: reasons it has not reported yet are 0, not the old count.
+        for reason in self._reasons_seen | stats.spec_decisions.keys():
+            self.decisions.labels(reason).set(stats.spec_decisions.get(reason, 0))
+        self._reasons_seen |= stats.spec_decisions.keys()
 
     # ---- reading -------------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, float]:

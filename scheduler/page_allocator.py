@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.errors import OutOfPagesError
-from engine.kv_cache import DUMMY_PAGE
+from specstep.engine.errors import OutOfPagesError
+from specstep.engine.kv_cache import DUMMY_PAGE
 
 
 class PageAllocator:

@@ -10,9 +10,10 @@ field by field in docs/protocol.md; keep the two in step and bump PROTOCOL_VERSI
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 import msgspec
+
+from specstep.scheduler.decode_errors import describe, guess_request_id
 
 PROTOCOL_VERSION = 1
 
@@ -37,7 +38,7 @@ class MsgType(enum.IntEnum):
 
 
 class ErrorCode(enum.IntEnum):
-    MALFORMED = 1  # wrong frame count, not msgpack, wrong shape or field types
+    MALFORMED = 1  # wrong frame count, not msgpack, wrong shape or field types, a required field missing
     UNKNOWN_TYPE = 2  # frame 0 is not a known client message type
     INVALID_PARAMS = 3  # a field's value is out of range
     PROMPT_TOO_LONG = 4
@@ -47,6 +48,7 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 8  # the server is draining and takes no new requests
     OVERLOADED = 9  # too many unfinished requests in the server
     INTERNAL = 10  # a bug; the message says what
+    TOO_LARGE = 11  # the body is over MAX_FRAME_BYTES (a client can tell it apart from a bug in its encoder)
 
 
 class GenerateRequest(Wire):
@@ -130,8 +132,11 @@ class Final(Wire):
 
 class Error(Wire):
     code: int
-    message: str
+    message: str  # starts with "FIELD: " when one field is at fault
     request_id: str | None = None
+    # True only on DUPLICATE_REQUEST_ID: the request already running under this id goes on, so this error must
+    # not end it in a client that routes replies by id.
+    request_continues: bool = False
 
 
 class HealthReply(Wire):
@@ -142,7 +147,8 @@ class HealthReply(Wire):
     max_model_len: int = 0
     max_prompt_len: int = 0
     max_tokens: int = 0
-    vocab_size: int = 0
+    vocab_size: int = 0  # 3-7 are "" / 0 until the scheduler first reports ready
+    address: str = ""  # the ROUTER's bound address (the real port when started on port 0)
 
 
 class EngineStats(Wire):
@@ -308,7 +314,8 @@ class ProtocolError(Exception):
         self.request_id = request_id
 
     def to_wire(self) -> Error:
-        return Error(int(self.code), self.message, self.request_id)
+        # A duplicate is refused on its own: the request already running under that id is untouched.
+        return Error(int(self.code), self.message, self.request_id, self.code == ErrorCode.DUPLICATE_REQUEST_ID)
 
 
 _TYPE_BYTE: dict[type, bytes] = {
@@ -325,6 +332,7 @@ _decoders: dict[type, msgspec.msgpack.Decoder] = {
     for cls in (*CLIENT_TYPES.values(), *SERVER_TYPES.values(), *TO_ENGINE_TYPES.values(), *FROM_ENGINE_TYPES.values())
 }
 MAX_FRAME_BYTES = 16 << 20
+_CARRY_ID = (GenerateRequest, EngineRequest)  # messages whose decode errors report their request id
 
 
 def encode(msg: Wire) -> list[bytes]:
@@ -343,12 +351,15 @@ def _decode(frames: list[bytes], types: dict[int, type[Wire]]) -> Wire:
     if len(kind) != 1 or kind[0] not in types:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {bytes(kind[:8]).hex()!r}")
     cls = types[kind[0]]
+    # Only a request's own error carries its id: one for a bad ABORT naming a running request would end that
+    # request in a client that routes replies by id.
+    rid = guess_request_id(body) if cls in _CARRY_ID else None
     if len(body) > MAX_FRAME_BYTES:
-        raise ProtocolError(ErrorCode.MALFORMED, f"message body of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"message body of {len(body)} bytes exceeds {MAX_FRAME_BYTES}", rid)
     try:
         return _decoders[cls].decode(body)
     except Exception as e:  # DecodeError, ValidationError; anything else from garbage input is the same thing
-        raise ProtocolError(ErrorCode.MALFORMED, f"bad {cls.__name__}: {e}", _guess_request_id(body)) from None
+        raise ProtocolError(ErrorCode.MALFORMED, describe(cls, body, e), rid) from None
 
 
 def decode_client(frames: list[bytes]) -> Wire:
@@ -367,13 +378,3 @@ def decode_to_engine(frames: list[bytes]) -> Wire:
 def decode_from_engine(frames: list[bytes]) -> Wire:
     return _decode(frames, FROM_ENGINE_TYPES)
 
-
-def _guess_request_id(body: bytes) -> str | None:
-    """The request id of a malformed message, when its first array element is a string (for the error reply)."""
-    try:
-        raw: Any = msgspec.msgpack.decode(body)
-    except Exception:  # any garbage: no id to report
-        return None
-    if isinstance(raw, list) and raw and isinstance(raw[0], str) and 0 < len(raw[0]) <= 256:
-        return raw[0]
-    return None

@@ -13,9 +13,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
-from scheduler.spec_counters import SpecCounters
-from scheduler.spec_decision import RequestAcceptance
+from specstep.engine.sampling_params import SamplingParams
+from specstep.scheduler.spec_counters import SpecCounters
+from specstep.scheduler.spec_decision import RequestAcceptance
 
 
 class Status(enum.IntEnum):

@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from engine.tokenizer import Tokenizer
-from scheduler.detokenize import TextStream
-from scheduler.protocol import Delta, EngineOutput, EngineRequest, Final, GenerateRequest, Timings, Usage
-from scheduler.spec_counters import SpecCounters
+from specstep.engine.tokenizer import Tokenizer
+from specstep.scheduler.detokenize import TextStream
+from specstep.scheduler.protocol import Delta, EngineOutput, EngineRequest, Final, GenerateRequest, Timings, Usage
+from specstep.scheduler.spec_counters import SpecCounters
 
 
 @dataclass(eq=False, slots=True)

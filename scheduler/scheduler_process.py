@@ -4,7 +4,7 @@
     frontend PULL ◀── PUSH ◀─[send thread: encode]─────────────────────────────────────────────────┘
 
 Socket I/O and (de)serialisation live in two threads, so the loop only moves Python objects through queues.
-Started by the supervisor as `python -m scheduler.scheduler_process CONFIG_JSON`; it connects both sockets,
+Started by the supervisor as `python -m specstep.scheduler.scheduler_process CONFIG_JSON`; it connects both sockets,
 builds the engine, and announces itself with a Ready message carrying the values learned at start-up.
 SIGTERM (or a SHUTDOWN message) drains: new requests are rejected, running ones finish, then it exits.
 SIGINT is ignored: the frontend coordinates shutdown. If the frontend dies, it exits at once.
@@ -28,12 +28,12 @@ import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.errors import InvalidRequestError  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from scheduler.build import build_engine  # noqa: E402
-from scheduler.engine_core import EngineCore, RequestOutput  # noqa: E402
-from scheduler.protocol import (  # noqa: E402
+from specstep.engine.engine_config import EngineConfig  # noqa: E402
+from specstep.engine.errors import InvalidRequestError  # noqa: E402
+from specstep.engine.sampling_params import SamplingParams  # noqa: E402
+from specstep.scheduler.build import build_engine  # noqa: E402
+from specstep.scheduler.engine_core import EngineCore, RequestOutput  # noqa: E402
+from specstep.scheduler.protocol import (  # noqa: E402
     PROTOCOL_VERSION,
     EngineAbort,
     EngineOutput,
@@ -50,10 +50,10 @@ from scheduler.protocol import (  # noqa: E402
     decode_to_engine,
     encode_engine,
 )
-from scheduler.request import Request  # noqa: E402
-from scheduler.sockets import make_socket  # noqa: E402
-from traces.ranges import SEND  # noqa: E402
-from traces.tracer import NULL_TRACER, Tracer, TraceRecorder  # noqa: E402
+from specstep.scheduler.request import Request  # noqa: E402
+from specstep.scheduler.sockets import make_socket  # noqa: E402
+from specstep.traces.ranges import SEND  # noqa: E402
+from specstep.traces.tracer import NULL_TRACER, Tracer, TraceRecorder  # noqa: E402
 
 log = logging.getLogger("specstep.scheduler")
 IDLE_POLL_S = 0.5  # how often the receive thread checks that the frontend is still alive
@@ -287,7 +287,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=os.environ.get("SPECSTEP_LOG_LEVEL", "INFO"),
                         format=f"specstep scheduler[{os.getpid()}] %(levelname)s: %(message)s")
     if len(argv) != 2:
-        print("usage: python -m scheduler.scheduler_process CONFIG_JSON (started by `specstep serve`)",
+        print("usage: python -m specstep.scheduler.scheduler_process CONFIG_JSON (started by `specstep serve`)",
               file=sys.stderr)
         return 2
     return run(msgspec.json.decode(argv[1], type=SchedulerProcessConfig))

@@ -12,10 +12,10 @@ import logging
 import sys
 from pathlib import Path
 
-from engine.engine_config import EngineConfig
-from engine.errors import CheckpointError, SpecstepError
-from engine.model_source import serve_default_spec
-from scheduler.generate_cmd import add_engine_arguments, engine_config_from_args, resolve_model_arg
+from specstep.engine.engine_config import EngineConfig
+from specstep.engine.errors import CheckpointError, SpecstepError
+from specstep.engine.model_source import serve_default_spec
+from specstep.scheduler.generate_cmd import add_engine_arguments, engine_config_from_args, resolve_model_arg
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 
@@ -23,23 +23,37 @@ DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.set_defaults(spec=None)  # resolved by default_spec()
+    for action in p._actions:  # argparse has no public way to re-word an inherited option's help
+        if action.dest == "spec":
+            action.help = ("speculation proposer (default: the one shipped with the target, an MTP head or a draft "
+                           "model; else ngram)")
     s = p.add_argument_group("server")
     s.add_argument("--address", default=DEFAULT_ADDRESS,
-                   help=f"ROUTER address to bind (default {DEFAULT_ADDRESS}, loopback only; port 0 = any free port)")
-    s.add_argument("--max-prompt-len", type=int, default=None, help="longest prompt accepted, in tokens")
+                   help="ROUTER address to bind (default: %(default)s, loopback only; port 0 = any free port, "
+                        "printed in the 'listening on' and 'ready' lines and in HEALTH_REPLY)")
+    s.add_argument("--max-prompt-len", type=int, default=None,
+                   help="longest prompt accepted, in tokens (default: what the model and the KV cache allow)")
     s.add_argument("--max-tokens-limit", type=int, default=None,
-                   help="largest max_tokens a request may ask for (default: the model's length)")
-    s.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the server here on exit")
-    s.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for the scheduler to get ready")
+                   help="largest max_tokens a request may ask for (default: the model's length less one, at most "
+                        "what the whole KV cache holds)")
+    s.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the server here on exit "
+                                                 "(default: none)")
+    s.add_argument("--startup-timeout", type=float, default=300.0,
+                   help="seconds for the scheduler process to load the model and report ready (default: "
+                        "%(default)s)")
     s.add_argument("--max-restarts", type=int, default=5,
-                   help="scheduler restarts allowed within --restart-window seconds before giving up")
-    s.add_argument("--restart-window", type=float, default=300.0)
+                   help="scheduler restarts allowed within --restart-window seconds before giving up (status "
+                        "'failed'; default: %(default)s)")
+    s.add_argument("--restart-window", type=float, default=300.0,
+                   help="seconds over which --max-restarts is counted (default: %(default)s)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish")
-    s.add_argument("--max-inflight", type=int, default=4096, help="unfinished requests before OVERLOADED")
+                   help="on SIGTERM, seconds to let in-flight requests finish (default: %(default)s)")
+    s.add_argument("--max-inflight", type=int, default=4096,
+                   help="unfinished requests in the server before new ones get OVERLOADED (default: %(default)s)")
     s.add_argument("--metrics-port", type=int, default=9400,
-                   help="Prometheus /metrics on 127.0.0.1:PORT (0: any free port, -1: off; a taken port only warns)")
-    s.add_argument("--log-level", default="INFO")
+                   help="Prometheus /metrics on 127.0.0.1:PORT (0: any free port, -1: off; a taken port only warns; "
+                        "default: %(default)s). Metrics: docs/metrics.md")
+    s.add_argument("--log-level", default="INFO", help="default: %(default)s")
 
 
 def default_spec(model: str) -> str:
@@ -58,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import uvloop
 
-    from scheduler.frontend import Frontend, FrontendConfig
+    from specstep.scheduler.frontend import Frontend, FrontendConfig
 
     fcfg = FrontendConfig(address=args.address, engine=dataclasses.asdict(cfg), model_name=name, model_origin=origin,
                           max_tokens=args.max_tokens_limit, max_prompt_len=args.max_prompt_len,
@@ -72,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> tuple[EngineConfig, object]:
     """Fail fast, before any process starts, on what can be checked without loading a model."""
-    from engine.tokenizer import Tokenizer
+    from specstep.engine.tokenizer import Tokenizer
 
     if args.spec is None:
         args.spec = default_spec(args.model)

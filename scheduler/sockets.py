@@ -49,10 +49,45 @@ def bound_address(sock: zmq.Socket) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
+IPC_PREFIX = "specstep-"
+
+
 def ipc_address(name: str) -> str:
-    """A fresh ipc:// path in a private temp dir (short: ipc paths are limited to ~100 bytes)."""
-    folder = Path(tempfile.mkdtemp(prefix="specstep-"))
+    """A fresh ipc:// path in a private (0700) temp dir named after this process, `specstep-PID-XXXX`, so a
+    later start can tell a dead process's folder from a live one's (short: ipc paths are limited to ~100 bytes)."""
+    folder = Path(tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-"))
     return f"ipc://{folder / name}"
+
+
+def remove_stale_ipc(tmp: str | None = None) -> list[Path]:
+    """Remove the ipc folders of specstep processes that no longer exist (a `kill -9` leaves them behind).
+    Only folders named `specstep-PID-*` whose PID is gone and that hold nothing but sockets are touched."""
+    removed = []
+    for folder in Path(tmp or tempfile.gettempdir()).glob(f"{IPC_PREFIX}*-*"):
+        pid = folder.name[len(IPC_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)) or not folder.is_dir() or folder.is_symlink():
+            continue
+        try:
+            entries = list(folder.iterdir())
+            if any(not e.is_socket() for e in entries):
+                continue
+            for e in entries:
+                e.unlink()
+            folder.rmdir()
+            removed.append(folder)
+        except OSError:  # another user's, or raced with another start: leave it
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def remove_ipc(address: str) -> None:

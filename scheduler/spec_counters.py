@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler import protocol
+from specstep.scheduler import protocol
 
 
 @dataclass(slots=True)

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.spec_costs import StepCosts, bucket
-from scheduler.spec_decision import Decision, RequestAcceptance
-from scheduler.spec_governor import Governor, GovernorConfig
+from specstep.scheduler.spec_costs import StepCosts, bucket
+from specstep.scheduler.spec_decision import Decision, RequestAcceptance
+from specstep.scheduler.spec_governor import Governor, GovernorConfig
 
 OBJECTIVES = ("throughput", "latency")
 

@@ -15,19 +15,18 @@ import contextlib
 import itertools
 import logging
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from scheduler.protocol import (
+from specstep.scheduler.launch import module_command
+from specstep.scheduler.protocol import (
     EngineOutputs,
     EngineReject,
     EngineShutdown,
@@ -41,10 +40,9 @@ from scheduler.protocol import (
     decode_from_engine,
     encode_engine,
 )
-from scheduler.sockets import ipc_address, make_socket, remove_ipc
+from specstep.scheduler.sockets import ipc_address, make_socket, remove_ipc, remove_stale_ipc
 
 log = logging.getLogger("specstep.supervisor")
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 class EngineHandler(Protocol):
@@ -71,7 +69,7 @@ class SchedulerSupervisor:
                  restart_window_s: float = 300.0, command: list[str] | None = None) -> None:
         self.ctx = ctx
         # How to start a scheduler process; its config (JSON) is appended as the last argument.
-        self.command = command or [sys.executable, "-m", "scheduler.scheduler_process"]
+        self.command = command or module_command("specstep.scheduler.scheduler_process")
         self.make_config = make_config
         self.handler = handler
         self.startup_timeout_s = startup_timeout_s
@@ -135,6 +133,8 @@ class SchedulerSupervisor:
     async def start(self) -> bool:
         """The first start; False if the scheduler did not come up (state `failed`) or `stop()` was called
         meanwhile (state `stopped`: the start is cancelled and its process reaped)."""
+        for folder in remove_stale_ipc():
+            log.info("removed %s, left by a process that is gone", folder)
         self._start_task = asyncio.ensure_future(self._launch())
         try:
             if await self._start_task:
@@ -161,7 +161,6 @@ class SchedulerSupervisor:
         try:
             cfg = self.make_config(in_addr, out_addr)
             env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
             inc.proc = await asyncio.create_subprocess_exec(*self.command, msgspec.json.encode(cfg).decode(),
                                                             env=env)
         except BaseException:  # could not spawn, or cancelled meanwhile: leave no socket behind

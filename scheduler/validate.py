@@ -10,10 +10,10 @@ import math
 import random
 from dataclasses import dataclass
 
-from engine.tokenizer import Tokenizer
-from scheduler.protocol import EngineRequest, ErrorCode, GenerateRequest, ProtocolError, Ready
+from specstep.engine.tokenizer import Tokenizer
+from specstep.scheduler.decode_errors import MAX_REQUEST_ID_LEN
+from specstep.scheduler.protocol import EngineRequest, ErrorCode, GenerateRequest, ProtocolError, Ready
 
-MAX_REQUEST_ID_LEN = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -35,70 +35,74 @@ class Limits:
 
 
 def check_request_id(request_id: str) -> None:
+    # The error carries no id: a client routing by id would match a shortened one to the wrong request.
     if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
-        raise ProtocolError(ErrorCode.INVALID_PARAMS,
-                            f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_LEN} characters",
-                            request_id[:MAX_REQUEST_ID_LEN] or None)
+        raise ProtocolError(ErrorCode.INVALID_PARAMS, f"request_id: must be 1-{MAX_REQUEST_ID_LEN} characters, "
+                            f"got {len(request_id)}")
 
 
 def validate_generate(msg: GenerateRequest, limits: Limits, tokenizer: Tokenizer | None,
                       engine_id: str) -> EngineRequest:
-    """The engine request for `msg`, or ProtocolError (INVALID_PARAMS / PROMPT_TOO_LONG) naming the field."""
+    """The engine request for `msg`, or ProtocolError (INVALID_PARAMS / PROMPT_TOO_LONG) whose message starts
+    with the field at fault (`max_tokens: ...`). Lengths of strings are in characters (code points)."""
     rid = msg.request_id
 
     def bad(text: str, code: ErrorCode = ErrorCode.INVALID_PARAMS) -> ProtocolError:
         return ProtocolError(code, text, rid)
 
     if (msg.prompt is None) == (msg.prompt_token_ids is None):
-        raise bad("give exactly one of prompt and prompt_token_ids")
+        given = "both" if msg.prompt is not None else "neither"
+        raise bad(f"prompt: give exactly one of prompt and prompt_token_ids, got {given}")
     if msg.prompt is not None:
         if not msg.prompt:
-            raise bad("prompt is empty")
+            raise bad("prompt: must not be empty")
         if tokenizer is None:
-            raise bad("this model has no tokenizer: send prompt_token_ids")
+            raise bad("prompt: this model has no tokenizer; send prompt_token_ids")
         bound = tokenizer.max_token_chars
         if bound is not None and len(msg.prompt) > limits.max_prompt_len * bound:  # surely too long: no encoding
-            raise bad(f"prompt has {len(msg.prompt)} characters, more than {limits.max_prompt_len} tokens can hold",
+            raise bad(f"prompt: {len(msg.prompt)} characters, more than {limits.max_prompt_len} tokens can hold",
                       ErrorCode.PROMPT_TOO_LONG)
         ids = tokenizer.encode(msg.prompt)
         if not ids:
-            raise bad("prompt encodes to no tokens")
+            raise bad("prompt: encodes to no tokens")
     else:
         ids = msg.prompt_token_ids or []
         if not ids:
-            raise bad("prompt_token_ids is empty")
+            raise bad("prompt_token_ids: must not be empty")
         outside = [t for t in ids if not 0 <= t < limits.vocab_size]
         if outside:
-            raise bad(f"prompt_token_ids outside the vocabulary [0, {limits.vocab_size}): {outside[:5]}")
+            raise bad(f"prompt_token_ids: outside the vocabulary [0, {limits.vocab_size}): {outside[:5]}")
     if len(ids) > limits.max_prompt_len:
-        raise bad(f"prompt has {len(ids)} tokens; this server allows at most {limits.max_prompt_len}",
+        field = "prompt" if msg.prompt is not None else "prompt_token_ids"
+        raise bad(f"{field}: {len(ids)} tokens; this server allows at most {limits.max_prompt_len}",
                   ErrorCode.PROMPT_TOO_LONG)
     if not 1 <= msg.max_tokens <= limits.max_tokens:
-        raise bad(f"max_tokens must be in [1, {limits.max_tokens}], got {msg.max_tokens}")
+        raise bad(f"max_tokens: must be in [1, {limits.max_tokens}], got {msg.max_tokens}")
     if not (math.isfinite(msg.temperature) and 0.0 <= msg.temperature <= MAX_TEMPERATURE):
-        raise bad(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {msg.temperature}")
+        raise bad(f"temperature: must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {msg.temperature}")
     if not (math.isfinite(msg.top_p) and 0.0 < msg.top_p <= 1.0):
-        raise bad(f"top_p must be in (0, 1], got {msg.top_p}")
-    if not 0 <= msg.top_k < 2**31:
-        raise bad(f"top_k must be >= 0 (0 = off), got {msg.top_k}")
+        raise bad(f"top_p: must be in (0, 1], got {msg.top_p}")
+    # -1 is "off" as in vLLM and SGLang; a top_k of the vocabulary size or more keeps every token, like 0.
+    if not -1 <= msg.top_k < 2**31:
+        raise bad(f"top_k: must be 0 or -1 (off), or a count in [1, 2^31), got {msg.top_k}")
     if msg.seed is not None and not 0 <= msg.seed < 2**63:
-        raise bad(f"seed must be in [0, 2^63), got {msg.seed}")
+        raise bad(f"seed: must be in [0, 2^63), got {msg.seed}")
     if len(msg.stop) > MAX_STOP_STRINGS:
-        raise bad(f"at most {MAX_STOP_STRINGS} stop strings, got {len(msg.stop)}")
+        raise bad(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(msg.stop)}")
     if any(not s or len(s) > MAX_STOP_STRING_LEN for s in msg.stop):
-        raise bad(f"stop strings must be non-empty and at most {MAX_STOP_STRING_LEN} characters")
+        raise bad(f"stop: each string must be 1-{MAX_STOP_STRING_LEN} characters")
     if msg.stop and tokenizer is None:
-        raise bad("this model has no tokenizer: stop strings are not available, use stop_token_ids")
+        raise bad("stop: this model has no tokenizer, so no stop strings; use stop_token_ids")
     if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(msg.stop_token_ids)}")
+        raise bad(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(msg.stop_token_ids)}")
     outside = [t for t in msg.stop_token_ids if not 0 <= t < limits.vocab_size]
     if outside:
-        raise bad(f"stop_token_ids outside the vocabulary [0, {limits.vocab_size}): {outside[:5]}")
+        raise bad(f"stop_token_ids: outside the vocabulary [0, {limits.vocab_size}): {outside[:5]}")
     if msg.num_spec_tokens is not None and not 0 <= msg.num_spec_tokens <= MAX_SPEC_TOKENS:
-        raise bad(f"num_spec_tokens must be null (server policy) or in [0, {MAX_SPEC_TOKENS}], "
+        raise bad(f"num_spec_tokens: must be null (server policy) or in [0, {MAX_SPEC_TOKENS}], "
                   f"got {msg.num_spec_tokens}")
     seed = msg.seed if msg.seed is not None else random.getrandbits(63)
     return EngineRequest(request_id=engine_id, prompt_token_ids=list(ids), seed=seed, max_tokens=msg.max_tokens,
-                         temperature=float(msg.temperature), top_p=float(msg.top_p), top_k=msg.top_k,
+                         temperature=float(msg.temperature), top_p=float(msg.top_p), top_k=max(msg.top_k, 0),
                          stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
                          num_spec_tokens=msg.num_spec_tokens, client_seed=msg.seed)

@@ -97,8 +97,8 @@ class Bench:
     def build(self, cfg):
         """A model on the device with random weights: built on meta, materialised, then initialised."""
         torch = self.torch
-        from engine.models.llama import LlamaForCausalLM
-        from engine.models.mtp_head import MTPHead
+        from specstep.engine.models.llama import LlamaForCausalLM
+        from specstep.engine.models.mtp_head import MTPHead
 
         cls = MTPHead if cfg.architecture == "mtp" else LlamaForCausalLM
         default = torch.get_default_dtype()
@@ -140,15 +140,15 @@ class FlashInferRoute:
     the torch backend. Plans are made once per (kind, batch) outside the timed loop: lengths are fixed here."""
 
     def __init__(self, bench: Bench, cfg, target, max_pages) -> None:
-        from engine.attention import flashinfer_backend as fib
+        from specstep.engine.attention import flashinfer_backend as fib
 
         self.fi = fib.FlashInferAttention(cfg, PAGE, bench.dtype, bench.device, max_pages)
         self.target = target
         self.calls = 0
 
     def kind(self, name: str, pool, inputs, q: int):
-        from cuda_graphs import StepKind
-        from cuda_graphs.steps import target_step
+        from specstep.cuda_graphs import StepKind
+        from specstep.cuda_graphs.steps import target_step
 
         step = target_step(self.target, pool, slot=name)
 
@@ -167,10 +167,10 @@ def bench_shape(bench: Bench, name: str, buckets: list[int], fi_enabled: bool) -
     import dataclasses
 
     torch = bench.torch
-    from cuda_graphs import StepKind
-    from cuda_graphs.steps import mtp_draft_step, mtp_inputs, mtp_refill_step, target_inputs, target_step
-    from engine.config import ModelConfig
-    from engine.kv_cache import KVPool
+    from specstep.cuda_graphs import StepKind
+    from specstep.cuda_graphs.steps import mtp_draft_step, mtp_inputs, mtp_refill_step, target_inputs, target_step
+    from specstep.engine.config import ModelConfig
+    from specstep.engine.kv_cache import KVPool
 
     args = bench.args
     cfg = ModelConfig(architecture="llama", max_position_embeddings=2048, rope_theta=500000.0, **SHAPES[name])
@@ -192,7 +192,7 @@ def bench_shape(bench: Bench, name: str, buckets: list[int], fi_enabled: bool) -
                       mtp_inputs(max_pages, cfg.hidden_size, bench.dtype), (1,)),
              StepKind("refill", mtp_refill_step(head, target, head_pool),
                       mtp_inputs(max_pages, cfg.hidden_size, bench.dtype), (K + 1,))]
-    from engine.errors import ConfigError
+    from specstep.engine.errors import ConfigError
 
     route = None
     result["flashinfer"] = "off"
@@ -216,7 +216,7 @@ def _measure(bench: Bench, name, kinds, buckets, max_pages, cfg, route, result) 
     import numpy as np
 
     torch, args = bench.torch, bench.args
-    from cuda_graphs import GraphConfig, GraphRunner
+    from specstep.cuda_graphs import GraphConfig, GraphRunner
 
     on = GraphRunner(bench.device, GraphConfig(buckets=tuple(buckets), max_batch=max(buckets)))
     off = GraphRunner(bench.device, GraphConfig(enabled=False, max_batch=max(buckets)))

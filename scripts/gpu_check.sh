@@ -10,7 +10,9 @@
 #      greedy equality)                                                                      -> OUTDIR/pytest.txt
 #   4. scripts/gpu_bench.py: step times per kind/bucket, graphs on/off, verify/decode, bandwidth floor
 #                                                                -> OUTDIR/bench.json, OUTDIR/bench.txt
-# The project runs from the checkout (PYTHONPATH=.), nothing is installed into site-packages.
+# The project runs from the checkout, nothing is installed into site-packages: its folders are linked under a
+# temporary `specstep/` namespace (the import names an install maps them to) and the checkout is on PYTHONPATH
+# for `tests.*`.
 # Every stage has a timeout (60 + 150 + 210 s at worst; a few minutes normally), so the script ends well inside
 # 8 minutes. The bench writes its JSON after every shape, so a timeout keeps what was measured. Table last.
 set -uo pipefail
@@ -20,8 +22,11 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 cd "$(dirname "$0")/.."
 export OMP_WAIT_POLICY=PASSIVE
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python}"
+NS="$(mktemp -d)"
+mkdir -p "$NS/specstep"
+for d in engine scheduler cuda_graphs traces training loadgen; do ln -s "$PWD/$d" "$NS/specstep/$d"; done
+export PYTHONPATH="$NS:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
 start=$SECONDS
 
 if compgen -G ".whl/*.whl" > /dev/null; then

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from engine.attention import flashinfer_backend as fib
+from specstep.engine.attention import flashinfer_backend as fib
 
 
 class _FakeWrapper:

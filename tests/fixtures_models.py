@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ModelConfig
-from engine.loader import local_to_hf, save_checkpoint
-from engine.models.mtp_head import MTPHead
+from specstep.engine.config import ModelConfig
+from specstep.engine.loader import local_to_hf, save_checkpoint
+from specstep.engine.models.mtp_head import MTPHead
 
 
 def hf_model(folder: Path, dtype: torch.dtype = torch.float32):

@@ -12,13 +12,13 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from scheduler.build import build_engine  # noqa: E402
-from scheduler.engine_core import EngineCore  # noqa: E402
-from scheduler.request import Request  # noqa: E402
-from scheduler.spec_decision import Decision  # noqa: E402
-from scheduler.spec_policy import AdaptivePolicy, PolicyConfig  # noqa: E402
+from specstep.engine.engine_config import EngineConfig  # noqa: E402
+from specstep.engine.sampling_params import SamplingParams  # noqa: E402
+from specstep.scheduler.build import build_engine  # noqa: E402
+from specstep.scheduler.engine_core import EngineCore  # noqa: E402
+from specstep.scheduler.request import Request  # noqa: E402
+from specstep.scheduler.spec_decision import Decision  # noqa: E402
+from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig  # noqa: E402
 
 TINY_VOCAB = 320
 

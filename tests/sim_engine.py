@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.step_engine import StepOutput
-from scheduler.engine_core import EngineCore, SchedulerConfig
-from scheduler.page_allocator import PageAllocator
-from scheduler.request import Request
-from scheduler.spec_policy import AdaptivePolicy, PolicyConfig
+from specstep.engine.sampling_params import SamplingParams
+from specstep.engine.step_engine import StepOutput
+from specstep.scheduler.engine_core import EngineCore, SchedulerConfig
+from specstep.scheduler.page_allocator import PageAllocator
+from specstep.scheduler.request import Request
+from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig
 
 
 class SimClock:

@@ -15,12 +15,12 @@ import random
 
 import pytest
 
-from engine.engine_config import EngineConfig
-from engine.model_source import pretrained_gguf, resolve_model
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from scheduler.build import build_engine
-from scheduler.request import Request
+from specstep.engine.engine_config import EngineConfig
+from specstep.engine.model_source import pretrained_gguf, resolve_model
+from specstep.engine.sampling_params import SamplingParams
+from specstep.engine.tokenizer import Tokenizer
+from specstep.scheduler.build import build_engine
+from specstep.scheduler.request import Request
 
 GGUF = pretrained_gguf()
 if GGUF is None:

@@ -1,6 +1,7 @@
-"""`python -m scheduler.cli generate`: the JSONL contract end to end in a subprocess, and one-line errors with a
-non-zero exit for bad inputs. Subprocesses are few (each pays for a torch import, seconds on a loaded machine):
-the remaining error cases call the same entry point, `scheduler.cli.main`, in-process."""
+"""`specstep generate` (as `python -m specstep.scheduler.cli`): the JSONL contract end to end in a subprocess, and
+one-line errors with a non-zero exit for bad inputs. Subprocesses are few (each pays for a torch import, seconds
+on a loaded machine): the remaining error cases call the same entry point, `specstep.scheduler.cli.main`,
+in-process."""
 
 from __future__ import annotations
 
@@ -12,19 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from specstep.engine.sampling_params import SamplingParams
+from specstep.engine.tokenizer import Tokenizer
 from tests.helpers import make_core, run_to_completion
 
-ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {"prompt_token_ids", "token_ids", "text", "finish_reason", "spec"}
 SPEC_FIELDS = {"drafted_tokens", "accepted_tokens", "mean_accepted_length", "acceptance_per_position"}
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
-    return subprocess.run([sys.executable, "-m", "scheduler.cli", "generate", *map(str, args)], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    return subprocess.run([sys.executable, "-m", "specstep.scheduler.cli", "generate", *map(str, args)], env=env,
+                          cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
 def write_jsonl(path: Path, lines: list) -> Path:
@@ -87,7 +87,7 @@ def test_speculative_run_writes_stats_and_same_greedy_tokens(tiny_target, tiny_d
 
 
 def cli_in_process(capsys, *args) -> subprocess.CompletedProcess:
-    from scheduler.cli import main
+    from specstep.scheduler.cli import main
 
     code = main(["generate", *map(str, args)])
     out, err = capsys.readouterr()
@@ -138,8 +138,8 @@ def test_bad_prompts(capsys, tiny_target, tmp_path, lines, needles):
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_flashinfer_without_it_is_a_one_line_error(capsys, tiny_target, tmp_path, command):
-    from engine.attention import flashinfer_backend as fib
-    from scheduler.cli import main
+    from specstep.engine.attention import flashinfer_backend as fib
+    from specstep.scheduler.cli import main
 
     if fib.AVAILABLE:
         pytest.skip("flashinfer is installed here")

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.models.cpu_linear import PROBE_ROWS, CpuLinear, LinearPlan, onednn_available, plan_linears
-from engine.sampling_params import SamplingParams
+from specstep.engine.models.cpu_linear import PROBE_ROWS, CpuLinear, LinearPlan, onednn_available, plan_linears
+from specstep.engine.sampling_params import SamplingParams
 from tests.helpers import make_checkpoint, make_core, run_to_completion
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")

@@ -9,9 +9,9 @@ import logging
 import pytest
 import torch
 
-from cuda_graphs import BufferSpec, GraphConfig, GraphContractError, GraphKey, GraphRunner, StepKind
-from cuda_graphs.buckets import bucket_for, default_buckets, plan_buckets
-from cuda_graphs.steps import (
+from specstep.cuda_graphs import BufferSpec, GraphConfig, GraphContractError, GraphKey, GraphRunner, StepKind
+from specstep.cuda_graphs.buckets import bucket_for, default_buckets, plan_buckets
+from specstep.cuda_graphs.steps import (
     draft_model_step,
     mtp_draft_step,
     mtp_inputs,
@@ -20,11 +20,11 @@ from cuda_graphs.steps import (
     target_step,
     uniform_layout,
 )
-from engine.batch_builder import build_forward_batch, build_layout
-from engine.forward_batch import ForwardBatch
-from engine.kv_cache import DUMMY_PAGE, KVPool
-from engine.model_loader import load_model
-from engine.models.mtp_head import MTPHead
+from specstep.engine.batch_builder import build_forward_batch, build_layout
+from specstep.engine.forward_batch import ForwardBatch
+from specstep.engine.kv_cache import DUMMY_PAGE, KVPool
+from specstep.engine.model_loader import load_model
+from specstep.engine.models.mtp_head import MTPHead
 from tests.helpers import make_checkpoint
 
 PAGE, MAX_PAGES, NUM_PAGES = 4, 6, 40

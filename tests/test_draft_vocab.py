@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from engine.errors import CheckpointError
-from engine.proposers.draft_vocab import FILE, ReducedLMHead, read_draft_vocab, write_draft_vocab
-from engine.sampling_params import SamplingParams
+from specstep.engine.errors import CheckpointError
+from specstep.engine.proposers.draft_vocab import FILE, ReducedLMHead, read_draft_vocab, write_draft_vocab
+from specstep.engine.sampling_params import SamplingParams
 from tests.fixtures_models import make_mtp_head
 from tests.helpers import make_checkpoint, make_core, run_to_completion
 

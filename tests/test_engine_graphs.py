@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from specstep.engine.sampling_params import SamplingParams
 from tests.fixtures_models import make_mtp_head
 from tests.helpers import make_checkpoint, make_core, run_to_completion
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from specstep.engine.sampling_params import SamplingParams
 from tests import fake_flashinfer
 from tests.fixtures_models import make_mtp_head
 from tests.helpers import make_core, run_to_completion
@@ -68,13 +68,13 @@ def test_flashinfer_engine_catch_up_after_dropped_refill(monkeypatch, tiny_targe
 def test_flashinfer_chained_steps_show_their_extra_sync_in_the_trace(monkeypatch, tiny_target, tiny_draft):
     """With a planning backend a chained step waits for the previous step's lengths before it plans: the trace
     shows it as a second host sync per decode step (and the report counts it), ranges still nest."""
-    from traces import ranges
-    from traces.report import analyze, spans_from_events
-    from traces.tracer import Tracer, TraceRecorder
+    from specstep.traces import ranges
+    from specstep.traces.report import analyze, spans_from_events
+    from specstep.traces.tracer import Tracer, TraceRecorder
 
     fake_flashinfer.install(monkeypatch)
-    from engine.engine_config import EngineConfig
-    from scheduler.build import build_engine
+    from specstep.engine.engine_config import EngineConfig
+    from specstep.scheduler.build import build_engine
 
     recorder = TraceRecorder()
     core, _, _ = build_engine(EngineConfig(model=str(tiny_target), spec="draft_model", draft=str(tiny_draft),

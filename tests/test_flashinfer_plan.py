@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention import flashinfer_backend as fib
-from engine.attention.torch_backend import paged_attention
-from engine.batch_builder import build_layout
-from engine.config import ModelConfig
-from engine.forward_batch import ForwardBatch
-from engine.kv_cache import KVPool
+from specstep.engine.attention import flashinfer_backend as fib
+from specstep.engine.attention.torch_backend import paged_attention
+from specstep.engine.batch_builder import build_layout
+from specstep.engine.config import ModelConfig
+from specstep.engine.forward_batch import ForwardBatch
+from specstep.engine.kv_cache import KVPool
 from tests import fake_flashinfer
 from tests.fake_flashinfer import _FakeDecode
 
@@ -103,8 +103,8 @@ def test_errors(fi):
 
 
 def test_without_flashinfer_or_cuda_the_choice_is_a_typed_error(monkeypatch):
-    from engine.attention import resolve_backend
-    from engine.errors import ConfigError
+    from specstep.engine.attention import resolve_backend
+    from specstep.engine.errors import ConfigError
 
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
     monkeypatch.setattr(fib, "AVAILABLE", False)

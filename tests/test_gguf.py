@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.errors import CheckpointError
-from engine.gguf_checkpoint import converted_folder
-from engine.model_loader import load_model
-from engine.model_source import resolve_model
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from specstep.engine.errors import CheckpointError
+from specstep.engine.gguf_checkpoint import converted_folder
+from specstep.engine.model_loader import load_model
+from specstep.engine.model_source import resolve_model
+from specstep.engine.sampling_params import SamplingParams
+from specstep.engine.tokenizer import Tokenizer
 from tests.fixtures_gguf import write_gguf
 from tests.fixtures_models import hf_model
 from tests.helpers import make_checkpoint, make_core, run_to_completion

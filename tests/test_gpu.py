@@ -13,14 +13,14 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine.attention import flashinfer_backend as fib  # noqa: E402
-from engine.attention.torch_backend import paged_attention  # noqa: E402
-from engine.batch_builder import build_layout  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.forward_batch import ForwardBatch  # noqa: E402
-from engine.kv_cache import KVPool  # noqa: E402
-from engine.model_loader import load_model  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from specstep.engine.attention import flashinfer_backend as fib  # noqa: E402
+from specstep.engine.attention.torch_backend import paged_attention  # noqa: E402
+from specstep.engine.batch_builder import build_layout  # noqa: E402
+from specstep.engine.config import ModelConfig  # noqa: E402
+from specstep.engine.forward_batch import ForwardBatch  # noqa: E402
+from specstep.engine.kv_cache import KVPool  # noqa: E402
+from specstep.engine.model_loader import load_model  # noqa: E402
+from specstep.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.fixtures_models import make_mtp_head  # noqa: E402
 from tests.helpers import make_checkpoint, make_core, run_to_completion  # noqa: E402
 from tests.test_cuda_graphs import (  # noqa: E402

@@ -10,23 +10,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadgen.client import Result
-from loadgen.metrics import summarize
-from loadgen.runner import LoadPoint, RunResult, run_point
-from loadgen.workloads import Workload, build_requests
-from scheduler.protocol import Final, GenerateRequest, SpecStats, Timings, Usage
+from specstep.loadgen.client import Result
+from specstep.loadgen.metrics import summarize
+from specstep.loadgen.runner import LoadPoint, RunResult, run_point
+from specstep.loadgen.workloads import Workload, build_requests
+from specstep.scheduler.protocol import Final, GenerateRequest, SpecStats, Timings, Usage
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_sweep_across_settings_end_to_end(tiny_target, tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "scheduler.cli", "loadgen", "--model", str(tiny_target), "--setting", "off",
+    cmd = [sys.executable, "-m", "specstep.scheduler.cli", "loadgen", "--model", str(tiny_target), "--setting", "off",
            "--setting", "ngram=--spec ngram --num-spec-tokens 3",
            "--server-args", "--device cpu --kv-cache-tokens 4096",
            "--concurrency", "1,3", "--num-requests", "4", "--workload", "mix", "--prompt-tokens", "24",
            "--max-tokens", "8", "--warmup", "1", "--output-dir", str(out), "--quiet"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((out / "results.json").read_text())

@@ -9,9 +9,10 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadgen.client import Client
-from loadgen.server import ServerProcess
-from scheduler.protocol import GenerateRequest
+from specstep.loadgen.client import Client
+from specstep.loadgen.server import ServerProcess
+from specstep.scheduler.metrics import ServerMetrics
+from specstep.scheduler.protocol import EngineStats, ErrorCode, GenerateRequest
 
 
 def complete_all(address: str, reqs: list[GenerateRequest]):
@@ -32,9 +33,12 @@ def test_counters_match_final_stats_and_endpoint_is_valid(tiny_target):
             "--num-spec-tokens", "3", "--spec-policy", "fixed", "--device", "cpu", "--kv-cache-tokens", "4096",
             "--metrics-port", "0"]
     reqs = [GenerateRequest(request_id=f"m{i}", prompt_token_ids=[5 + i, 9, 11, 3][: 2 + i % 3],
-                            max_tokens=10 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
+                            max_tokens=10 + 3 * i, temperature=0.0, ignore_eos=True, stream=i % 2 == 0)
+            for i in range(6)]
+    bad = GenerateRequest(request_id="bad", prompt_token_ids=[1], max_tokens=0)
     with ServerProcess(args) as srv:
-        results, stats = complete_all(srv.start(), reqs)
+        results, stats = complete_all(srv.start(), reqs + [bad])
+        assert results.pop().error.code == ErrorCode.INVALID_PARAMS
         port = int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", srv.log()).group(1))
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
 
@@ -49,14 +53,18 @@ def test_counters_match_final_stats_and_endpoint_is_valid(tiny_target):
     per_pos = [sum(f.spec.accepted_per_position[j] for f in finals if j < len(f.spec.accepted_per_position))
                for j in range(3)]
     assert [m[f'specstep_spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}}'] for j in range(3)] == per_pos
-    assert m['specstep_requests_total{finish_reason="length"}'] == 6
+    assert m['specstep_requests_total{finish_reason="length"}'] == 6  # FINALs only: the error is counted apart
+    assert m['specstep_errors_total{code="INVALID_PARAMS"}'] == 1
     assert m["specstep_time_to_first_token_seconds_count"] == 6
     assert m["specstep_num_requests_running"] == 0
     assert stats.engine is not None and stats.engine.spec_policy == "fixed"
 
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert families["specstep_generation_tokens"].type == "counter"
-    assert families["specstep_inter_token_latency_seconds"].type == "histogram"
+    itl = families["specstep_inter_token_latency_seconds"]
+    assert itl.type == "histogram" and "stream or not" in itl.documentation  # stream=false requests count too
+    steps = sum(f.usage.completion_tokens for f in finals) - len(finals)  # at most one sample per later token
+    assert 0 < m["specstep_inter_token_latency_seconds_count"] <= steps
     assert families["specstep_spec_decode_tokens_per_step"].type == "histogram"
     gen = next(s for s in families["specstep_generation_tokens"].samples if s.name.endswith("_total"))
     assert gen.value == m["specstep_generation_tokens_total"]
@@ -84,3 +92,14 @@ def test_policy_state_in_finals_stats_and_metrics(tiny_target, tiny_draft):
     m = stats.metrics
     assert m['specstep_spec_decisions{reason="explore"}'] == eng.spec_decisions["explore"]
     assert m["specstep_spec_governor_on"] in (0.0, 1.0)
+
+
+def test_gauges_follow_a_restarted_scheduler():
+    """A new scheduler process counts from zero: a decision reason or a k it has not reported reads 0, not the
+    dead process's last value."""
+    metrics = ServerMetrics()
+    metrics.update_engine(EngineStats(k_distribution={3: 2}, spec_decisions={"explore": 5, "model": 9}))
+    metrics.update_engine(EngineStats(k_distribution={0: 1}, spec_decisions={"explore": 1}))
+    m = metrics.snapshot()
+    assert m['specstep_spec_decisions{reason="model"}'] == 0 and m['specstep_spec_decisions{reason="explore"}'] == 1
+    assert m['specstep_spec_decode_k{k="3"}'] == 0 and m['specstep_spec_decode_k{k="0"}'] == 1

@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from engine import model_source
-from engine.model_source import EMBEDDED_TARGET, PRETRAINED_FILE, default_draft, default_target, fingerprint
-from scheduler import serve_cmd
+from specstep.engine import model_source
+from specstep.engine.model_source import EMBEDDED_TARGET, PRETRAINED_FILE, default_draft, default_target, fingerprint
+from specstep.scheduler import serve_cmd
 from tests.helpers import make_checkpoint
 
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.batch_builder import build_forward_batch
-from engine.errors import CheckpointError
-from engine.kv_cache import KVPool
-from engine.model_loader import load_model
+from specstep.engine.batch_builder import build_forward_batch
+from specstep.engine.errors import CheckpointError
+from specstep.engine.kv_cache import KVPool
+from specstep.engine.model_loader import load_model
 from tests.fixtures_models import hf_model, scattered_page_tables
 from tests.helpers import make_checkpoint
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from specstep.engine.sampling_params import SamplingParams
+from specstep.traces import ranges
+from specstep.traces.report import analyze, spans_from_events
+from specstep.traces.tracer import Tracer, TraceRecorder
 from tests.helpers import make_checkpoint, run_to_completion
-from traces import ranges
-from traces.report import analyze, spans_from_events
-from traces.tracer import Tracer, TraceRecorder
 
 
 def traced_run(model, draft, overlap: bool, spec: str = "draft_model"):
     recorder = TraceRecorder()
-    from engine.engine_config import EngineConfig
-    from scheduler.build import build_engine
+    from specstep.engine.engine_config import EngineConfig
+    from specstep.scheduler.build import build_engine
 
     core, _, _ = build_engine(EngineConfig(model=str(model), spec=spec, draft=str(draft), num_spec_tokens=3,
                                            spec_policy="fixed", overlap=overlap, device="cpu",

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from engine.model_source import default_draft, pretrained_gguf, resolve_model
-from engine.sampling_params import SamplingParams
+from specstep.engine.model_source import default_draft, pretrained_gguf, resolve_model
+from specstep.engine.sampling_params import SamplingParams
 from tests.fixtures_models import hf_model, make_mtp_head
 from tests.helpers import make_checkpoint, make_core, run_to_completion
 
@@ -37,7 +37,7 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def prompts(smollm2):
-    from engine.tokenizer import Tokenizer
+    from specstep.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(smollm2)
     return [tok.encode(t) for t in TEXTS]

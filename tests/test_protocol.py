@@ -10,11 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.tokenizer import Tokenizer
-from scheduler.detokenize import TextStream
-from scheduler.protocol import (
+from specstep.engine.tokenizer import Tokenizer
+from specstep.scheduler.detokenize import TextStream
+from specstep.scheduler.protocol import (
     CLIENT_TYPES,
     FROM_ENGINE_TYPES,
+    MAX_FRAME_BYTES,
     SERVER_TYPES,
     TO_ENGINE_TYPES,
     AbortRequest,
@@ -42,7 +43,7 @@ from scheduler.protocol import (
     encode,
     encode_engine,
 )
-from scheduler.validate import Limits, validate_generate
+from specstep.scheduler.validate import Limits, validate_generate
 from tests.helpers import write_tokenizer
 
 
@@ -66,7 +67,9 @@ def test_round_trips():
                 HealthRequest()):
         assert decode_client(encode(msg)) == msg
     for msg in (Delta("r", [1], "a"), final, Error(ErrorCode.MALFORMED, "bad", None),
-                HealthReply(1, "ok", "m"), StatsReply(1, "ok", 0, 0, None)):
+                Error(ErrorCode.DUPLICATE_REQUEST_ID, "dup", "r", True), HealthReply(1, "ok", "m"),
+                HealthReply(1, "ok", "m", "mtp", 512, 500, 400, 320, "tcp://127.0.0.1:5555"),
+                StatsReply(1, "ok", 0, 0, None)):
         assert decode_server(encode(msg)) == msg
     assert decode_to_engine(encode_engine(EngineRequest("1", [1, 2], seed=5))) == EngineRequest("1", [1, 2], seed=5)
     outs = EngineOutputs([EngineOutput("1", [3]), EngineOutput("2", [4, 5], "stop", 3, 2, 0.1, 1)])
@@ -115,6 +118,47 @@ def test_decode_errors(frames, code, rid):
     assert (e.value.code, e.value.request_id) == (code, rid)
 
 
+def test_the_request_id_is_read_from_a_body_that_does_not_decode():
+    """Only the id's own bytes are read: the rest may be what is broken, or too large to decode."""
+    def rid(body: bytes) -> str | None:
+        with pytest.raises(ProtocolError) as e:
+            decode_client([bytes([MsgType.GENERATE]), body])
+        return e.value.request_id
+
+    enc = msgspec.msgpack.encode
+    assert rid(enc(["a", None, ["x"]]) + b"\x00") == "a"  # trailing bytes
+    assert rid(enc(["é" * 40, b"\xff"]).replace(b"\xc4\x01\xff", b"\xa1\xff")) == "é" * 40  # str8 id, bad UTF-8 later
+    assert rid(enc(["a" * 256] * 17)) == "a" * 256  # array16 header, str16 id
+    assert rid(enc(["a" * 257, None, "x"])) is None  # not an id check_request_id accepts
+    assert rid(enc([b"ab", None, "x"])) is None  # bin, not str
+    assert rid(b"\x92\xa5ab") is None  # truncated
+    assert rid(b"\x92\xa2\xff\xfe\xc0") is None  # the id itself is not UTF-8
+    big = enc(["huge", "x" * MAX_FRAME_BYTES])
+    with pytest.raises(ProtocolError) as e:
+        decode_client([bytes([MsgType.GENERATE]), big])
+    assert (e.value.code, e.value.request_id) == (ErrorCode.TOO_LARGE, "huge")
+    with pytest.raises(ProtocolError) as e:  # a message type without an id reports none
+        decode_client([bytes([MsgType.STATS]), enc(["x"])])
+    assert e.value.request_id is None
+
+
+def test_decode_errors_name_the_field():
+    def message(kind: MsgType, body: list) -> str:
+        with pytest.raises(ProtocolError) as e:
+            decode_client([bytes([kind]), msgspec.msgpack.encode(body)])
+        return e.value.message
+
+    assert message(MsgType.GENERATE, ["r", None, None, "4"]) == "max_tokens: expected int, got str"
+    assert message(MsgType.GENERATE, ["r", None, None, 4, 1.0, 1.0, 0, None, ["a", 3]]) == \
+        "stop[1]: expected str, got int"
+    assert message(MsgType.GENERATE, ["r", None, None, 4, 1.0, 1.0, 0, None, [], [], "no"]) == \
+        "ignore_eos: expected bool, got str"
+    assert message(MsgType.GENERATE, []) == "request_id: required field missing"
+    assert message(MsgType.ABORT, [None]) == "request_id: expected str, got nil"
+    assert message(MsgType.GENERATE, {"request_id": "r"}) == \
+        "the body must be a msgpack array of GenerateRequest's fields, got map"
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.binary(max_size=30), max_size=4))
 def test_decode_client_only_ever_raises_protocol_error(frames):
@@ -136,20 +180,29 @@ def test_validate_builds_the_engine_request(tokenizer):
     assert validate_generate(GenerateRequest("r", prompt_token_ids=[1], seed=9), LIMITS, None, "1").seed == 9
 
 
-@pytest.mark.parametrize("fields, code", [
-    (dict(prompt_token_ids=[1] * 51), ErrorCode.PROMPT_TOO_LONG),
-    (dict(prompt="x" * 400), ErrorCode.PROMPT_TOO_LONG),
-    (dict(prompt=""), ErrorCode.INVALID_PARAMS),
-    (dict(prompt_token_ids=[1], max_tokens=101), ErrorCode.INVALID_PARAMS),
-    (dict(prompt_token_ids=[1], top_p=float("inf")), ErrorCode.INVALID_PARAMS),
-    (dict(prompt_token_ids=[1], seed=2**63), ErrorCode.INVALID_PARAMS),
-    (dict(prompt_token_ids=[1], stop=["a"] * 17), ErrorCode.INVALID_PARAMS),
-    (dict(prompt_token_ids=[1], num_spec_tokens=-1), ErrorCode.INVALID_PARAMS),
+@pytest.mark.parametrize("fields, code, field", [
+    (dict(prompt_token_ids=[1] * 51), ErrorCode.PROMPT_TOO_LONG, "prompt_token_ids"),
+    (dict(prompt="x" * 400), ErrorCode.PROMPT_TOO_LONG, "prompt"),
+    (dict(prompt=""), ErrorCode.INVALID_PARAMS, "prompt"),
+    (dict(prompt_token_ids=[1], max_tokens=101), ErrorCode.INVALID_PARAMS, "max_tokens"),
+    (dict(prompt_token_ids=[1], top_p=float("inf")), ErrorCode.INVALID_PARAMS, "top_p"),
+    (dict(prompt_token_ids=[1], seed=2**63), ErrorCode.INVALID_PARAMS, "seed"),
+    (dict(prompt_token_ids=[1], stop=["a"] * 17), ErrorCode.INVALID_PARAMS, "stop"),
+    (dict(prompt_token_ids=[1], num_spec_tokens=-1), ErrorCode.INVALID_PARAMS, "num_spec_tokens"),
+    (dict(prompt_token_ids=[1], top_k=-2), ErrorCode.INVALID_PARAMS, "top_k"),
+    (dict(prompt_token_ids=[1], stop_token_ids=[320]), ErrorCode.INVALID_PARAMS, "stop_token_ids"),
 ])
-def test_validate_rejects(tokenizer, fields, code):
+def test_validate_rejects_naming_the_field(tokenizer, fields, code, field):
     with pytest.raises(ProtocolError) as e:
         validate_generate(GenerateRequest("r", **fields), LIMITS, tokenizer, "1")
     assert e.value.code == code and e.value.request_id == "r"
+    assert e.value.message.startswith(f"{field}: "), e.value.message
+
+
+def test_top_k_minus_one_is_off_and_above_the_vocabulary_is_allowed():
+    for top_k, sent in ((-1, 0), (0, 0), (7, 7), (LIMITS.vocab_size + 5, LIMITS.vocab_size + 5)):
+        req = validate_generate(GenerateRequest("r", prompt_token_ids=[1], top_k=top_k), LIMITS, None, "1")
+        assert req.top_k == sent
 
 
 def test_text_requests_need_a_tokenizer():
@@ -207,7 +260,7 @@ def test_a_prompt_too_long_for_any_tokenization_is_rejected_before_encoding(tiny
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models
 
-    from scheduler.validate import Limits, validate_generate
+    from specstep.scheduler.validate import Limits, validate_generate
 
     tok = Tokenizer.from_folder(tiny_target)  # byte-level BPE
     assert tok.max_token_chars is not None

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.proposers.mtp as mtp
-from engine.sampling_params import SamplingParams
+import specstep.engine.proposers.mtp as mtp
+from specstep.engine.sampling_params import SamplingParams
 from tests.fixtures_models import make_mtp_head
 from tests.helpers import ScriptedPolicy, make_core, run_to_completion
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.rejection_sampler import rejection_sample
-from engine.sampling_params import SamplingParams, SamplingTensors
+from specstep.engine.rejection_sampler import rejection_sample
+from specstep.engine.sampling_params import SamplingParams, SamplingTensors
 from tests.fixtures_stats import assert_distribution, reference_probs
 
 ALPHA = 1e-4

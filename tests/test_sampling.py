@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sampler import processed_probs, sample
-from engine.sampling_params import SamplingParams, SamplingTensors
+from specstep.engine.sampler import processed_probs, sample
+from specstep.engine.sampling_params import SamplingParams, SamplingTensors
 from tests.fixtures_stats import assert_distribution, chi2_gof, reference_probs
 from tests.helpers import make_core, run_to_completion
 

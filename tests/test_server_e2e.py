@@ -17,11 +17,11 @@ import zmq.asyncio
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from loadgen.client import Client
-from loadgen.server import ServerProcess
-from scheduler.protocol import (
+from specstep.engine.sampling_params import SamplingParams
+from specstep.engine.tokenizer import Tokenizer
+from specstep.loadgen.client import Client
+from specstep.loadgen.server import ServerProcess
+from specstep.scheduler.protocol import (
     CLIENT_TYPES,
     AbortRequest,
     Delta,
@@ -37,7 +37,7 @@ from scheduler.protocol import (
     decode_server,
     encode,
 )
-from scheduler.sockets import make_socket
+from specstep.scheduler.sockets import make_socket
 from tests.helpers import make_core, run_to_completion
 
 MAX_TOKENS = 24
@@ -87,6 +87,9 @@ async def test_health(server):
         h = await c.health()
         assert (h.protocol_version, h.status, h.spec, h.vocab_size, h.max_tokens) == (1, "ok", "ngram", 320, LIMIT)
         assert h.max_prompt_len == h.max_model_len - 1 == 511
+        assert h.address == server.address and not h.address.endswith(":0")  # started on port 0
+        ready = next(line for line in server.log().splitlines() if line.startswith("specstep serve: ready"))
+        assert ready.endswith(f" on {server.address}")
     finally:
         c.close()
 
@@ -237,29 +240,30 @@ async def test_client_that_disappears_leaks_nothing(server, prompts):
 async def test_typed_errors_for_bad_requests(server, prompts):
     _, ids = prompts
     ok = dict(prompt_token_ids=ids[0], temperature=0.0, max_tokens=4)
-    cases = [
-        (dict(ok, prompt_token_ids=[1] * 600), ErrorCode.PROMPT_TOO_LONG),
-        (dict(ok, prompt="x"), ErrorCode.INVALID_PARAMS),  # both prompt forms
-        (dict(ok, prompt_token_ids=None), ErrorCode.INVALID_PARAMS),  # neither
-        (dict(ok, prompt_token_ids=[]), ErrorCode.INVALID_PARAMS),
-        (dict(ok, prompt_token_ids=[320]), ErrorCode.INVALID_PARAMS),
-        (dict(ok, max_tokens=0), ErrorCode.INVALID_PARAMS),
-        (dict(ok, max_tokens=LIMIT + 1), ErrorCode.INVALID_PARAMS),
-        (dict(ok, temperature=-0.5), ErrorCode.INVALID_PARAMS),
-        (dict(ok, temperature=float("nan")), ErrorCode.INVALID_PARAMS),
-        (dict(ok, top_p=0.0), ErrorCode.INVALID_PARAMS),
-        (dict(ok, top_k=-1), ErrorCode.INVALID_PARAMS),
-        (dict(ok, seed=-1), ErrorCode.INVALID_PARAMS),
-        (dict(ok, stop=[""]), ErrorCode.INVALID_PARAMS),
-        (dict(ok, stop_token_ids=[999]), ErrorCode.INVALID_PARAMS),
-        (dict(ok, num_spec_tokens=17), ErrorCode.INVALID_PARAMS),
+    cases = [  # (fields, code, the field the message starts with)
+        (dict(ok, prompt_token_ids=[1] * 600), ErrorCode.PROMPT_TOO_LONG, "prompt_token_ids"),
+        (dict(ok, prompt="x"), ErrorCode.INVALID_PARAMS, "prompt"),  # both prompt forms
+        (dict(ok, prompt_token_ids=None), ErrorCode.INVALID_PARAMS, "prompt"),  # neither
+        (dict(ok, prompt_token_ids=[]), ErrorCode.INVALID_PARAMS, "prompt_token_ids"),
+        (dict(ok, prompt_token_ids=[320]), ErrorCode.INVALID_PARAMS, "prompt_token_ids"),
+        (dict(ok, max_tokens=0), ErrorCode.INVALID_PARAMS, "max_tokens"),
+        (dict(ok, max_tokens=LIMIT + 1), ErrorCode.INVALID_PARAMS, "max_tokens"),
+        (dict(ok, temperature=-0.5), ErrorCode.INVALID_PARAMS, "temperature"),
+        (dict(ok, temperature=float("nan")), ErrorCode.INVALID_PARAMS, "temperature"),
+        (dict(ok, top_p=0.0), ErrorCode.INVALID_PARAMS, "top_p"),
+        (dict(ok, top_k=-2), ErrorCode.INVALID_PARAMS, "top_k"),  # -1 is off, as in vLLM
+        (dict(ok, seed=-1), ErrorCode.INVALID_PARAMS, "seed"),
+        (dict(ok, stop=[""]), ErrorCode.INVALID_PARAMS, "stop"),
+        (dict(ok, stop_token_ids=[999]), ErrorCode.INVALID_PARAMS, "stop_token_ids"),
+        (dict(ok, num_spec_tokens=17), ErrorCode.INVALID_PARAMS, "num_spec_tokens"),
     ]
     c = Client(server.address)
     try:
-        for i, (fields, code) in enumerate(cases):
+        for i, (fields, code, field) in enumerate(cases):
             res = await c.complete(GenerateRequest(f"bad{i}", **fields), 10)
             assert res.error is not None and res.error.code == code, (fields, res)
-            assert res.error.request_id == f"bad{i}"
+            assert res.error.request_id == f"bad{i}" and res.error.message.startswith(f"{field}: "), res.error
+            assert not res.error.request_continues
         # An empty request id cannot be routed back by id: the error comes without one.
         c.send(GenerateRequest("", **ok))
         for _ in range(100):
@@ -285,6 +289,7 @@ async def test_duplicate_request_id(server, prompts, reference):
             replies.append(decode_server(await asyncio.wait_for(sock.recv_multipart(), 30)))
         errors = [m for m in replies if isinstance(m, Error)]
         assert [e.code for e in errors] == [ErrorCode.DUPLICATE_REQUEST_ID] and errors[0].request_id == "dup"
+        assert errors[0].request_continues  # the request with that id goes on: its tokens follow
         tokens = [t for m in replies if not isinstance(m, Error) for t in m.token_ids]
         assert tokens == expected(reference, 8, MAX_TOKENS)[0]
         elsewhere = await b.complete(req, 30)  # another client may use the same id
@@ -368,7 +373,7 @@ generate_fields = (
     (st.integers(1, FUZZ_TOKENS), st.integers(-1, 0) | st.just(LIMIT + 1)),  # max_tokens
     (floats(0, 2), floats(-1, -0.01) | st.sampled_from([math.nan, math.inf, 101.0])),  # temperature
     (floats(0.01, 1), floats(1.001, 2) | st.sampled_from([0.0, math.nan])),  # top_p
-    (st.integers(0, 400), st.integers(-2, -1)),  # top_k
+    (st.integers(-1, 400), st.integers(-3, -2)),  # top_k (-1 = off)
     (st.none() | st.integers(0, 2**32), st.integers(2**63, 2**64 - 1) | st.integers(-(2**63), -1)),  # seed
     (st.lists(st.text(min_size=1, max_size=3), max_size=3), st.just(["x"] * 20) | st.just([""])),  # stop
     (st.lists(st.integers(0, 319), max_size=3), st.lists(st.integers(320, 400), min_size=1, max_size=3)),

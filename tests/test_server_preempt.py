@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import random
 
-from engine.sampling_params import SamplingParams
-from loadgen.client import Client
-from loadgen.server import ServerProcess
-from scheduler.protocol import GenerateRequest
+from specstep.engine.sampling_params import SamplingParams
+from specstep.loadgen.client import Client
+from specstep.loadgen.server import ServerProcess
+from specstep.scheduler.protocol import GenerateRequest
 from tests.helpers import make_core, run_to_completion
 
 NUM_REQUESTS = 8

@@ -13,10 +13,18 @@ import time
 import pytest
 import zmq.asyncio
 
-from loadgen.client import Client
-from loadgen.server import ServerProcess
-from scheduler.protocol import Delta, Error, ErrorCode, Final, GenerateRequest, ProtocolError, SchedulerProcessConfig
-from scheduler.supervisor import SchedulerSupervisor
+from specstep.loadgen.client import Client
+from specstep.loadgen.server import ServerProcess
+from specstep.scheduler.protocol import (
+    Delta,
+    Error,
+    ErrorCode,
+    Final,
+    GenerateRequest,
+    ProtocolError,
+    SchedulerProcessConfig,
+)
+from specstep.scheduler.supervisor import SchedulerSupervisor
 
 LONG = 400  # tokens: still running when the test acts
 
@@ -105,7 +113,7 @@ async def test_sigterm_drains_in_flight_requests_then_exits(server):
 # A stand-in scheduler: connects, announces itself, then reads and ignores everything (no torch, starts fast).
 FAKE_SCHEDULER = """
 import os, sys, msgspec, zmq
-from scheduler.protocol import Ready, SchedulerProcessConfig, encode_engine
+from specstep.scheduler.protocol import Ready, SchedulerProcessConfig, encode_engine
 cfg = msgspec.json.decode(sys.argv[-1], type=SchedulerProcessConfig)
 ctx = zmq.Context()
 pull = ctx.socket(zmq.PULL); pull.connect(cfg.input_address)
@@ -204,7 +212,7 @@ async def test_stop_during_start_cancels_the_start(monkeypatch):
 async def test_restarts_that_cannot_start_end_failed_not_stuck(failure, monkeypatch):
     """The scheduler dies and its successors cannot even be started (ipc bind fails, or the command cannot be
     spawned): the supervisor ends `failed` (waiting requests get UNAVAILABLE) and leaves no socket open."""
-    import scheduler.supervisor as sup_mod
+    import specstep.scheduler.supervisor as sup_mod
 
     ctx, rec = zmq.asyncio.Context(), Recorder()
     sup = supervisor(ctx, rec, [sys.executable, "-c", FAKE_SCHEDULER], startup_timeout_s=30, max_restarts=2,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
-from scheduler.request import Request
+from specstep.engine.sampling_params import SamplingParams
+from specstep.scheduler.request import Request
 from tests.helpers import make_core
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.proposers.draft_vocab import write_draft_vocab
-from engine.sampling_params import SamplingParams
+from specstep.engine.proposers.draft_vocab import write_draft_vocab
+from specstep.engine.sampling_params import SamplingParams
 from tests.fixtures_models import hf_model, make_mtp_head, make_perturbed_copy
 from tests.fixtures_stats import assert_distribution, chi2_gof, reference_probs
 from tests.helpers import ScriptedPolicy, make_checkpoint, make_core, run_to_completion

@@ -10,11 +10,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 
-from engine.stream import ThreadStream  # noqa: E402
-from scheduler.cli import main as cli_main  # noqa: E402
-from traces import ranges  # noqa: E402
-from traces.report import Span, analyze, assert_nested, load_trace, nesting_errors, spans_from_events  # noqa: E402
-from traces.tracer import NULL_TRACER, Tracer, TraceRecorder  # noqa: E402
+from specstep.engine.stream import ThreadStream  # noqa: E402
+from specstep.scheduler.cli import main as cli_main  # noqa: E402
+from specstep.traces import ranges  # noqa: E402
+from specstep.traces.report import Span, analyze, assert_nested, load_trace, nesting_errors, spans_from_events  # noqa: E402
+from specstep.traces.tracer import NULL_TRACER, Tracer, TraceRecorder  # noqa: E402
 
 
 def _x(name: str, tid: int, ts: float, dur: float, **args) -> dict:

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.model_loader import load_model, load_mtp_head
+from specstep.engine.config import ModelConfig
+from specstep.engine.model_loader import load_model, load_mtp_head
+from specstep.training.head import train_head_folder
+from specstep.training.head_data import PagedRunner, precompute
+from specstep.training.head_model import build_head, head_config_dict
+from specstep.training.head_objective import head_losses
+from specstep.training.head_settings import HeadSettings
 from tests.helpers import make_checkpoint
-from training.head import train_head_folder
-from training.head_data import PagedRunner, precompute
-from training.head_model import build_head, head_config_dict
-from training.head_objective import head_losses
-from training.head_settings import HeadSettings
 
 
 def _stream(target: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -94,7 +94,7 @@ def test_validation_matches_training_objective(trained):
     feats.hidden = runner.target_hidden(windows)  # fp32 rather than the cached fp16, for the comparison
     with torch.no_grad():
         dense = head_losses(head, target, feats, s)
-    from training.head_eval import validate
+    from specstep.training.head_eval import validate
 
     v = validate(runner, windows, s)
     assert abs(float(dense["kl"]) - v["kl"]) < 1e-2 * max(0.1, v["kl"])

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from traces.report import analyze, load_trace, nesting_errors
+from specstep.traces.report import analyze, load_trace, nesting_errors
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from traces.ranges import CPU_PREP, DEVICE_TRACK, WAIT
+from specstep.traces.ranges import CPU_PREP, DEVICE_TRACK, WAIT
 
 EPS_US = 1e-3  # timestamps are floats in microseconds; tolerate rounding when comparing ends
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from traces.ranges import DEVICE_TRACK
+from specstep.traces.ranges import DEVICE_TRACK
 
 try:  # nvtx is a declared dependency, but tracing must never be why the engine fails to start
     import nvtx as _nvtx

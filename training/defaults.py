@@ -22,11 +22,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-import engine  # noqa: E402
-from training.data import corpus_files, token_stream  # noqa: E402
-from training.evaluate import compare, logits_of, loss_and_argmax  # noqa: E402
-from training.loop import TrainSettings, fixed_windows, new_progress, train  # noqa: E402
-from training.models import (  # noqa: E402
+from specstep import engine  # noqa: E402
+from specstep.training.data import corpus_files, token_stream  # noqa: E402
+from specstep.training.evaluate import compare, logits_of, loss_and_argmax  # noqa: E402
+from specstep.training.loop import TrainSettings, fixed_windows, new_progress, train  # noqa: E402
+from specstep.training.models import (  # noqa: E402
     DRAFT_SIZE,
     TARGET_SIZE,
     build_model,
@@ -35,7 +35,7 @@ from training.models import (  # noqa: E402
     save_model_folder,
     warm_start_draft,
 )
-from training.tokenizer import save_tokenizer, train_tokenizer  # noqa: E402
+from specstep.training.tokenizer import save_tokenizer, train_tokenizer  # noqa: E402
 
 PERIODIC_EVAL_WINDOWS = 16  # small, so periodic evals cost a few seconds of the budget
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.models.llama import LlamaForCausalLM
+from specstep.engine.models.llama import LlamaForCausalLM
 
 EVAL_BATCH = 8
 

@@ -39,18 +39,18 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
-import engine  # noqa: E402
-from engine.model_loader import load_model, load_mtp_head  # noqa: E402
-from engine.model_source import resolve_model, target_marker  # noqa: E402
-from engine.models.llama import LlamaForCausalLM  # noqa: E402
-from engine.models.mtp_head import MTPHead  # noqa: E402
-from engine.proposers.draft_vocab import write_draft_vocab  # noqa: E402
-from training.head_data import FeaturePool, PagedRunner, precompute, topk_index_dtype  # noqa: E402
-from training.head_eval import engine_acceptance, validate  # noqa: E402
-from training.head_model import build_head, folder_bytes, head_config_dict, save_head  # noqa: E402
-from training.head_objective import head_losses  # noqa: E402
-from training.head_settings import HeadSettings  # noqa: E402
-from training.loop import (  # noqa: E402
+from specstep import engine  # noqa: E402
+from specstep.engine.model_loader import load_model, load_mtp_head  # noqa: E402
+from specstep.engine.model_source import resolve_model, target_marker  # noqa: E402
+from specstep.engine.models.llama import LlamaForCausalLM  # noqa: E402
+from specstep.engine.models.mtp_head import MTPHead  # noqa: E402
+from specstep.engine.proposers.draft_vocab import write_draft_vocab  # noqa: E402
+from specstep.training.head_data import FeaturePool, PagedRunner, precompute, topk_index_dtype  # noqa: E402
+from specstep.training.head_eval import engine_acceptance, validate  # noqa: E402
+from specstep.training.head_model import build_head, folder_bytes, head_config_dict, save_head  # noqa: E402
+from specstep.training.head_objective import head_losses  # noqa: E402
+from specstep.training.head_settings import HeadSettings  # noqa: E402
+from specstep.training.loop import (  # noqa: E402
     Cadence,
     TrainSettings,
     fixed_windows,
@@ -294,8 +294,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from training.data import heldout_prompts, token_stream
-    from training.tokenizer import load_tokenizer
+    from specstep.training.data import heldout_prompts, token_stream
+    from specstep.training.tokenizer import load_tokenizer
 
     console = Console()
     torch.set_num_threads(args.threads)

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.batch_builder import build_forward_batch
-from engine.kv_cache import KVPool
-from engine.models.llama import LlamaForCausalLM
-from engine.models.mtp_head import MTPHead
-from engine.proposers.mtp import MTPProposer
+from specstep.engine.batch_builder import build_forward_batch
+from specstep.engine.kv_cache import KVPool
+from specstep.engine.models.llama import LlamaForCausalLM
+from specstep.engine.models.mtp_head import MTPHead
+from specstep.engine.proposers.mtp import MTPProposer
 
 PAGE_SIZE = 16
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from rich.progress import Progress
 
-from training.head_data import PagedRunner
-from training.head_settings import HeadSettings
+from specstep.training.head_data import PagedRunner
+from specstep.training.head_settings import HeadSettings
 
 
 @torch.no_grad()
@@ -63,10 +63,10 @@ def engine_acceptance(target_dir: Path, head_dir: Path, prompts: list[list[int]]
     With `check_lossless` (greedy only) it also runs plain decoding and records whether every output is
     token-identical to it.
     """
-    from engine.engine_config import EngineConfig
-    from engine.sampling_params import SamplingParams
-    from scheduler.build import build_engine
-    from scheduler.request import Request
+    from specstep.engine.engine_config import EngineConfig
+    from specstep.engine.sampling_params import SamplingParams
+    from specstep.scheduler.build import build_engine
+    from specstep.scheduler.request import Request
 
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
 

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.loader import local_to_hf, save_checkpoint
-from engine.models.mtp_head import MTPHead
+from specstep.engine.config import ModelConfig
+from specstep.engine.loader import local_to_hf, save_checkpoint
+from specstep.engine.models.mtp_head import MTPHead
 
 INIT_STD = 0.02
 

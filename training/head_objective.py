@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.models.llama import LlamaForCausalLM
-from engine.models.mtp_head import MTPHead
-from training.head_data import TargetFeatures
-from training.head_settings import HeadSettings
+from specstep.engine.models.llama import LlamaForCausalLM
+from specstep.engine.models.mtp_head import MTPHead
+from specstep.training.head_data import TargetFeatures
+from specstep.training.head_settings import HeadSettings
 
 
 def topk_kl(p_logp: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:

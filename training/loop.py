@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch import nn
 
-from engine.models.llama import LlamaForCausalLM
+from specstep.engine.models.llama import LlamaForCausalLM
 
 
 @dataclass(slots=True)

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.loader import local_to_hf, save_checkpoint
-from engine.models.llama import LlamaForCausalLM
-from training.data import EOS_ID, EOS_TOKEN
+from specstep.engine.config import ModelConfig
+from specstep.engine.loader import local_to_hf, save_checkpoint
+from specstep.engine.models.llama import LlamaForCausalLM
+from specstep.training.data import EOS_ID, EOS_TOKEN
 
 INIT_STD = 0.02  # GPT-2/Llama-style; with tied embeddings it keeps the initial logits near zero
 

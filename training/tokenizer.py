@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from training.data import EOS_ID, EOS_TOKEN, corpus_files, read_source
+from specstep.training.data import EOS_ID, EOS_TOKEN, corpus_files, read_source
 
 VOCAB_SIZE = 4096
 

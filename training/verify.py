@@ -1,6 +1,6 @@
 """Check that saved default folders load in `transformers` and give the same logits as our engine.
 
-Usage: `python -m training.verify [OUT]` (OUT defaults to engine/defaults). Exits non-zero on a mismatch.
+Usage: `python -m specstep.training.verify [OUT]` (OUT defaults to engine/defaults). Exits non-zero on a mismatch.
 This guards the checkpoint format: the defaults double as the reference for side-by-side transformers runs.
 """
 
@@ -14,8 +14,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from engine.model_loader import load_model  # noqa: E402
-from training.defaults import default_out  # noqa: E402
+from specstep.engine.model_loader import load_model  # noqa: E402
+from specstep.training.defaults import default_out  # noqa: E402
 
 TOLERANCE = 1e-4
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.torch_backend import TorchAttention
-from engine.config import ModelConfig
-from engine.errors import ConfigError
+from specstep.engine.attention.backend import AttentionBackend
+from specstep.engine.attention.torch_backend import TorchAttention
+from specstep.engine.config import ModelConfig
+from specstep.engine.errors import ConfigError
 
 BACKENDS = ("auto", "torch", "flashinfer")
 
@@ -30,6 +30,6 @@ def make_backend(name: str, cfg: ModelConfig, page_size: int, dtype: torch.dtype
     a float `workspace` (their kernels run in stream order)."""
     if name == "torch":
         return TorchAttention()
-    from engine.attention.flashinfer_backend import FlashInferAttention
+    from specstep.engine.attention.flashinfer_backend import FlashInferAttention
 
     return FlashInferAttention(cfg, page_size, dtype, device, max_pages_per_request, workspace)

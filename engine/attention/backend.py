@@ -7,7 +7,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine.forward_batch import AttentionMetadata
+from specstep.engine.forward_batch import AttentionMetadata
 
 
 class AttentionBackend(Protocol):

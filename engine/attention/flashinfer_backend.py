@@ -54,10 +54,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import ModelConfig
-from engine.errors import ConfigError
-from engine.forward_batch import AttentionMetadata
-from engine.kv_cache import DUMMY_PAGE
+from specstep.engine.config import ModelConfig
+from specstep.engine.errors import ConfigError
+from specstep.engine.forward_batch import AttentionMetadata
+from specstep.engine.kv_cache import DUMMY_PAGE
 
 try:
     import flashinfer

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.forward_batch import AttentionMetadata
+from specstep.engine.forward_batch import AttentionMetadata
 
 
 def store_kv(

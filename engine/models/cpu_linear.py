@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model_source import cache_root
+from specstep.engine.model_source import cache_root
 
 MODES = ("auto", "matmul", "onednn")
 PROBE_ROWS = (1, 2, 5, 8, 16, 32)  # decode, small verify, verify at k=4, batches; beyond 32 the 32 choice holds

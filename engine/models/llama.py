@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.torch_backend import TorchAttention, dense_causal_attention, store_kv
-from engine.config import ModelConfig
-from engine.forward_batch import ForwardBatch
-from engine.kv_cache import KVPool
-from engine.models.rotary import RotaryEmbedding, apply_rotary
+from specstep.engine.attention.backend import AttentionBackend
+from specstep.engine.attention.torch_backend import TorchAttention, dense_causal_attention, store_kv
+from specstep.engine.config import ModelConfig
+from specstep.engine.forward_batch import ForwardBatch
+from specstep.engine.kv_cache import KVPool
+from specstep.engine.models.rotary import RotaryEmbedding, apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) for the batch's positions
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.torch_backend import TorchAttention
-from engine.config import ModelConfig
-from engine.forward_batch import ForwardBatch
-from engine.kv_cache import KVPool
-from engine.models.llama import LlamaDecoderLayer, RMSNorm
-from engine.models.rotary import RotaryEmbedding
+from specstep.engine.attention.backend import AttentionBackend
+from specstep.engine.attention.torch_backend import TorchAttention
+from specstep.engine.config import ModelConfig
+from specstep.engine.forward_batch import ForwardBatch
+from specstep.engine.kv_cache import KVPool
+from specstep.engine.models.llama import LlamaDecoderLayer, RMSNorm
+from specstep.engine.models.rotary import RotaryEmbedding
 
 
 class MTPHead(nn.Module):

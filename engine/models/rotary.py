@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from engine.config import RopeScaling
+from specstep.engine.config import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:

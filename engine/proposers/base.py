@@ -20,10 +20,10 @@ from abc import ABC
 import numpy as np
 import torch
 
-from engine.random import DRAFT
-from engine.sampler import processed_probs, sample_from_probs
-from engine.sampling_params import SamplingTensors
-from engine.step_context import DecodeContext, SeqState
+from specstep.engine.random import DRAFT
+from specstep.engine.sampler import processed_probs, sample_from_probs
+from specstep.engine.sampling_params import SamplingTensors
+from specstep.engine.step_context import DecodeContext, SeqState
 
 
 class Proposer(ABC):

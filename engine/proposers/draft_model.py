@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.errors import CheckpointError
-from engine.forward_batch import ForwardBatch
-from engine.kv_cache import KVPool
-from engine.models.llama import LlamaForCausalLM
-from engine.proposers.draft_vocab import ReducedLMHead
-from engine.proposers.model_proposer import ModelProposer
-from engine.step_context import SeqState
+from specstep.engine.errors import CheckpointError
+from specstep.engine.forward_batch import ForwardBatch
+from specstep.engine.kv_cache import KVPool
+from specstep.engine.models.llama import LlamaForCausalLM
+from specstep.engine.proposers.draft_vocab import ReducedLMHead
+from specstep.engine.proposers.model_proposer import ModelProposer
+from specstep.engine.step_context import SeqState
 
 
 class DraftModelProposer(ModelProposer):

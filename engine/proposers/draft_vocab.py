@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.errors import CheckpointError
+from specstep.engine.errors import CheckpointError
 
 FILE = "draft_vocab.json"  # not *.safetensors: the folder's weight files are every *.safetensors in it
 
@@ -76,7 +76,7 @@ def build_reduced_head(weight: torch.Tensor, folder: str | Path, vocab_size: int
         return None
     head = ReducedLMHead(weight, ids, vocab_size)
     if cpu_linear is not None and weight.device.type == "cpu":
-        from engine.models.cpu_linear import plan_linears
+        from specstep.engine.models.cpu_linear import plan_linears
 
         plan_linears(head, cpu_linear)
     return head

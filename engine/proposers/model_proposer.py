@@ -17,13 +17,13 @@ from abc import abstractmethod
 import numpy as np
 import torch
 
-from engine.attention.backend import AttentionBackend
-from engine.batch_builder import build_forward_batch
-from engine.forward_batch import ForwardBatch
-from engine.kv_cache import KVPool
-from engine.proposers.base import Proposer, draw
-from engine.sampling_params import SamplingTensors
-from engine.step_context import DecodeContext, SeqState
+from specstep.engine.attention.backend import AttentionBackend
+from specstep.engine.batch_builder import build_forward_batch
+from specstep.engine.forward_batch import ForwardBatch
+from specstep.engine.kv_cache import KVPool
+from specstep.engine.proposers.base import Proposer, draw
+from specstep.engine.sampling_params import SamplingTensors
+from specstep.engine.step_context import DecodeContext, SeqState
 
 
 class ModelProposer(Proposer):

@@ -14,13 +14,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.forward_batch import ForwardBatch
-from engine.kv_cache import KVPool
-from engine.models.llama import LlamaForCausalLM
-from engine.models.mtp_head import MTPHead
-from engine.proposers.draft_vocab import ReducedLMHead
-from engine.proposers.model_proposer import ModelProposer
-from engine.step_context import DecodeContext, SeqState
+from specstep.engine.forward_batch import ForwardBatch
+from specstep.engine.kv_cache import KVPool
+from specstep.engine.models.llama import LlamaForCausalLM
+from specstep.engine.models.mtp_head import MTPHead
+from specstep.engine.proposers.draft_vocab import ReducedLMHead
+from specstep.engine.proposers.model_proposer import ModelProposer
+from specstep.engine.step_context import DecodeContext, SeqState
 
 HISTORY = 256  # target hidden states kept per slot while refill is dropped
 

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from engine.proposers.base import Proposer
-from engine.step_context import SeqState
+from specstep.engine.proposers.base import Proposer
+from specstep.engine.step_context import SeqState
 
 
 def ngram_lookup(tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
