@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specstep.engine.forward_batch import BatchLayout, ForwardBatch
+from specstep.engine.forward_batch import BatchLayout, ForwardBatch, SplitAttention
 from specstep.engine.kv_cache import DUMMY_PAGE
 
 
@@ -47,15 +47,48 @@ def build_layout(q_lens: Sequence[int] | np.ndarray, page_tables: Sequence[Seque
                        page_size=page_size, dense=bool((q_lens == qn).all()))
 
 
+PAD_LIMIT = 2.0  # a padded attention part may compute at most this many times its requests' own query x keys
+
+
+def attention_parts(q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int) -> list[tuple[int, int]]:
+    """Consecutive request ranges [r0, r1) to attend separately: one batch pads every request to the longest
+    query and the longest key range, so a decode row beside a 4,000-token prompt chunk would compute the
+    chunk's whole [q, keys] block; a part grows while its padded work stays within PAD_LIMIT of its own."""
+    keys = -(-kv_lens // page_size) * page_size
+    parts, r0 = [], 0
+    for r in range(1, len(q_lens) + 1):
+        if r == len(q_lens):
+            parts.append((r0, r))
+            break
+        qn, kn = q_lens[r0: r + 1].max(), keys[r0: r + 1].max()
+        if (r + 1 - r0) * qn * kn > PAD_LIMIT * float((q_lens[r0: r + 1] * keys[r0: r + 1]).sum()):
+            parts.append((r0, r))
+            r0 = r
+    return parts
+
+
 def build_forward_batch(input_ids: Sequence[Sequence[int]], start_pos: Sequence[int] | np.ndarray,
                         page_tables: Sequence[Sequence[int]], page_size: int, device: torch.device | str,
                         attention=None, slot: str = "") -> ForwardBatch:
-    """Ragged host token lists (prefill, catch-up, tests); plans `slot` on `attention` if it plans."""
+    """Ragged host token lists (prefill, mixed steps, catch-up, tests); plans `slot` on `attention` if it plans,
+    else splits the attention where one padded batch would waste most of its work (`attention_parts`)."""
     q_lens = np.array([len(t) for t in input_ids], dtype=np.int64)
     start_pos = np.asarray(start_pos, dtype=np.int64)
     flat = np.fromiter((x for t in input_ids for x in t), dtype=np.int64, count=int(q_lens.sum()))
-    layout = build_layout(q_lens, page_tables, page_size, device)
     if attention is not None and attention.needs_plan:
         width = max(len(p) for p in page_tables)
         attention.plan(slot, q_lens, start_pos + q_lens, page_table_array(page_tables, width))
-    return ForwardBatch.derive(layout, to_device(start_pos, device), to_device(flat, device), slot=slot)
+        parts = [(0, len(q_lens))]
+    else:
+        parts = attention_parts(q_lens, start_pos + q_lens, page_size)
+    if len(parts) == 1:
+        layout = build_layout(q_lens, page_tables, page_size, device)
+        return ForwardBatch.derive(layout, to_device(start_pos, device), to_device(flat, device), slot=slot)
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    ids = to_device(flat, device)
+    fbs = [ForwardBatch.derive(build_layout(q_lens[r0:r1], page_tables[r0:r1], page_size, device),
+                               to_device(start_pos[r0:r1], device), ids[cu[r0]: cu[r1]], slot=slot)
+           for r0, r1 in parts]
+    split = SplitAttention([(int(cu[r0]), int(cu[r1]), fb.attn) for (r0, r1), fb in zip(parts, fbs)], slot)
+    return ForwardBatch(input_ids=ids, positions=torch.cat([fb.positions for fb in fbs]),
+                        slot_mapping=torch.cat([fb.slot_mapping for fb in fbs]), attn=split)

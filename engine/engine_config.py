@@ -23,7 +23,10 @@ class EngineConfig:
     kv_cache_tokens: int = 65536  # KV capacity (tokens) when num_pages is not given
     num_pages: int | None = None
     max_batch_size: int = 64
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int = 4096  # whole-prompt prefill steps (max_num_batched_tokens unset): their token cap
+    # Chunked prefill: each step's token budget (decode tokens first, then prompt chunks), as in vLLM. None: a
+    # prompt is prefilled whole in a step of its own while running requests wait.
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     dtype: str = "auto"
     device: str = "auto"
@@ -63,6 +66,10 @@ class EngineConfig:
             raise ValueError("--draft-vocab must be >= 0 (0: the full vocabulary)")
         if self.num_spec_tokens < 0 or self.num_spec_tokens > 16:
             raise ValueError("num_spec_tokens must be in [0, 16]")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_batch_size:
+            # Every running request decodes one token in a mixed step: a smaller budget could starve prompts.
+            raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"--max-batch-size ({self.max_batch_size})")
 
     @property
     def draft_path(self) -> str | None:

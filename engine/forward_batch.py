@@ -53,6 +53,10 @@ class AttentionMetadata:
     mask: torch.Tensor  # [B, 1, Q, K] bool; padding query rows see key 0 only (never an all-masked row)
     slot: str = ""  # which of the step's attention plans this forward uses (backends that plan: FlashInfer)
     dense: bool = False  # the flat tokens already form the [B, Q] grid: no gather in or out
+    # [B, P] pages behind kv_slots (kv_slots[b] = page_table[b, :, None] * page_size + arange(page_size)): a
+    # backend that gathers keys copies whole pages instead of one slot at a time.
+    page_table: torch.Tensor | None = None
+    page_size: int = 0
     _grouped: dict[int, torch.Tensor] = field(default_factory=dict)  # per forward, shared by all layers
 
     def grouped_mask(self, group: int) -> torch.Tensor:
@@ -66,13 +70,24 @@ class AttentionMetadata:
 
 
 @dataclass(slots=True)
+class SplitAttention:
+    """Attention for a batch whose requests differ widely in query or key length (a mixed step: decode rows
+    beside a long prompt's chunk): one masked attention per part, each over a contiguous range [t0, t1) of the
+    flat tokens, so no part is padded to another's lengths. Built on the host for backends that pad (torch);
+    FlashInfer takes ragged batches as they are."""
+
+    parts: list[tuple[int, int, AttentionMetadata]]
+    slot: str = ""
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     """One forward over flat tokens: ids, absolute positions, where each new K/V goes, attention indices."""
 
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     slot_mapping: torch.Tensor  # [T] long, flat KV slot = page * page_size + offset
-    attn: AttentionMetadata
+    attn: AttentionMetadata | SplitAttention
 
     @property
     def num_tokens(self) -> int:
@@ -102,4 +117,4 @@ class ForwardBatch:
         mask[:, :, 0] |= ~q_valid
         return cls(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
                    attn=AttentionMetadata(layout.q_index, layout.out_index, kv_slots, mask.unsqueeze(1), slot,
-                                              layout.dense))
+                                              layout.dense, layout.page_table, ps))

@@ -96,24 +96,55 @@ class StepEngine:
         return SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], self.vocab_size, self.device)
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[SeqState], with_proposer: bool = True) -> torch.Tensor:
-        """Run each request's uncomputed tokens; return the sampled next token per request [B] (device).
-        Without the proposer (speculation is off), it only keeps what its later catch-up needs."""
-        ids = [s.token_ids[s.num_computed:] for s in seqs]
+    def prefill(self, seqs: list[SeqState], with_proposer: bool | list[bool] = True,
+                q_lens: list[int] | np.ndarray | None = None, num_decode: int = 0) -> torch.Tensor:
+        """One target forward over ragged runs token_ids[num_computed : num_computed + q_lens[i]] (default: every
+        uncomputed token); return the token sampled after each run [B] (device). It serves whole prefills,
+        prefill chunks, and mixed steps whose first `num_decode` rows are running requests decoding one token
+        each with plain sampling (same positions, same draws as a plain decode step).
+
+        A run is *final* when it ends at the request's last token (a decode row always is): only a final run's
+        sampled token is used. For prefill rows the proposer consumes the same chunk (`with_proposer`, per row
+        or for all), so its carried state is ready when the prefill completes; otherwise, and for decode rows
+        (their refill is dropped: the draft catches up before it next drafts), it only keeps what a later
+        catch-up needs."""
+        b = len(seqs)
         start = np.array([s.num_computed for s in seqs], dtype=np.int64)
-        q_lens = np.array([len(t) for t in ids], dtype=np.int64)
-        with self.tracer.range(ranges.PREFILL, track=DEVICE_TRACK, batch=len(seqs), tokens=int(q_lens.sum())):
+        q_lens = (np.array([len(s.token_ids) for s in seqs], dtype=np.int64) - start if q_lens is None
+                  else np.asarray(q_lens, dtype=np.int64))
+        ids = [s.token_ids[c: c + q] for s, c, q in zip(seqs, start.tolist(), q_lens.tolist())]
+        final = start + q_lens == np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
+        with self.tracer.range(ranges.PREFILL, track=DEVICE_TRACK, batch=b, tokens=int(q_lens.sum()),
+                               decode=num_decode):
             fb = build_forward_batch(ids, start, [s.page_table for s in seqs], self.page_size, self.device,
                                      self.target.attention, "prefill")
             hidden = self.target(fb, self.pool)
-            last = torch.from_numpy(np.cumsum(q_lens) - 1).to(self.device)
+            cu = np.concatenate([[0], np.cumsum(q_lens)])
+            last = torch.from_numpy(cu[1:] - 1).to(self.device)
             st = self.sampling_tensors(seqs)
             tokens = sample(self.target.compute_logits(hidden[last]), st, to_device(start + q_lens, self.device))
-            if self.has_draft_model and with_proposer:
-                self.proposer.prefill(seqs, hidden, q_lens, tokens, st)
-            elif self.has_draft_model:
-                self.proposer.keep_prefill(seqs, hidden, q_lens)
+            if self.has_draft_model:
+                use = np.zeros(b, bool)
+                use[num_decode:] = with_proposer[num_decode:] if isinstance(with_proposer, list) else with_proposer
+                self._proposer_prefill(seqs, start, q_lens, final, cu, hidden, tokens, use)
         return tokens
+
+    def _proposer_prefill(self, seqs, start, q_lens, final, cu, hidden, tokens, use) -> None:
+        """The proposer's part of a prefill or mixed step: rows in `use` consume their chunk; the others keep."""
+        def rows(mask):
+            idx = np.flatnonzero(mask)
+            flat = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in idx]) if len(idx) else np.zeros(0, np.int64)
+            return idx, torch.from_numpy(flat).to(self.device)
+        for mask, consume in ((use, True), (~use, False)):
+            idx, flat = rows(mask)
+            if not len(idx):
+                continue
+            sub = [seqs[i] for i in idx]
+            if consume:
+                self.proposer.prefill(sub, start[idx], q_lens[idx], final[idx], hidden[flat],
+                                      tokens[torch.from_numpy(idx).to(self.device)])
+            else:
+                self.proposer.keep_prefill(sub, start[idx], q_lens[idx], hidden[flat])
 
     @torch.inference_mode()
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:

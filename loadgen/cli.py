@@ -38,7 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--rate", default="1,2,4,8", help="open-loop arrival rates, requests/s (comma-separated)")
     w.add_argument("--num-requests", type=int, default=None,
                    help="requests per load point (default: max(8, 3 x concurrency) or max(16, 10 s of arrivals))")
-    w.add_argument("--workload", choices=WORKLOADS, default="code")
+    w.add_argument("--workload", choices=[*WORKLOADS, "long-prompt"], default="code",
+                   help="code | random | mix, or long-prompt: --concurrency steady code streams while long "
+                        "random prompts arrive one at a time (default: %(default)s)")
+    w.add_argument("--long-prompt-tokens", type=int, default=4000, help="long-prompt: its length (default 4000)")
+    w.add_argument("--long-prompts", type=int, default=2, help="long-prompt: how many, one after another")
     w.add_argument("--prompt-tokens", type=int, default=128)
     w.add_argument("--max-tokens", type=int, default=64)
     w.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: always max-tokens)")
@@ -82,7 +86,12 @@ def run(args: argparse.Namespace) -> int:
                             "concurrency" if args.mode == "closed" else "rate")
         from specstep.loadgen.workloads import Workload
 
-        workload = Workload(args.workload, args.prompt_tokens, args.max_tokens, not args.respect_eos, args.seed)
+        kind = "code" if args.workload == "long-prompt" else args.workload  # long-prompt streams: code
+        workload = Workload(kind, args.prompt_tokens, args.max_tokens, not args.respect_eos, args.seed)
+        if args.workload == "long-prompt" and (args.mode != "closed" or args.long_prompts < 1
+                                               or args.long_prompt_tokens < 1):
+            raise ValueError("--workload long-prompt runs closed-loop streams (--concurrency) and needs "
+                             "--long-prompts >= 1 and --long-prompt-tokens >= 1")
     except ValueError as e:
         print(f"specstep loadgen: error: {e}", file=sys.stderr)
         return 2
@@ -129,6 +138,8 @@ async def _sweep(args, settings: list[tuple[str, list[str]]], loads: list[float]
                 server.stop()
     paths = report.write(out_dir, config, results, plots=not args.no_plots)
     console.print(report.table(results))
+    if args.workload == "long-prompt":
+        console.print(report.long_prompt_table(results))
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
@@ -155,16 +166,34 @@ async def _measure(args, name: str, address: str, loads: list[float], workload, 
                 point = LoadPoint(args.mode, load)
                 n = args.num_requests or (max(8, 3 * int(load)) if args.mode == "closed" else max(16, int(10 * load)))
                 reqs = build_requests(workload, n, health.vocab_size, model_dir)
-                task = progress.add_task(f"{name} {point.label}", total=n)
                 await client.wait_idle(60)
-                run = await run_point(client, point, reqs, f"{name}-{point.label}-{time.monotonic_ns()}",
-                                      on_done=lambda _r, t=task: progress.advance(t), timeout_s=args.timeout,
-                                      seed=args.seed)
+                tag = f"{name}-{point.label}-{time.monotonic_ns()}"
+                if args.workload == "long-prompt":
+                    points.append(await _long_prompt_point(args, client, point, reqs, health, tag))
+                    continue
+                task = progress.add_task(f"{name} {point.label}", total=n)
+                run = await run_point(client, point, reqs, tag, on_done=lambda _r, t=task: progress.advance(t),
+                                      timeout_s=args.timeout, seed=args.seed)
                 points.append(summarize(run))
         stats = await client.stats()
         return {"health": _plain(health), "points": points, "server_stats": _plain(stats)}
     finally:
         client.close()
+
+
+async def _long_prompt_point(args, client, point, stream_reqs, health, tag: str) -> dict:
+    from specstep.loadgen.long_prompt import (
+        LongPromptLoad,
+        long_requests,
+        run_long_prompt_point,
+        summarize_long_prompt,
+    )
+    from specstep.loadgen.metrics import summarize
+
+    load = LongPromptLoad(args.long_prompt_tokens, args.long_prompts)
+    lp = await run_long_prompt_point(client, int(point.load), stream_reqs,
+                                     long_requests(load, health.vocab_size, args.seed), tag, args.timeout)
+    return summarize(lp.run) | summarize_long_prompt(lp)
 
 
 def _plain(obj):

@@ -93,6 +93,8 @@ class Client:
                         fut.set_result(msg)
                 continue
             q = self._streams.get(msg.request_id) if msg.request_id is not None else None
+            if isinstance(msg, Error) and msg.request_continues:
+                q = None  # a refused duplicate: the request running under this id goes on (docs/protocol.md)
             if q is None:
                 self.stray.append(msg)
             else:

@@ -12,6 +12,9 @@ CSV_COLUMNS = [
     "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "latency_p50_ms", "latency_p90_ms", "latency_p99_ms",
     "server_queue_p50_ms", "acceptance_rate", "mean_accepted_length", "mean_tokens_per_message",
     "num_preemptions", "errors",
+    # the long-prompt workload (loadgen/long_prompt.py)
+    "stream_itl_quiet_p50_ms", "stream_itl_prefill_p99_ms", "stream_itl_prefill_max_ms",
+    "stream_itl_prefill_p99_over_p50", "long_ttft_p50_ms", "long_ttft_max_ms",
 ]
 
 
@@ -106,4 +109,22 @@ def table(settings: dict[str, dict]):
                       ms(p["ttft_p50_ms"]), ms(p["itl_p50_ms"]), ms(p["itl_p99_ms"]), ms(p["latency_p99_ms"]),
                       "-" if p["acceptance_rate"] is None else f"{p['acceptance_rate']:.2f}",
                       "-" if p["mean_accepted_length"] is None else f"{p['mean_accepted_length']:.2f}")
+    return t
+
+
+def long_prompt_table(settings: dict[str, dict]):
+    """The long-prompt workload: the streams' gaps while a long prompt is prefilled, and its TTFT."""
+    from rich.table import Table
+
+    t = Table(title="streams while a long prompt is prefilled")
+    for col in ("setting", "streams", "ITL p50 quiet", "ITL p99 in prefill", "max in prefill", "p99 / p50 quiet",
+                "long TTFT p50", "long TTFT max"):
+        t.add_column(col, justify="left" if col == "setting" else "right")
+    ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    for name, s in settings.items():
+        for p in s["points"]:
+            if "stream_itl_prefill_p99_ms" in p:
+                t.add_row(name, str(p["streams"]), ms(p["stream_itl_quiet_p50_ms"]), ms(p["stream_itl_prefill_p99_ms"]),
+                          ms(p["stream_itl_prefill_max_ms"]), ms(p["stream_itl_prefill_p99_over_p50"]),
+                          ms(p["long_ttft_p50_ms"]), ms(p["long_ttft_max_ms"]))
     return t

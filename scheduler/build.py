@@ -82,6 +82,7 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     spec_max_len = proposer.network.cfg.max_position_embeddings if proposer is not None and proposer.has_model \
         else None
     sched = SchedulerConfig(max_batch_size=cfg.max_batch_size, max_prefill_tokens=cfg.max_prefill_tokens,
+                            max_num_batched_tokens=cfg.max_num_batched_tokens,
                             num_spec_tokens=cfg.num_spec_tokens if proposer else 0, max_model_len=max_len,
                             spec_max_len=spec_max_len)
     policy = AdaptivePolicy(policy_config(cfg, sched.num_spec_tokens, ks if capture is not None else None))

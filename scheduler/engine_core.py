@@ -43,6 +43,7 @@ log = logging.getLogger("specstep.engine")
 class SchedulerConfig:
     max_batch_size: int = 64
     max_prefill_tokens: int = 4096
+    max_num_batched_tokens: int | None = None  # chunked prefill mixed with decoding (None: whole-prompt steps)
     num_spec_tokens: int = 0  # k for every request unless overridden (0 = speculation off)
     max_model_len: int = 2048
     spec_max_len: int | None = None  # the draft's own context limit: requests past it stop speculating
@@ -86,6 +87,7 @@ class EngineCore:
         self.last_decision: Decision | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefilling: list[Request] = []  # chunked prefill: admitted, prompt part-way through (oldest first)
         self.requests: dict[str, Request] = {}
         self._free_slots = list(range(config.max_batch_size - 1, -1, -1))
         self.lookahead = step_engine.proposer.kv_lookahead if step_engine.proposer else 0
@@ -121,10 +123,14 @@ class EngineCore:
         return req
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.inflight)
+        return bool(self.waiting or self.running or self.prefilling or self.inflight)
 
     def page_tables(self) -> list[list[int]]:
-        return [r.page_table for r in self.running] + [r.page_table for r in self._pending_release]
+        return [r.page_table for r in (*self.running, *self.prefilling, *self._pending_release)]
+
+    @property
+    def chunked(self) -> bool:
+        return self.config.max_num_batched_tokens is not None
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity(self.page_tables())
@@ -136,10 +142,20 @@ class EngineCore:
     # ---- one step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.inflight is None:
-            with self.tracer.range(ranges.SCHEDULE):
-                admitted = self._admit()
-            if admitted:
-                return self._prefill(admitted)
+            if self.chunked:
+                with self.tracer.range(ranges.SCHEDULE):
+                    chunks = self._schedule_chunks()
+                if chunks:
+                    return self._mixed(chunks)
+                if self.prefilling and not self.running:  # cannot happen by the admission rule; never spin
+                    log.warning("no prefill chunk fits the KV cache; preempting %s", self.prefilling[-1].request_id)
+                    self._preempt(self.prefilling[-1])
+                    return []
+            else:
+                with self.tracer.range(ranges.SCHEDULE):
+                    admitted = self._admit()
+                if admitted:
+                    return self._prefill(admitted)
             if not self.running:
                 return []
             with self.tracer.range(ranges.SCHEDULE):
@@ -159,6 +175,8 @@ class EngineCore:
         return outputs
 
     def _wants_admission(self) -> bool:
+        if self.prefilling:
+            return True
         if not self.waiting or len(self.running) >= self.config.max_batch_size:
             return False
         req = self.waiting[0]
@@ -204,6 +222,81 @@ class EngineCore:
                 outputs.append(self._append(req, [tok]))
         return outputs
 
+    # ---- chunked prefill -------------------------------------------------------------------------------------
+    def _schedule_chunks(self) -> list[tuple[Request, int]]:
+        """Prompt chunks for a mixed step: every running request decodes one token, and what is left of the
+        token budget goes to prompts, those part-way through first (oldest first), then new admissions. Pages are
+        reserved per chunk. A prompt is admitted only if all of it fits beside the other unfinished prefills, so
+        prefills never block each other; running requests that need pages preempt prefills first (`_reserve`)."""
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        if budget <= 0 or not self._reserve_pages(self.running, np.zeros(len(self.running), np.int64)):
+            return []  # decode alone (its own reservation preempts as needed)
+        chunks: list[tuple[Request, int]] = []
+        for req in self.prefilling:
+            q = min(len(req.token_ids) - req.num_computed, budget)
+            if q <= 0 or not self.allocator.can_fit(req.page_table, self._chunk_need(req, q)):
+                continue
+            self.allocator.ensure(req.page_table, self._chunk_need(req, q))
+            chunks.append((req, q))
+            budget -= q
+        owed = sum(max(0, self.allocator.pages_for(self._chunk_need(r, len(r.token_ids) - r.num_computed))
+                       - len(r.page_table)) for r in self.prefilling)
+        while budget > 0 and self.waiting and len(self.running) + len(self.prefilling) < self.config.max_batch_size:
+            req = self.waiting[0]
+            whole = self.allocator.pages_for(self._chunk_need(req, len(req.token_ids)))
+            if whole - len(req.page_table) + owed > self.allocator.num_free:
+                break
+            q = min(len(req.token_ids), budget)
+            self.waiting.popleft()
+            self.allocator.ensure(req.page_table, self._chunk_need(req, q))
+            owed += whole - len(req.page_table)
+            req.slot = self._free_slots.pop()
+            req.status = Status.PREFILLING
+            # While speculation is off the proposer skips the prompt (it catches up if speculation resumes).
+            req.prefill_with_proposer = self.policy.proposer_current
+            self.prefilling.append(req)
+            chunks.append((req, q))
+            budget -= q
+        return chunks
+
+    def _chunk_need(self, req: Request, q: int) -> int:
+        """Positions written by a chunk of q tokens: the chunk itself, and after the last one the first decode
+        step's (the sampled token and the proposer's look-ahead), as for a whole prefill."""
+        end = req.num_computed + q
+        return end + 1 + self.lookahead if end == len(req.token_ids) else end
+
+    def _mixed(self, chunks: list[tuple[Request, int]]) -> list[RequestOutput]:
+        """One forward over the running requests' next tokens (plain sampling, refill dropped) and the prompt
+        chunks; a prompt whose last chunk ran starts decoding."""
+        decode = list(self.running)
+        seqs = decode + [r for r, _ in chunks]
+        q_lens = [1] * len(decode) + [q for _, q in chunks]
+        with_proposer = [False] * len(decode) + [r.prefill_with_proposer for r, _ in chunks]
+        handle = self.stream.submit(ranges.PREFILL,
+                                    lambda: self.engine.prefill(seqs, with_proposer, q_lens, len(decode)))
+        with self.tracer.range(ranges.WAIT):
+            tokens = handle.wait().tolist()
+        now = time.monotonic()
+        outputs = []
+        with self.tracer.range(ranges.PROCESS_OUTPUT):
+            for req, tok in zip(decode, tokens):
+                req.stats.record(0, 0)
+                req.num_computed = len(req.token_ids)
+                outputs.append(self._append(req, [tok]))
+            shift = self.engine.proposer.shift if self.engine.has_draft_model else 0
+            for (req, q), tok in zip(chunks, tokens[len(decode):]):
+                req.num_computed += q
+                if req.num_computed < len(req.token_ids):
+                    continue
+                self.prefilling.remove(req)
+                req.status = Status.RUNNING
+                req.draft_len = len(req.token_ids) + 1 if req.prefill_with_proposer else shift
+                self.running.append(req)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                outputs.append(self._append(req, [tok]))
+        return outputs
+
     def _decide(self, reqs: list[Request], pending: np.ndarray | None = None) -> Decision:
         """k per request from the policy, capped so no step drafts past max_tokens, the model's length or the
         draft's context. `pending`: tokens a step in flight may still add (upper bound) for each request; it
@@ -239,6 +332,9 @@ class EngineCore:
                 decision.k = 0
                 if self._reserve_pages(self.running, decision.num_draft):
                     return decision, []
+            if self.prefilling:  # the newest work: a prompt part-way through its chunks
+                self._preempt(self.prefilling[-1])
+                continue
             if len(self.running) > 1:
                 self._preempt(self.running[-1])
                 continue
@@ -277,7 +373,7 @@ class EngineCore:
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: drop its KV, keep its tokens; it is re-prefilled (prompt + output) when readmitted."""
-        self.running.remove(req)
+        (self.prefilling if req.status == Status.PREFILLING else self.running).remove(req)
         self._release(req)
         req.num_computed = 0
         req.status = Status.WAITING
@@ -376,6 +472,8 @@ class EngineCore:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if req.status == Status.RUNNING:
             self.running.remove(req)
+        elif req.status == Status.PREFILLING:
+            self.prefilling.remove(req)
         if id(req) in self._inflight_count:
             self._pending_release.append(req)  # a step in flight still writes its pages and slot
         else:

@@ -27,45 +27,60 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="target model: a Hugging Face folder or a GGUF file (converted once into "
                         f"~/.cache/specstep). Default: {default_target().origin}")
-    p.add_argument("--spec", choices=SPEC_KINDS, default="none", help="speculation proposer")
+    p.add_argument("--spec", choices=SPEC_KINDS, default="none", help="speculation proposer (default: %(default)s)")
     p.add_argument("--draft", default=None,
                    help="draft model or MTP head folder (default: the one shipped for the target, if any)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="drafter vocabulary: the N most frequent tokens from its folder's draft_vocab.json "
                         "(default: all of that list when present; 0: the full vocabulary). Lossless either way")
-    p.add_argument("--num-spec-tokens", type=int, default=4, help="draft tokens per step (k; the maximum if adaptive)")
+    p.add_argument("--num-spec-tokens", type=int, default=4,
+                   help="draft tokens per step (k; the maximum if adaptive; default: %(default)s)")
     p.add_argument("--spec-policy", choices=["fixed", "adaptive"], default="adaptive",
                    help="fixed k, or choose k per step/request from measured acceptance and step costs, with a "
-                        "governor that turns speculation off where it loses more than --spec-delta")
+                        "governor that turns speculation off where it loses more than --spec-delta "
+                        "(default: %(default)s)")
     p.add_argument("--spec-objective", choices=OBJECTIVES, default="throughput",
                    help="what the adaptive policy optimises: tokens per second, or tokens per second with no "
-                        "speculative step longer than --spec-itl-budget times a plain step (p99 inter-token latency)")
+                        "speculative step longer than --spec-itl-budget times a plain step (p99 inter-token latency; "
+                        "default: %(default)s)")
     p.add_argument("--spec-itl-budget", type=float, default=1.1,
-                   help="latency objective: the longest speculative step, as a multiple of a plain step")
+                   help="latency objective: the longest speculative step, as a multiple of a plain step (default: "
+                        "%(default)s)")
     p.add_argument("--spec-delta", type=float, default=0.02,
                    help="adaptive: the governor switches speculation off when confident it runs below (1 - delta) "
-                        "of plain decoding's throughput")
+                        "of plain decoding's throughput (default: %(default)s)")
     p.add_argument("--spec-epsilon", type=float, default=None,
                    help="adaptive: the largest fraction of steps spent probing while speculation is off "
                         "(default 0.02; 0.005 with the latency objective)")
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="prepare step N+1 on the host while step N runs (auto: on for CUDA; off on CPU, where the "
-                        "worker-thread stream shares the GIL and measured slower, see README)")
+                        "worker-thread stream shares the GIL and measured slower, see README; default: %(default)s)")
     p.add_argument("--no-overlap", dest="overlap", action="store_const", const="off", help="same as --overlap off")
     p.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
-                   help="captured step graphs (auto: on CUDA; on: the contract-checking CPU stand-in)")
+                   help="captured step graphs (auto: on CUDA; on: the contract-checking CPU stand-in; default: "
+                        "%(default)s)")
     p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], default="auto",
-                   help="paged-attention backend (auto: torch; flashinfer: CUDA with the flashinfer package)")
+                   help="paged-attention backend (auto: torch; flashinfer: CUDA with the flashinfer package; default: "
+                        "%(default)s)")
     p.add_argument("--cpu-linear", choices=["auto", "matmul", "onednn"], default="auto",
                    help="CPU linear kernels (auto: MKL or prepacked oneDNN per weight shape and row count, timed at "
-                        "load; matmul / onednn: one kernel everywhere)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV capacity in tokens")
-    p.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-cache-tokens)")
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+                        "load; matmul / onednn: one kernel everywhere; default: %(default)s)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
+    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV capacity in tokens (default: %(default)s)")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="KV pages (overrides --kv-cache-tokens; default: from --kv-cache-tokens)")
+    p.add_argument("--max-batch-size", type=int, default=64,
+                   help="most requests decoding at once (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="chunked prefill: each step's token budget; running requests decode one token each and "
+                        "long prompts are prefilled in chunks beside them (default: off, a prompt is prefilled "
+                        "whole in a step of its own while running requests wait)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt + output tokens (default: the model's own limit)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations (default: %(default)s, the checkpoint's own)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s: cuda if "
+                                                    "available)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads on CPU (default: 1 with overlap, 2 without)")
 
@@ -87,7 +102,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, spec=args.spec, draft=args.draft, num_spec_tokens=args.num_spec_tokens,
                         draft_vocab=args.draft_vocab,
                         page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens, num_pages=args.num_pages,
-                        max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, dtype=args.dtype,
+                        max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, dtype=args.dtype,
                         device=args.device, threads=args.threads, spec_policy=args.spec_policy,
                         spec_objective=args.spec_objective, spec_itl_budget=args.spec_itl_budget,
                         spec_delta=args.spec_delta, spec_epsilon=args.spec_epsilon,
@@ -108,16 +124,17 @@ def resolve_overlap(choice: str, device: str) -> bool:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="a single prompt text")
-    src.add_argument("--prompts", help="JSONL file: one {\"prompt\": ...} or {\"prompt_token_ids\": [...]} per line")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    src.add_argument("--prompt", help="a single prompt text (default, without --prompts: 'def fibonacci(n):\\n')")
+    src.add_argument("--prompts", help="JSONL file: one {\"prompt\": ...} or {\"prompt_token_ids\": [...]} per line "
+                                      "(default: none, a single --prompt)")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s, greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: %(default)s = off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default: %(default)s = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one per prompt)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence (default: stop there)")
     p.add_argument("--output", help="write JSONL here (default: stdout)")
-    p.add_argument("--trace", help="write a Chrome/Perfetto trace of the run here")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace of the run here (default: none)")
 
 
 def read_inputs(args: argparse.Namespace) -> list[dict]:

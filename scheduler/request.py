@@ -22,6 +22,7 @@ class Status(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
+    PREFILLING = 3  # admitted, its prompt prefilled in chunks (pages and a slot held), not decoding yet
 
 
 class FinishReason(str, enum.Enum):
@@ -49,6 +50,7 @@ class Request:
     first_token_time: float | None = None
     acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)
     draft_len: int = 0  # tokens the draft model has consumed (behind len(token_ids) while its refill is dropped)
+    prefill_with_proposer: bool = True  # chunked prefill: the proposer consumes its chunks (fixed at admission)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -51,7 +51,7 @@ from specstep.scheduler.protocol import (  # noqa: E402
     encode_engine,
 )
 from specstep.scheduler.request import Request  # noqa: E402
-from specstep.scheduler.sockets import make_socket  # noqa: E402
+from specstep.scheduler.sockets import make_socket, remove_ipc  # noqa: E402
 from specstep.traces.ranges import SEND  # noqa: E402
 from specstep.traces.tracer import NULL_TRACER, Tracer, TraceRecorder  # noqa: E402
 
@@ -67,6 +67,7 @@ class SocketIO:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._parent_pid = cfg.parent_pid
+        self.orphaned = False  # the frontend died without stopping us (kill -9): we remove its ipc sockets
         self._closing = threading.Event()
         self._pull = make_socket(ctx, zmq.PULL, connect=cfg.input_address)
         self._push = make_socket(ctx, zmq.PUSH, connect=cfg.output_address)
@@ -80,6 +81,7 @@ class SocketIO:
             if not self._pull.poll(int(IDLE_POLL_S * 1000)):
                 if os.getppid() != self._parent_pid:
                     log.warning("the frontend is gone; exiting")
+                    self.orphaned = True
                     self.inbox.put(EngineShutdown(drain=False))
                     return
                 continue
@@ -156,7 +158,7 @@ class SchedulerLoop:
         elif isinstance(msg, EngineShutdown):
             self.drain()
             if not msg.drain:
-                for req in list(self.core.running) + list(self.core.waiting):
+                for req in [*self.core.running, *self.core.prefilling, *self.core.waiting]:
                     self.core.abort(req.request_id)
                 self.exit_now = True
 
@@ -174,7 +176,8 @@ class SchedulerLoop:
 
     def drain(self) -> None:
         if not self.draining:
-            log.info("draining: %d running, %d waiting", len(self.core.running), len(self.core.waiting))
+            log.info("draining: %d running, %d waiting", len(self.core.running) + len(self.core.prefilling),
+                     len(self.core.waiting))
         self.draining = True
 
     # ---- one step ------------------------------------------------------------------------------------------
@@ -215,7 +218,7 @@ class SchedulerLoop:
         except Exception as e:  # reported, not raised: the stats query is how tests look for leaks
             ok, err = False, f"{type(e).__name__}: {e}"
         alloc = core.allocator
-        return EngineStats(num_running=len(core.running), num_waiting=len(core.waiting),
+        return EngineStats(num_running=len(core.running) + len(core.prefilling), num_waiting=len(core.waiting),
                            num_free_pages=alloc.num_free, num_usable_pages=alloc.num_usable,
                            num_pages=alloc.num_pages, page_size=alloc.page_size, integrity_ok=ok,
                            integrity_error=err, num_preemptions=core.num_preemptions, num_steps=self.num_steps,
@@ -278,6 +281,9 @@ def run(cfg: SchedulerProcessConfig) -> int:
     finally:
         io.close()
         ctx.term()
+        if io.orphaned:  # nobody else will: the frontend bound them and was killed
+            for address in (cfg.input_address, cfg.output_address):
+                remove_ipc(address)
         if recorder is not None:
             recorder.save(cfg.trace)
     return 0

@@ -74,8 +74,9 @@ class SimStepEngine:
     def has_draft_model(self) -> bool:
         return self.proposer is not None and self.proposer.has_model
 
-    def prefill(self, seqs, with_proposer: bool = True):
-        self.clock.now += self.scenario.prefill_per_token * sum(len(s.token_ids) for s in seqs)
+    def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
+        n = sum(q_lens) if q_lens is not None else sum(len(s.token_ids) - s.num_computed for s in seqs)
+        self.clock.now += self.scenario.prefill_per_token * n
         return torch.ones(len(seqs), dtype=torch.long)
 
     def catch_up(self, seqs, draft_lens):

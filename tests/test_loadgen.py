@@ -102,3 +102,33 @@ def test_workloads(tiny_target):
     assert isinstance(mix[0].prompt, str) and len(mix[0].prompt) == 64  # text fallback without a tokenizer
     run = RunResult(LoadPoint("closed", 1), [Result("x", error=None)], 1.0)
     assert summarize(run)["num_ok"] == 0 and summarize(run)["ttft_p50_ms"] is None
+
+
+def test_long_prompt_summary_counts_the_gaps_that_overlap_a_prefill():
+    from specstep.loadgen.long_prompt import LongPromptRun, summarize_long_prompt
+
+    def res(start: float, times: list[float]) -> Result:
+        return Result("x", start=start, chunk_times=times)
+    streams = [res(0.0, [0.1, 0.2, 0.3, 1.5, 1.6, 1.7]), res(0.0, [0.15, 0.25, 0.35, 0.45])]
+    long = [res(0.4, [1.4, 1.45])]  # its prefill: 0.4 .. 1.4
+    s = summarize_long_prompt(LongPromptRun(RunResult(LoadPoint("closed", 2), streams, 2.0), long))
+    # Overlapping [0.4, 1.4]: 0.3 -> 1.5 (1.2 s) and 0.35 -> 0.45 (0.1 s).
+    assert s["stream_itl_prefill_gaps"] == 2 and s["stream_itl_prefill_max_ms"] == 1200.0
+    assert s["stream_itl_quiet_p50_ms"] == 100.0 and s["long_ttft_p50_ms"] == 1000.0
+    assert s["stream_itl_prefill_p99_over_p50"] == round(s["stream_itl_prefill_p99_ms"] / 100.0, 3)
+
+
+def test_long_prompt_workload_end_to_end(tiny_target, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "specstep.scheduler.cli", "loadgen", "--model", str(tiny_target),
+           "--setting", "chunked=--max-num-batched-tokens 40 --max-batch-size 8 --spec ngram",
+           "--server-args", "--device cpu --kv-cache-tokens 4096", "--workload", "long-prompt",
+           "--concurrency", "2", "--long-prompts", "1", "--long-prompt-tokens", "300", "--prompt-tokens", "16",
+           "--max-tokens", "24", "--warmup", "0", "--output-dir", str(out), "--quiet", "--no-plots"]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (p,) = json.loads((out / "results.json").read_text())["settings"]["chunked"]["points"]
+    assert p["long_prompts"] == 1 and p["long_errors"] == 0 and p["long_ttft_p50_ms"] > 0
+    assert p["stream_requests"] >= 2 and p["errors"] == {} and p["stream_itl_prefill_gaps"] > 0
+    assert "streams while a long prompt is prefilled" in proc.stdout + proc.stderr

@@ -69,12 +69,13 @@ def exact_distribution(folder, temperature: float, top_k: int, top_p: float) -> 
 
 
 def generate(models, proposer: str, params: list[SamplingParams], k: int = 3, spec_policy: str = "fixed",
-             policy=None) -> np.ndarray:
+             policy=None, max_num_batched_tokens: int | None = None) -> np.ndarray:
     spec, draft = models[proposer]
     # A scripted policy runs inline: with overlap a chained step's decision may be re-made after a drain.
     core = make_core(models["target"], spec=spec, draft=None if draft is None else str(draft), num_spec_tokens=k,
                      page_size=16, max_batch_size=len(params), kv_cache_tokens=32 * len(params) + 64,
-                     spec_policy=spec_policy, overlap=policy is None)
+                     spec_policy=spec_policy, overlap=policy is None,
+                     max_num_batched_tokens=max_num_batched_tokens)
     if policy is not None:
         core.policy = policy
     reqs = run_to_completion(core, [PROMPT] * len(params), params, seeds=list(range(len(params))),
@@ -149,6 +150,17 @@ def test_refill_drop_and_catch_up_keep_the_distribution(models, exact, proposer)
     outputs = generate(models, proposer, params * N, policy=ScriptedPolicy(3, [False, True], off_refill=False))
     joint = exact(1.0, 0, 1.0)
     assert_distribution(counts_of(outputs), joint.sum(axis=0).ravel(), ALPHA, f"catch-up {proposer}")
+
+
+@pytest.mark.parametrize("proposer", ["perturbed", "mtp"])
+def test_chunked_prefill_keeps_the_distribution(models, exact, proposer):
+    """Prompts prefilled in chunks (a budget of N + 7 tokens: chunk ends inside prompts) beside requests that
+    decode one plainly sampled token per mixed step, the rest speculative: still the target's distribution."""
+    params = [SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)]
+    outputs = generate(models, proposer, params * N, max_num_batched_tokens=N + 7)
+    joint = exact(1.0, 0, 1.0)
+    assert_distribution(np.bincount(outputs[:, 0], minlength=V), joint.sum(axis=(1, 2, 3)), ALPHA, "t1")
+    assert_distribution(counts_of(outputs), joint.sum(axis=0).ravel(), ALPHA, f"chunked {proposer}")
 
 
 def test_greedy_and_sampled_rows_in_one_batch(models, exact):

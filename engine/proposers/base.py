@@ -33,9 +33,11 @@ class Proposer(ABC):
     #: extra look-ahead tokens past the verify window that the proposer writes into the shared pages
     kv_lookahead: int = 0
 
-    def prefill(self, seqs: list[SeqState], target_hidden: torch.Tensor, q_lens: np.ndarray,
-                sampled: torch.Tensor, st: SamplingTensors) -> None:
-        """Catch the draft up on each request's tokens plus the target's sampled token (device tensor)."""
+    def prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray, final: np.ndarray,
+                target_hidden: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Consume the target's prefill chunk token_ids[start : start + q_lens] of each request (its hidden
+        states: `target_hidden`, ragged); a *final* chunk (it ends at the last prompt token) also consumes the
+        target's sampled token (device tensor) and carries state into the first decode step."""
 
     def propose_host(self, seqs: list[SeqState], k: int) -> list[list[int]] | None:
         """Drafts known on the host at build time (n-gram); None for model proposers."""
@@ -49,8 +51,10 @@ class Proposer(ABC):
                target_hidden: torch.Tensor) -> None:
         """Bring the draft's KV and carried state up to date with the tokens just emitted."""
 
-    def keep_prefill(self, seqs: list[SeqState], target_hidden: torch.Tensor, q_lens: np.ndarray) -> None:
-        """A prefill ran without the proposer: keep what `catch_up` will need (device only)."""
+    def keep_prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray,
+                     target_hidden: torch.Tensor) -> None:
+        """A prefill chunk (or a mixed step's decode row) ran without the proposer: keep what `catch_up` will
+        need (device only)."""
 
     def keep(self, ctx: DecodeContext, target_hidden: torch.Tensor) -> None:
         """A step ran without refill: keep what `catch_up` will need and the host will not have (device only)."""

@@ -22,7 +22,6 @@ from specstep.engine.batch_builder import build_forward_batch
 from specstep.engine.forward_batch import ForwardBatch
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.proposers.base import Proposer, draw
-from specstep.engine.sampling_params import SamplingTensors
 from specstep.engine.step_context import DecodeContext, SeqState
 
 
@@ -74,23 +73,28 @@ class ModelProposer(Proposer):
         self.carried_hidden[slots] = h.to(self.carried_hidden.dtype)
         self.carried_logits[slots] = self.compute_logits(h)
 
-    def prefill(self, seqs: list[SeqState], target_hidden: torch.Tensor, q_lens: np.ndarray,
-                sampled: torch.Tensor, st: SamplingTensors) -> None:
-        # Same ragged layout as the target's prefill (q_lens tokens from position 0), one token to the left
-        # for a head: the target's sampled token fills the last slot on device.
-        ids = [s.token_ids[self.shift:] + [0] for s in seqs]
-        ids = [t[: int(q) + 1 - self.shift] for t, q in zip(ids, q_lens)]
-        self.run_host_tokens(seqs, ids, np.zeros(len(seqs), np.int64), target_hidden, "prefill", last_token=sampled)
+    def prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray, final: np.ndarray,
+                target_hidden: torch.Tensor, sampled: torch.Tensor) -> None:
+        # The target's chunk [c, c + q), one token to the left for a head (t[p] is consumed at p - shift): a
+        # head's rows line up with the target's hidden states. A chunk before the last already knows the next
+        # prompt token; the last chunk ends with the target's sampled token, filled in on device.
+        sh = self.shift
+        ids = [s.token_ids[c + sh: c + q] + [0] if f else s.token_ids[c + sh: c + q + sh]
+               for s, c, q, f in zip(seqs, start.tolist(), q_lens.tolist(), final.tolist())]
+        last = torch.from_numpy(np.flatnonzero(final)).to(self.device)
+        self.run_host_tokens(seqs, ids, start, target_hidden, "prefill", last_token=sampled[last],
+                             last_of=last)
 
     def run_host_tokens(self, seqs: list[SeqState], ids: list[list[int]], start: np.ndarray,
-                        hidden_in: torch.Tensor | None, slot: str, last_token: torch.Tensor | None = None) -> None:
+                        hidden_in: torch.Tensor | None, slot: str, last_token: torch.Tensor | None = None,
+                        last_of: torch.Tensor | None = None) -> None:
         """Feed ragged host token runs from `start`, and carry state from each run's last token (optionally
-        replaced on device by `last_token`, e.g. the target's sampled token)."""
+        replaced on device by `last_token`, e.g. the target's sampled token, for the runs `last_of` or all)."""
         fb = build_forward_batch(ids, start, [s.page_table for s in seqs], self.pool.page_size, self.device,
                                  self.attention, slot)
         last_rows = torch.from_numpy(np.cumsum([len(t) for t in ids]) - 1).to(self.device)
         if last_token is not None:
-            fb.input_ids.index_copy_(0, last_rows, last_token)
+            fb.input_ids.index_copy_(0, last_rows if last_of is None else last_rows[last_of], last_token)
         hidden = self.forward(fb, hidden_in)
         self._carry(hidden, last_rows, torch.tensor([s.slot for s in seqs], device=self.device))
 

@@ -56,14 +56,15 @@ class MTPProposer(ModelProposer):
         rows = ctx.verify_layout.q_index[:, 0]
         self.history[ctx.slots, ctx.start % HISTORY] = target_hidden[rows].to(self.history.dtype)
 
-    def keep_prefill(self, seqs: list[SeqState], target_hidden: torch.Tensor, q_lens: np.ndarray) -> None:
-        # Row r of the ragged prefill is position num_computed + offset of its request; keep the last HISTORY.
+    def keep_prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray,
+                     target_hidden: torch.Tensor) -> None:
+        # Row r of the ragged chunk is position start + offset of its request; keep the last HISTORY.
         slots, positions, rows = [], [], []
         row = 0
-        for s, q in zip(seqs, q_lens.tolist()):
+        for s, c, q in zip(seqs, start.tolist(), q_lens.tolist()):
             first = max(0, q - HISTORY)
             rows += range(row + first, row + q)
-            positions += range(s.num_computed + first, s.num_computed + q)
+            positions += range(c + first, c + q)
             slots += [s.slot] * (q - first)
             row += q
         dev = self.device

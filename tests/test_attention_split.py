@@ -1,0 +1,53 @@
+"""The torch backend attends a batch of very different lengths in parts (`attention_parts`): a decode row
+beside a long prompt chunk is not padded to the chunk's [q, keys] block. Split and unsplit attention agree."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import specstep.engine.batch_builder as bb
+from specstep.engine.attention.torch_backend import TorchAttention
+from specstep.engine.forward_batch import SplitAttention
+
+
+def test_parts_bound_the_padding():
+    q = np.array([1, 1, 1, 256, 1, 3], np.int64)
+    kv = np.array([40, 90, 17, 3900, 33, 60], np.int64)
+    parts = bb.attention_parts(q, kv, page_size=16)
+    keys = -(-kv // 16) * 16
+    assert parts[0] == (0, 3)  # the decode rows before the chunk are not padded to it
+    assert [p[0] for p in parts] + [6] == [0] + [p[1] for p in parts]  # consecutive, covering every row
+    for r0, r1 in parts:
+        padded = (r1 - r0) * q[r0:r1].max() * keys[r0:r1].max()
+        assert padded <= bb.PAD_LIMIT * (q[r0:r1] * keys[r0:r1]).sum()
+    assert bb.attention_parts(np.full(8, 5), np.full(8, 100), 16) == [(0, 8)]  # alike: one batch
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_split_attention_equals_one_padded_batch(page_size, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, d = 6, 2, 8
+    q_lens = [1, 1, 37, 1, 5]
+    starts = [9, 70, 100, 3, 0]
+    pages_per = [-(-(s + q) // page_size) for s, q in zip(starts, q_lens)]
+    num_slots = (sum(pages_per) + 1) * page_size
+    k_cache = torch.randn(num_slots, kv_heads, d, generator=g)
+    v_cache = torch.randn(num_slots, kv_heads, d, generator=g)
+    tables, nxt = [], 1  # page 0 is the dummy page
+    for n in pages_per:
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    ids = [[0] * q for q in q_lens]
+    q = torch.randn(sum(q_lens), heads * d, generator=g)
+    split = bb.build_forward_batch(ids, starts, tables, page_size, "cpu")
+    assert isinstance(split.attn, SplitAttention) and len(split.attn.parts) > 1
+    monkeypatch.setattr(bb, "PAD_LIMIT", float("inf"))
+    whole = bb.build_forward_batch(ids, starts, tables, page_size, "cpu")
+    assert not isinstance(whole.attn, SplitAttention)
+    torch.testing.assert_close(split.positions, whole.positions)
+    torch.testing.assert_close(split.slot_mapping, whole.slot_mapping)
+    a = TorchAttention.forward(q, k_cache, v_cache, split.attn, heads, 0.3)
+    b = TorchAttention.forward(q, k_cache, v_cache, whole.attn, heads, 0.3)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,180 @@
+"""Chunked prefill mixed with decoding (`max_num_batched_tokens`): token-identical to whole-prompt prefill for
+every proposer and chunk size (chunk boundaries inside pages: page size 4, budgets that are not multiples of
+it), with requests arriving while others decode so steps really mix; the proposer consumes every chunk (a
+draft that is the target accepts every draft after a chunked prefill, and its carried state equals a whole
+prefill's); seeded sampling unchanged; preemption and abort mid-prefill free everything; page integrity is
+checked after every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specstep.engine.sampling_params import SamplingParams
+from specstep.scheduler.request import Request, Status
+from tests.fixtures_models import make_mtp_head
+from tests.helpers import make_core
+
+PROMPT_LENS = [37, 5, 22, 1, 9, 40, 13, 4]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def proposers(tiny_target, tiny_draft, tmp_path_factory):
+    """name -> (--spec, --draft)."""
+    return {"none": ("none", None), "ngram": ("ngram", None), "draft_random": ("draft_model", tiny_draft),
+            "draft_self": ("draft_model", tiny_target),
+            "mtp": ("mtp", make_mtp_head(tmp_path_factory.mktemp("head"), tiny_target))}
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    out = [[rng.randrange(320) for _ in range(n)] for n in PROMPT_LENS]
+    out[2] = [5, 6, 7, 8] * 5 + [5, 6]  # repetitive: the n-gram proposer finds matches
+    return out
+
+
+def core_for(target, proposers, name: str, budget: int | None, **cfg):
+    spec, draft = proposers[name]
+    cfg.setdefault("max_batch_size", 4)
+    return make_core(target, spec=spec, draft=None if draft is None else str(draft), page_size=4,
+                     max_num_batched_tokens=budget, **cfg)
+
+
+class StepLog:
+    """Wraps the step engine's prefill to record what each prefill/mixed step held."""
+
+    def __init__(self, core) -> None:
+        self.steps: list[tuple[int, list[int], list[bool]]] = []  # (decode rows, chunk lengths, chunk final)
+        inner = core.engine.prefill
+
+        def prefill(seqs, with_proposer=True, q_lens=None, num_decode=0):
+            if q_lens is not None:
+                chunks = list(q_lens)[num_decode:]
+                final = [s.num_computed + q == len(s.token_ids) for s, q in zip(seqs[num_decode:], chunks)]
+                self.steps.append((num_decode, chunks, final))
+            return inner(seqs, with_proposer, q_lens, num_decode)
+        core.engine.prefill = prefill
+
+    @property
+    def mixed(self) -> int:
+        return sum(1 for d, c, _ in self.steps if d and c)
+
+    @property
+    def partial_chunks(self) -> int:
+        return sum(f.count(False) for _, _, f in self.steps)
+
+
+def run_staggered(core, prompt_list, params, seeds=None) -> list[Request]:
+    """Half the requests at once, the rest one per step while those decode (so prefill chunks meet decodes)."""
+    reqs = [Request(str(i), list(p), params, seed=(seeds[i] if seeds else 100 + i)) for i, p in enumerate(prompt_list)]
+    pending = list(reqs)
+    for _ in range(len(reqs) // 2):
+        core.add_request(pending.pop(0))
+    while core.has_unfinished() or pending:
+        if pending and (core.running or not core.has_unfinished()):
+            core.add_request(pending.pop(0))
+        core.step()
+        core.check_integrity()
+    assert core.allocator.num_free == core.allocator.num_usable, "pages leaked after all requests finished"
+    assert not core.prefilling and not core.running
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target, proposers):
+    """Whole-prompt prefill outputs per proposer (plain greedy for 'none')."""
+    return {name: [r.output_token_ids for r in run_staggered(core_for(tiny_target, proposers, name, None),
+                                                             prompts(), GREEDY)]
+            for name in proposers}
+
+
+@pytest.mark.parametrize("budget", [5, 7, 13])
+@pytest.mark.parametrize("name", ["none", "ngram", "draft_random", "draft_self", "mtp"])
+def test_chunked_prefill_is_token_identical_to_whole_prefill(tiny_target, proposers, reference, name, budget):
+    core = core_for(tiny_target, proposers, name, budget)
+    log = StepLog(core)
+    reqs = run_staggered(core, prompts(), GREEDY)
+    assert [r.output_token_ids for r in reqs] == reference[name] == reference["none"]
+    assert log.mixed > 0 and log.partial_chunks > 0, "no step mixed decodes with a part of a prompt"
+    assert all(sum(c) + d <= budget for d, c, _ in log.steps)
+    if name != "none":
+        assert sum(r.stats.drafted for r in reqs) > 0
+    if name == "draft_self":  # its KV after chunked prefills is exact: every draft is the target's own token
+        assert all(r.stats.accepted == r.stats.drafted for r in reqs)
+
+
+@pytest.mark.parametrize("name", ["draft_self", "mtp"])
+def test_proposer_state_after_chunks_equals_whole_prefill(tiny_target, proposers, name):
+    prompt = prompts()[0]  # 37 tokens: chunks of 6 end inside pages of 4
+    carried = []
+    for budget in (None, 6):
+        core = core_for(tiny_target, proposers, name, budget, max_batch_size=1)
+        req = Request("r", list(prompt), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), seed=0)
+        core.add_request(req)
+        while req.status in (Status.WAITING, Status.PREFILLING):  # until its prefill's last chunk has run
+            core.step()
+        p = core.engine.proposer
+        carried.append((p.carried_logits[req.slot].clone(), p.carried_hidden[req.slot].clone()))
+        assert req.draft_len == len(req.token_ids)
+    torch.testing.assert_close(carried[0], carried[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["none", "mtp"])
+def test_seeded_sampling_is_unchanged_by_chunking(tiny_target, proposers, name):
+    """Draws are keyed by (seed, position), and a mixed step's decode rows sample exactly as a plain step: with
+    speculation off the seeded outputs are identical. (Speculative sampling's lossless distribution under
+    chunking: tests/test_spec_sampling.py.)"""
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, ignore_eos=True)
+    outs = []
+    for budget in (None, 7):
+        core = core_for(tiny_target, proposers, name, budget, num_spec_tokens=0)
+        outs.append([r.output_token_ids for r in run_staggered(core, prompts(), params, seeds=list(range(8)))])
+    assert outs[0] == outs[1]
+
+
+def test_preemption_mid_prefill_frees_everything_and_output_is_unchanged(tiny_target, proposers, reference):
+    """A KV cache too small for every request at once: running requests that need pages preempt the prompts
+    part-way through their chunks (then the newest running requests); every output still equals the plain one."""
+    core = core_for(tiny_target, proposers, "mtp", 6, kv_cache_tokens=96)
+    log = StepLog(core)
+    reqs = run_staggered(core, prompts(), GREEDY)
+    assert core.num_preemptions > 0 and log.partial_chunks > 0
+    assert [r.output_token_ids for r in reqs] == reference["none"]
+
+
+def test_abort_mid_prefill_frees_its_pages_and_slot(tiny_target, proposers):
+    core = core_for(tiny_target, proposers, "draft_self", 5)
+    a = Request("a", prompts()[1], GREEDY, seed=0)
+    b = Request("b", prompts()[0], GREEDY, seed=1)
+    core.add_request(a)
+    core.step()  # a prefilled whole (5 tokens), running
+    core.add_request(b)
+    core.step()  # a decodes, b's first chunk
+    core.check_integrity()
+    assert b.status == Status.PREFILLING and 0 < b.num_computed < len(b.token_ids) and b.page_table
+    free_slots = len(core._free_slots)
+    core.abort("b")
+    core.check_integrity()
+    assert b.finished and not b.page_table and b.slot == -1 and len(core._free_slots) == free_slots + 1
+    while core.has_unfinished():
+        core.step()
+        core.check_integrity()
+    assert core.allocator.num_free == core.allocator.num_usable
+    assert a.output_token_ids == plain_greedy(tiny_target, proposers, prompts()[1])
+
+
+def plain_greedy(target, proposers, prompt: list[int]) -> list[int]:
+    core = core_for(target, proposers, "none", None)
+    r = Request("x", list(prompt), GREEDY, seed=0)
+    core.add_request(r)
+    while core.has_unfinished():
+        core.step()
+    return r.output_token_ids
+
+
+def test_budget_below_the_batch_size_is_refused(tiny_target, proposers):
+    with pytest.raises(ValueError, match="max-num-batched-tokens"):
+        core_for(tiny_target, proposers, "none", 3, max_batch_size=4)
