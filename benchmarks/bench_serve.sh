@@ -32,9 +32,10 @@ for wl in code random mix; do
 done
 
 # Issue 13: four steady streams while two 4,000-token prompts arrive, whole-prompt prefill against chunked
-# prefill (a budget of 36 tokens a step: the streams' 4 decode tokens plus 32 prompt tokens, about 3x a decode
-# step on the 2-core CPU), and chunked with n-gram speculation on the decode-only steps.
+# prefill (budgets of 20 and 28 tokens a step: the streams' 4 decode tokens plus 16 or 24 prompt tokens), and
+# chunked with n-gram speculation on the decode-only steps.
 "${LG[@]}" --workload long-prompt --concurrency 4 --long-prompts 2 --long-prompt-tokens 4000 --no-plots \
   --output-dir "$OUT/long-prompt" --server-args "--kv-cache-tokens 16384 --max-batch-size 16" \
-  --setting "whole=--spec none" --setting "chunked=--spec none --max-num-batched-tokens 36" \
-  --setting "chunked-ngram=--spec ngram --max-num-batched-tokens 36"
+  --setting "whole=--spec none" --setting "chunked-20=--spec none --max-num-batched-tokens 20" \
+  --setting "chunked-28=--spec none --max-num-batched-tokens 28" \
+  --setting "chunked-20-ngram=--spec ngram --max-num-batched-tokens 20"

@@ -65,7 +65,7 @@ def remove_stale_ipc(tmp: str | None = None) -> list[Path]:
     removed = []
     for folder in Path(tmp or tempfile.gettempdir()).glob(f"{IPC_PREFIX}*-*"):
         pid = folder.name[len(IPC_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)) or not folder.is_dir() or folder.is_symlink():
+        if not pid.isdigit() or pid_alive(int(pid)) or not folder.is_dir() or folder.is_symlink():
             continue
         try:
             entries = list(folder.iterdir())
@@ -80,7 +80,7 @@ def remove_stale_ipc(tmp: str | None = None) -> list[Path]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

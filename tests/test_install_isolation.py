@@ -21,18 +21,10 @@ import pytest
 from specstep.loadgen.client import Client
 from specstep.loadgen.server import ServerProcess
 from specstep.scheduler.protocol import GenerateRequest
-from specstep.scheduler.sockets import ipc_address, remove_stale_ipc
+from specstep.scheduler.sockets import ipc_address, pid_alive, remove_stale_ipc
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "specstep"
 DECOYS = ["scheduler", "engine", "specstep", "specstep/scheduler", "specstep/engine"]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def plant_decoys(root: Path) -> None:
@@ -71,9 +63,9 @@ async def test_serve_from_a_decoy_directory_runs_the_installed_code_and_kill9_le
     os.kill(srv.pid, signal.SIGKILL)
     srv.wait(10)
     deadline = time.monotonic() + 20
-    while alive(scheduler_pid) and time.monotonic() < deadline:
+    while pid_alive(scheduler_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not alive(scheduler_pid), "the scheduler process outlived its killed frontend"
+    assert not pid_alive(scheduler_pid), "the scheduler process outlived its killed frontend"
     assert socket_folders(tmp) == []
 
 

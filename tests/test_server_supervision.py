@@ -24,6 +24,7 @@ from specstep.scheduler.protocol import (
     ProtocolError,
     SchedulerProcessConfig,
 )
+from specstep.scheduler.sockets import pid_alive
 from specstep.scheduler.supervisor import SchedulerSupervisor
 
 LONG = 400  # tokens: still running when the test acts
@@ -31,14 +32,6 @@ LONG = 400  # tokens: still running when the test acts
 
 def long_request(rid: str) -> GenerateRequest:
     return GenerateRequest(rid, prompt_token_ids=[3, 1, 4, 1, 5], max_tokens=LONG, temperature=0.0, ignore_eos=True)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def started(client: Client, req: GenerateRequest):
@@ -82,7 +75,7 @@ async def test_killed_scheduler_errors_in_flight_and_restarts(server):
                                                  temperature=0.0), 120)
         assert after.token_ids == before.token_ids and after.final.finish_reason == "length"
         stats = await c.wait_idle(10)
-        assert stats.restarts == 1 and stats.engine.pid != pid and not alive(pid)
+        assert stats.restarts == 1 and stats.engine.pid != pid and not pid_alive(pid)
         assert server.proc.poll() is None
     finally:
         c.close()
@@ -101,10 +94,10 @@ async def test_sigterm_drains_in_flight_requests_then_exits(server):
         assert isinstance(end, Final) and end.finish_reason == "length" and end.usage.completion_tokens == LONG
         assert await asyncio.get_running_loop().run_in_executor(None, server.wait, 30) == 0
         for _ in range(100):
-            if not alive(pid):
+            if not pid_alive(pid):
                 break
             await asyncio.sleep(0.05)
-        assert not alive(pid)
+        assert not pid_alive(pid)
     finally:
         c.close()
         late.close()
@@ -171,7 +164,7 @@ async def test_restarts_are_bounded_then_unavailable():
     finally:
         await sup.stop(timeout_s=2)
         ctx.destroy(linger=0)
-    assert not any(alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
 
 
 @pytest.mark.parametrize("mode", ["crash", "silent"])
