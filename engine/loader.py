@@ -28,9 +28,15 @@ _MERGED = {
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """`auto`: the checkpoint's dtype on CUDA; float32 on CPU, where bf16/fp16 matmuls are unusably slow."""
+    """`auto`: on CUDA the checkpoint's half dtype, and bfloat16 for a float32 checkpoint (as vLLM does: fp32
+    serving halves throughput and FlashInfer needs 16-bit); float32 on CPU, where bf16/fp16 matmuls are unusably
+    slow. An explicit dtype is taken as given: `float32` on CUDA stays exact fp32 (no TF32), which the GPU
+    equality tests rely on."""
     if name == "auto":
-        return DTYPES[cfg.torch_dtype] if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        dtype = DTYPES[cfg.torch_dtype]
+        return torch.bfloat16 if dtype == torch.float32 else dtype
     if name not in DTYPES:
         raise CheckpointError(f"unsupported dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
     return DTYPES[name]

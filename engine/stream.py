@@ -34,6 +34,11 @@ class StepHandle(Generic[T]):
         self.device_end: float = 0.0
         self._end_event: Any = None
         self._start_event: Any = None
+        # The job, with every input tensor its closure holds, until the job is known complete. On CUDA the
+        # launch returns before the device reads those inputs; were they freed when the caller's references go,
+        # the caching allocator would hand their blocks to the next step's inputs while this step still reads
+        # them (wrong tokens, wrong KV slots). Released by `wait()`.
+        self._retained: Any = None
 
     def done(self) -> bool:
         if self._end_event is not None:
@@ -59,6 +64,7 @@ class StepHandle(Generic[T]):
             self._end_event.synchronize()
         else:
             self._done.wait()
+        self._retained = None  # complete: its inputs may be freed and their blocks reused
         if self._error is not None:
             raise self._error
         return self._result
@@ -107,6 +113,7 @@ class ThreadStream(DeviceStream):
             except BaseException as e:  # noqa: BLE001 (delivered to the waiter)
                 handle._error = e
             handle.device_end = time.perf_counter()
+            item = fn = None  # do not hold the finished job's inputs until the next job arrives
             handle._done.set()
 
     def close(self) -> None:
@@ -145,6 +152,7 @@ class CudaStream(DeviceStream):
             handle._start_event.record()
             handle._result = fn()
             handle._end_event.record()
+        handle._retained = fn  # its inputs were allocated on the launching stream: alive until wait()
         return handle
 
 

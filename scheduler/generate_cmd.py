@@ -78,7 +78,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence, prompt + output tokens (default: the model's own limit)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations (default: %(default)s, the checkpoint's own)")
+                   help="weights and activations (default: %(default)s: float32 on CPU; on CUDA the checkpoint's "
+                        "16-bit dtype, bfloat16 for a float32 checkpoint)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s: cuda if "
                                                     "available)")
     p.add_argument("--threads", type=int, default=None,

@@ -1,11 +1,14 @@
 """Per-request speculation counters, kept by the engine and, from the per-step counts each output carries,
-by the frontend (so a request cut short by a stop string still reports them). No torch here."""
+by the frontend (so a request cut short by a stop string still reports them). No torch here, and no serving
+packages at import: the engine core (and the GPU tests, on an image without msgspec) import this module."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from specstep.scheduler import protocol
+if TYPE_CHECKING:
+    from specstep.scheduler.protocol import SpecStats
 
 
 @dataclass(slots=True)
@@ -67,6 +70,8 @@ class SpecCounters:
             "steps_probing": self.steps_probing,
         }
 
-    def to_wire(self) -> protocol.SpecStats:
-        fields = protocol.SpecStats.__struct_fields__
-        return protocol.SpecStats(**{k: v for k, v in self.to_dict().items() if k in fields})
+    def to_wire(self) -> SpecStats:
+        from specstep.scheduler.protocol import SpecStats  # serving only (msgspec)
+
+        fields = SpecStats.__struct_fields__
+        return SpecStats(**{k: v for k, v in self.to_dict().items() if k in fields})
