@@ -89,5 +89,8 @@ def register_decode_graphs(runner: GraphRunner, engine: StepEngine, ks: tuple[in
     for name in flavours:
         refill = not name.endswith("norefill")
         prepare = (lambda key, refill=refill: engine.plan_graph_padding(key.q - 1, key.batch, refill))
-        runner.register(StepKind(name, decode_step_fn(engine), specs, q_values=tuple(k + 1 for k in ks),
+        # The refill is dropped only in steps where nobody drafts (`AdaptivePolicy._refill`), and a stale draft
+        # cannot propose: a _norefill graph only ever replays with q = 1.
+        q_values = tuple(k + 1 for k in ks) if refill else (1,)
+        runner.register(StepKind(name, decode_step_fn(engine), specs, q_values=q_values,
                                  prepare=prepare if engine.plans_attention else None))

@@ -63,6 +63,8 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     num_pages = cfg.num_pages or (-(-cfg.kv_cache_tokens // cfg.page_size) + 1)
     pool = KVPool(target.cfg, target.cfg.num_layers, num_pages, cfg.page_size, dtype, device)
     proposer = build_proposer(cfg, target, num_pages, dtype, device)
+    if device.type == "cuda":  # device-track ranges timed by CUDA events, not by the launching thread
+        tracer.use_cuda_events(torch.cuda)
     step_engine = StepEngine(target, pool, proposer, device, tracer)
     k_max = cfg.num_spec_tokens if proposer else 0
     attention = install_attention(cfg, step_engine, step_engine.max_kv_len(max_len, k_max), dtype, device)

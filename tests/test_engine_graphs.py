@@ -96,3 +96,15 @@ def test_a_draft_with_a_shorter_context_stops_drafting_past_it(tmp_path):
     assert any(n > 0 for _, n in decisions)  # it drafted while requests fitted the draft's context ...
     assert any(length >= 32 for length, _ in decisions)
     assert all(n == 0 for length, n in decisions if length + n + 1 > 32)  # ... and never past it
+
+
+def test_norefill_graphs_are_captured_only_where_they_replay(tiny_target, tmp_path):
+    """The refill is dropped only when nobody drafts, so a _norefill graph replays only with one token a lane:
+    capturing it for every k would double the MTP graphs for nothing."""
+    core = make_core(tiny_target, spec="mtp", draft=str(make_mtp_head(tmp_path / "head", tiny_target)),
+                     num_spec_tokens=4, graphs="on", max_batch_size=4)
+    graphs = core.engine.graphs
+    assert graphs.has_graph("greedy_norefill", 1, 1) and graphs.has_graph("general_norefill", 1, 4)
+    assert not any(graphs.has_graph(f, q, b) for f in ("greedy_norefill", "general_norefill") for q in (2, 3, 5)
+                   for b in (1, 2, 4))
+    assert all(graphs.has_graph("greedy", q, 1) for q in (1, 2, 3, 5))

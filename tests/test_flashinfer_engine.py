@@ -42,6 +42,20 @@ def test_flashinfer_engine_matches_torch(monkeypatch, tiny_target, tiny_draft, t
         assert {"prefill", "refill", "draft.1", "draft.2"} <= set(eng.proposer.attention._planned)
 
 
+@pytest.mark.parametrize("spec", ["draft_model", "mtp"])
+def test_flashinfer_chunked_prefill_matches_torch(monkeypatch, tiny_target, tiny_draft, tmp_path, spec):
+    """Mixed steps (decode rows beside prompt chunks, a budget of 6 tokens) planned as one ragged prefill for
+    the target and for the proposer's chunk, graphs on for the decode-only steps."""
+    fake_flashinfer.install(monkeypatch)
+    draft = {"draft_model": str(tiny_draft), "mtp": str(make_mtp_head(tmp_path / "head", tiny_target))}[spec]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    cfg = dict(spec=spec, draft=draft, num_spec_tokens=3, graphs="on")
+    ref, _ = generate(tiny_target, params, attention="torch", **cfg)
+    out, core = generate(tiny_target, params, attention="flashinfer", max_num_batched_tokens=6, **cfg)
+    assert out == ref
+    assert "prefill" in core.engine.proposer.attention._planned
+
+
 def test_flashinfer_engine_sampled_matches_torch(monkeypatch, tiny_target, tiny_draft):
     fake_flashinfer.install(monkeypatch)
     params = SamplingParams(temperature=1.0, top_k=40, max_tokens=20, ignore_eos=True)

@@ -53,6 +53,7 @@ class TraceRecorder:
         self._pid = os.getpid()
         self._threads: dict[int, str] = {}
         self._named: dict[str, int] = {}
+        self.resolvers: list = []  # called before export: turn pending device timings (CUDA events) into events
 
     def _tid(self, track: str | None) -> int:
         if track is not None:
@@ -81,6 +82,8 @@ class TraceRecorder:
     @property
     def events(self) -> list[dict[str, Any]]:
         """All recorded events as Chrome trace-event dicts (unsorted, no metadata)."""
+        for resolve in self.resolvers:
+            resolve()
         out = []
         for name, start, end, tid, args in list(self._complete):
             ev = {"ph": "X", "name": name, "ts": start, "dur": max(end - start, 0.0), "pid": self._pid, "tid": tid}
@@ -90,10 +93,10 @@ class TraceRecorder:
         return out + list(self._other)
 
     def to_json(self) -> dict[str, Any]:
+        # Parents before children at equal timestamps (longer first), so viewers and the nesting check agree.
+        events = sorted(self.events, key=lambda e: (e["ts"], -e.get("dur", 0.0)))  # resolving may add tracks
         meta = [{"ph": "M", "name": "thread_name", "pid": self._pid, "tid": tid, "args": {"name": name}}
                 for tid, name in list(self._threads.items())]
-        # Parents before children at equal timestamps (longer first), so viewers and the nesting check agree.
-        events = sorted(self.events, key=lambda e: (e["ts"], -e.get("dur", 0.0)))
         return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
     def save(self, path: str | Path) -> None:
@@ -136,11 +139,65 @@ class _Range:
             tr._domain.pop_range()
 
 
+class _CudaRange(_Range):
+    """A device-track range on CUDA: its device interval comes from a pair of CUDA events on the current stream
+    (resolved after the work ran), its host interval (the launch) goes to the launching thread's track as
+    NAME.launch. Inside a graph capture only the host side is kept (the replay's own range times the graph)."""
+
+    __slots__ = ("_ev0", "_host0")
+
+    def __enter__(self) -> None:
+        tr = self._tracer
+        if tr._domain is not None:
+            tr._domain.push_range(tr._attributes(self._name))
+        self._host0 = _now_us()
+        cuda = tr._cuda
+        self._ev0 = None if cuda.is_current_stream_capturing() else cuda.Event(enable_timing=True)
+        if self._ev0 is not None:
+            self._ev0.record()
+
+    def __exit__(self, *exc: object) -> None:
+        tr = self._tracer
+        rec = tr.recorder
+        if self._ev0 is not None:
+            ev1 = tr._cuda.Event(enable_timing=True)
+            ev1.record()
+            tr._pending.append((self._name, self._ev0, ev1, self._args))
+        rec._complete.append((self._name + ".launch", self._host0, _now_us(), rec._tid(None), self._args or None))
+        if tr._domain is not None:
+            tr._domain.pop_range()
+
+
 class Tracer:
     def __init__(self, recorder: TraceRecorder | None = None, nvtx: bool = True) -> None:
         self.recorder = recorder
         self._domain = _nvtx.get_domain(NVTX_DOMAIN) if nvtx and nvtx_active() else None
         self._attrs: dict[str, Any] = {}
+        self._cuda: Any = None  # torch.cuda once `use_cuda_events` was called
+        self._pending: list[tuple[str, Any, Any, dict[str, Any]]] = []
+        self._anchor: Any = None
+        self._anchor_us = 0.0
+
+    def use_cuda_events(self, cuda: Any) -> None:
+        """Device-track ranges on a CUDA device: time them with events, not with the launching thread's clock
+        (which would call launch time device time). `cuda` is `torch.cuda` (a stand-in in CPU tests)."""
+        if self.recorder is None or self._cuda is not None:
+            return
+        cuda.synchronize()
+        self._anchor = cuda.Event(enable_timing=True)
+        self._anchor.record()
+        self._anchor.synchronize()
+        self._anchor_us = _now_us()  # the anchor event's completion, on the host clock
+        self._cuda = cuda
+        self.recorder.resolvers.append(self._resolve_device)
+
+    def _resolve_device(self) -> None:
+        pending, self._pending = self._pending, []
+        for name, ev0, ev1, args in pending:
+            ev1.synchronize()
+            start = self._anchor_us + self._anchor.elapsed_time(ev0) * 1e3
+            end = self._anchor_us + self._anchor.elapsed_time(ev1) * 1e3
+            self.recorder.complete(name, start, end, DEVICE_TRACK, **args)
 
     @property
     def recording(self) -> bool:
@@ -163,6 +220,8 @@ class Tracer:
         """
         if self.recorder is None and self._domain is None:
             return _NULL_RANGE
+        if track == DEVICE_TRACK and self._cuda is not None:
+            return _CudaRange(self, name, track, args)
         return _Range(self, name, track, args)
 
     def device_interval(self, name: str, start_s: float, end_s: float, **args: Any) -> None:
