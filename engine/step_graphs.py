@@ -5,6 +5,7 @@ rejection sampling, refill) from static buffers, so a step is one replay and its
 read of the accepted lengths. Host-known flags that change the work are in the flavour name:
 
     greedy            every request greedy (argmax only)
+    sampled           greedy and temperature rows, nobody asks for top-k / top-p (no vocabulary sort)
     general           any mix of greedy / temperature / top-k / top-p rows (computes every path)
     ..._norefill      the draft's KV refill dropped by the policy
 
@@ -31,11 +32,13 @@ if TYPE_CHECKING:
     from specstep.cuda_graphs.runner import GraphRunner
     from specstep.engine.step_engine import StepEngine
 
-FLAVOURS = ("greedy", "general", "greedy_norefill", "general_norefill")
+SAMPLING = ("greedy", "sampled", "general")
+FLAVOURS = (*SAMPLING, *(f"{s}_norefill" for s in SAMPLING))
 
 
 def flavour(st: SamplingTensors, refill: bool) -> str:
-    return ("greedy" if st.all_greedy else "general") + ("" if refill else "_norefill")
+    kind = "greedy" if st.all_greedy else "general" if st.needs_filter else "sampled"
+    return kind + ("" if refill else "_norefill")
 
 
 def decode_inputs(max_pages: int, vocab_size: int, scratch_slot: int):
@@ -71,7 +74,7 @@ def decode_step_fn(engine: StepEngine):
         greedy = name.startswith("greedy")
         st = SamplingTensors(temperature=inp["temperature"], top_k=inp["top_k"], top_p=inp["top_p"],
                              greedy=inp["greedy"], seeds=inp["seeds"], all_greedy=greedy, any_greedy=True,
-                             needs_filter=not greedy)
+                             needs_filter=name.startswith("general"))
         ctx = DecodeContext(
             seqs=None, k=key.q - 1, num_draft=None, base_pos=None, start=inp["start"], st=st, slots=inp["slots"],
             verify_layout=uniform_layout(inp["page_table"], key.q, ps, inp["num_draft"] + 1),
@@ -85,7 +88,7 @@ def decode_step_fn(engine: StepEngine):
 def register_decode_graphs(runner: GraphRunner, engine: StepEngine, ks: tuple[int, ...], max_pages: int,
                            scratch_slot: int) -> None:
     specs = decode_inputs(max_pages, engine.vocab_size, scratch_slot)
-    flavours = FLAVOURS if engine.has_draft_model else FLAVOURS[:2]
+    flavours = FLAVOURS if engine.has_draft_model else SAMPLING
     for name in flavours:
         refill = not name.endswith("norefill")
         prepare = (lambda key, refill=refill: engine.plan_graph_padding(key.q - 1, key.batch, refill))

@@ -108,3 +108,28 @@ def test_norefill_graphs_are_captured_only_where_they_replay(tiny_target, tmp_pa
     assert not any(graphs.has_graph(f, q, b) for f in ("greedy_norefill", "general_norefill") for q in (2, 3, 5)
                    for b in (1, 2, 4))
     assert all(graphs.has_graph("greedy", q, 1) for q in (1, 2, 3, 5))
+
+
+@pytest.mark.parametrize(("params", "flavour", "sorts"), [
+    (SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True), "sampled", False),
+    (SamplingParams(temperature=1.0, top_k=20, max_tokens=8, ignore_eos=True), "general", True),
+])
+def test_temperature_only_graphs_do_not_sort_the_vocabulary(tiny_target, tmp_path, params, flavour, sorts):
+    """Only rows that ask for top-k / top-p need the full-vocabulary sort; a batch without them replays the
+    `sampled` flavour, which has none."""
+    import torch
+
+    core = make_core(tiny_target, spec="mtp", draft=str(make_mtp_head(tmp_path / "head", tiny_target)),
+                     num_spec_tokens=2, graphs="on", max_batch_size=4, overlap=False)
+    from specstep.scheduler.request import Request
+
+    for i in range(2):
+        core.add_request(Request(str(i), [3, 1, 4, 1, 5], params, seed=i))
+    core.step()  # prefill
+    runs = []
+    run = core.engine.graphs.run
+    core.engine.graphs.run = lambda name, *a, **kw: (runs.append(name), run(name, *a, **kw))[1]
+    with torch.profiler.profile() as prof:
+        core.step()
+    assert runs and runs[0] == flavour
+    assert any(e.key == "aten::sort" for e in prof.key_averages()) == sorts
