@@ -56,8 +56,8 @@ class DecodeContext:
     start: torch.Tensor  # [B] device copy of base_pos
     st: SamplingTensors
     slots: torch.Tensor  # [B] long, device: rows of the proposer's carried state
-    verify_layout: BatchLayout
-    single_layout: BatchLayout  # one token per request (the draft loop)
+    verify_layout: BatchLayout | None  # None on the host side of a graph replay (the graph derives its own)
+    single_layout: BatchLayout | None  # one token per request (the draft loop)
     device: torch.device
     input_grid: np.ndarray | None  # [B, k + 1] host: last token, then host drafts (n-gram) where known
     num_draft_dev: torch.Tensor  # [B] device copy of num_draft
@@ -66,6 +66,7 @@ class DecodeContext:
     page_tables: np.ndarray | None = None  # [B, P] host copy, for attention backends that plan (FlashInfer)
 
     graph: bool = False  # replay a captured graph (uniform q = k + 1 per lane, fixed page-table width)
+    graph_page_table: torch.Tensor | None = None  # [B, captured width]: all a graph replay uploads of the layout
 
     @property
     def batch_size(self) -> int:

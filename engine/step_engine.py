@@ -169,11 +169,11 @@ class StepEngine:
                 grid[i, 1: 1 + num_draft[i]] = d[: num_draft[i]]
         st = self.sampling_tensors(seqs)
         graph = self.graphs is not None and self.graphs.has_graph(self._flavour(st, refill), k + 1, b)
+        graph_table = verify = single = None
         if graph:
             # Fixed shapes: q = k + 1 for every lane, page tables at the captured width. The step function
-            # derives its layouts on device; `single_layout.page_table` carries the table in.
-            q_lens = np.full(b, k + 1, dtype=np.int64)
-            verify = single = build_layout(q_lens, tables, self.page_size, self.device, self.graph_max_len)
+            # derives its layouts on device from the page table alone, so that is all this step uploads.
+            graph_table = to_device(page_table_array(tables, -(-self.graph_max_len // self.page_size)), self.device)
         else:
             verify = build_layout(num_draft + 1, tables, self.page_size, self.device)
             single = build_layout(np.ones(b, np.int64), tables, self.page_size, self.device)
@@ -183,7 +183,7 @@ class StepEngine:
             slots=to_device(np.array([s.slot for s in seqs], dtype=np.int64), self.device),
             verify_layout=verify, single_layout=single, device=self.device, input_grid=grid,
             num_draft_dev=to_device(num_draft, self.device), chain=chain, refill=refill, graph=graph,
-            page_tables=host_tables,
+            page_tables=host_tables, graph_page_table=graph_table,
         )
 
     def plan_decode(self, seqs: list[SeqState], num_draft: np.ndarray, chain: Chain | None = None,
@@ -216,7 +216,7 @@ class StepEngine:
                 self._patch(ctx, grid)
             if ctx.graph:
                 outs = self.graphs.run(self._flavour(ctx.st, ctx.refill), k + 1,
-                                       graph_inputs(ctx, grid, ctx.single_layout.page_table), b)
+                                       graph_inputs(ctx, grid, ctx.graph_page_table), b)
                 # Static outputs are rewritten by the next replay, which may run before the host reads these.
                 out, accepted = outs["out_tokens"].clone(), outs["num_accepted"].clone()
             else:

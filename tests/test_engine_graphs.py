@@ -133,3 +133,26 @@ def test_temperature_only_graphs_do_not_sort_the_vocabulary(tiny_target, tmp_pat
         core.step()
     assert runs and runs[0] == flavour
     assert any(e.key == "aten::sort" for e in prof.key_averages()) == sorts
+
+
+def test_a_graph_step_uploads_only_the_page_table_of_its_layout(tiny_target, monkeypatch):
+    """The captured step derives its layouts on device from the page table: the host uploads nothing else of
+    the layout (before: all six layout arrays, five of them unused)."""
+    import numpy as np
+
+    import specstep.engine.batch_builder as bb
+    import specstep.engine.step_engine as se
+    from specstep.scheduler.request import Request
+
+    core = make_core(tiny_target, graphs="on", max_batch_size=4, overlap=False)
+    for i in range(2):
+        core.add_request(Request(str(i), [3, 1, 4, 1, 5], SamplingParams(temperature=0.0, max_tokens=4), seed=i))
+    core.step()  # prefill
+    uploads = []
+    for mod in (bb, se):
+        monkeypatch.setattr(mod, "to_device", lambda a, d, f=mod.to_device: (uploads.append(a.shape), f(a, d))[1])
+    ctx = core.engine.plan_decode(core.running, np.zeros(2, np.int64))
+    assert ctx.graph and ctx.verify_layout is None and ctx.graph_page_table.shape[0] == 2
+    assert len(uploads) == 4, uploads  # start, slots, num_draft, the page table
+    out = core.engine.run_decode(ctx)
+    assert out.out_tokens.shape == (2, 1)
