@@ -1,7 +1,8 @@
 """The engine core: admission, continuous batching, preemption by recompute, stop conditions, and the
 pipelined decode loop that hides batch preparation behind device work.
 
-`step()` returns the outputs of one finished batch. Prefill batches run synchronously. Decode steps are
+`step()` returns the outputs of one finished batch. Prefill batches, and with a token budget the mixed steps of
+chunked prefill (`scheduler/chunked_prefill.py`), run synchronously. Decode steps are
 pipelined when the stream overlaps (CPU worker thread or CUDA stream):
 
     scheduler thread:  [schedule+build N+1] [wait N][process N]  [schedule+build N+2] [wait N+1][process N+1]
@@ -29,6 +30,7 @@ from specstep.engine.errors import InvalidRequestError
 from specstep.engine.step_context import Chain
 from specstep.engine.step_engine import StepEngine, StepOutput
 from specstep.engine.stream import DeviceStream, InlineStream, StepHandle
+from specstep.scheduler.chunked_prefill import ChunkedPrefill
 from specstep.scheduler.page_allocator import PageAllocator
 from specstep.scheduler.request import FinishReason, Request, Status
 from specstep.scheduler.spec_decision import Decision
@@ -67,7 +69,7 @@ class RequestOutput:
     num_accepted: int = 0
 
 
-class EngineCore:
+class EngineCore(ChunkedPrefill):
     def __init__(self, step_engine: StepEngine, allocator: PageAllocator, config: SchedulerConfig,
                  eos_token_ids: tuple[int, ...] = (), policy: AdaptivePolicy | None = None,
                  stream: DeviceStream | None = None, tracer: Tracer = NULL_TRACER,
@@ -208,94 +210,22 @@ class EngineCore:
         with self.tracer.range(ranges.WAIT):
             tokens = handle.wait().tolist()  # host sync: the new tokens decide what happens next
         now = time.monotonic()
-        outputs = []
         with self.tracer.range(ranges.PROCESS_OUTPUT):
-            for req, tok in zip(batch, tokens):
+            for req in batch:
                 req.num_computed = len(req.token_ids)
-                # The draft consumed the prompt and the sampled token, or (skipped) nothing it needs: a head
-                # never consumes t[0] (shift 1), a draft model starts at it.
-                shift = self.engine.proposer.shift if self.engine.has_draft_model else 0
-                req.draft_len = len(req.token_ids) + 1 if with_proposer else shift
-                self.running.append(req)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                outputs.append(self._append(req, [tok]))
-        return outputs
+            return [self._start_decoding(req, tok, with_proposer, now) for req, tok in zip(batch, tokens)]
 
-    # ---- chunked prefill -------------------------------------------------------------------------------------
-    def _schedule_chunks(self) -> list[tuple[Request, int]]:
-        """Prompt chunks for a mixed step: every running request decodes one token, and what is left of the
-        token budget goes to prompts, those part-way through first (oldest first), then new admissions. Pages are
-        reserved per chunk. A prompt is admitted only if all of it fits beside the other unfinished prefills, so
-        prefills never block each other; running requests that need pages preempt prefills first (`_reserve`)."""
-        budget = self.config.max_num_batched_tokens - len(self.running)
-        if budget <= 0 or not self._reserve_pages(self.running, np.zeros(len(self.running), np.int64)):
-            return []  # decode alone (its own reservation preempts as needed)
-        chunks: list[tuple[Request, int]] = []
-        for req in self.prefilling:
-            q = min(len(req.token_ids) - req.num_computed, budget)
-            if q <= 0 or not self.allocator.can_fit(req.page_table, self._chunk_need(req, q)):
-                continue
-            self.allocator.ensure(req.page_table, self._chunk_need(req, q))
-            chunks.append((req, q))
-            budget -= q
-        owed = sum(max(0, self.allocator.pages_for(self._chunk_need(r, len(r.token_ids) - r.num_computed))
-                       - len(r.page_table)) for r in self.prefilling)
-        while budget > 0 and self.waiting and len(self.running) + len(self.prefilling) < self.config.max_batch_size:
-            req = self.waiting[0]
-            whole = self.allocator.pages_for(self._chunk_need(req, len(req.token_ids)))
-            if whole - len(req.page_table) + owed > self.allocator.num_free:
-                break
-            q = min(len(req.token_ids), budget)
-            self.waiting.popleft()
-            self.allocator.ensure(req.page_table, self._chunk_need(req, q))
-            owed += whole - len(req.page_table)
-            req.slot = self._free_slots.pop()
-            req.status = Status.PREFILLING
-            # While speculation is off the proposer skips the prompt (it catches up if speculation resumes).
-            req.prefill_with_proposer = self.policy.proposer_current
-            self.prefilling.append(req)
-            chunks.append((req, q))
-            budget -= q
-        return chunks
-
-    def _chunk_need(self, req: Request, q: int) -> int:
-        """Positions written by a chunk of q tokens: the chunk itself, and after the last one the first decode
-        step's (the sampled token and the proposer's look-ahead), as for a whole prefill."""
-        end = req.num_computed + q
-        return end + 1 + self.lookahead if end == len(req.token_ids) else end
-
-    def _mixed(self, chunks: list[tuple[Request, int]]) -> list[RequestOutput]:
-        """One forward over the running requests' next tokens (plain sampling, refill dropped) and the prompt
-        chunks; a prompt whose last chunk ran starts decoding."""
-        decode = list(self.running)
-        seqs = decode + [r for r, _ in chunks]
-        q_lens = [1] * len(decode) + [q for _, q in chunks]
-        with_proposer = [False] * len(decode) + [r.prefill_with_proposer for r, _ in chunks]
-        handle = self.stream.submit(ranges.PREFILL,
-                                    lambda: self.engine.prefill(seqs, with_proposer, q_lens, len(decode)))
-        with self.tracer.range(ranges.WAIT):
-            tokens = handle.wait().tolist()
-        now = time.monotonic()
-        outputs = []
-        with self.tracer.range(ranges.PROCESS_OUTPUT):
-            for req, tok in zip(decode, tokens):
-                req.stats.record(0, 0)
-                req.num_computed = len(req.token_ids)
-                outputs.append(self._append(req, [tok]))
-            shift = self.engine.proposer.shift if self.engine.has_draft_model else 0
-            for (req, q), tok in zip(chunks, tokens[len(decode):]):
-                req.num_computed += q
-                if req.num_computed < len(req.token_ids):
-                    continue
-                self.prefilling.remove(req)
-                req.status = Status.RUNNING
-                req.draft_len = len(req.token_ids) + 1 if req.prefill_with_proposer else shift
-                self.running.append(req)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                outputs.append(self._append(req, [tok]))
-        return outputs
+    def _start_decoding(self, req: Request, token: int, with_proposer: bool, now: float) -> RequestOutput:
+        """Its prompt is prefilled and `token` sampled after it: the request joins the running batch."""
+        # The draft consumed the prompt and the sampled token, or (skipped) nothing it needs: a head never
+        # consumes t[0] (shift 1), a draft model starts at it.
+        shift = self.engine.proposer.shift if self.engine.has_draft_model else 0
+        req.draft_len = len(req.token_ids) + 1 if with_proposer else shift
+        req.status = Status.RUNNING
+        self.running.append(req)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        return self._append(req, [token])
 
     def _decide(self, reqs: list[Request], pending: np.ndarray | None = None) -> Decision:
         """k per request from the policy, capped so no step drafts past max_tokens, the model's length or the
