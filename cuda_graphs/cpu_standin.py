@@ -39,7 +39,10 @@ _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    try:
+        return t.untyped_storage().data_ptr()
+    except NotImplementedError:  # opaque layouts (oneDNN-prepacked weights): static, never a step's allocation
+        return -id(t)
 
 
 def _fingerprint(t: torch.Tensor) -> tuple[Any, ...]:

@@ -156,3 +156,15 @@ def test_a_graph_step_uploads_only_the_page_table_of_its_layout(tiny_target, mon
     assert len(uploads) == 4, uploads  # start, slots, num_draft, the page table
     out = core.engine.run_decode(ctx)
     assert out.out_tokens.shape == (2, 1)
+
+
+def test_graph_stand_in_takes_prepacked_onednn_weights(tiny_target):
+    """oneDNN-prepacked weights have no storage pointer: the CPU stand-in's contract checks must still run
+    (they failed on the pretrained default with --graphs on)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[3, 1, 4, 1, 5], [2, 7]]
+    out = [r.output_token_ids for r in run_to_completion(
+        make_core(tiny_target, graphs="on", cpu_linear="onednn", max_batch_size=2), prompts, params)]
+    ref = [r.output_token_ids for r in run_to_completion(
+        make_core(tiny_target, graphs="off", cpu_linear="onednn", max_batch_size=2), prompts, params)]
+    assert out == ref
