@@ -43,3 +43,29 @@ def plan_buckets(candidates: Iterable[int], bytes_per_lane: Iterable[int], budge
     while cands and sum(cost(b) for b in cands) > budget:
         cands.pop()
     return tuple(cands)
+
+
+# KV-length buckets (torch attention only). A graph's page table has a fixed width, and the torch backend
+# gathers and masks every key of that width for every lane: at one width of max_model_len, a verify of short
+# requests on a 128k-context model reads the whole 128k-position range of keys per lane. Graphs captured at a
+# few widths, each step replaying the narrowest one that holds its lanes, keep a step's attention work within
+# KV_BUCKET_FACTOR of its actual lengths. FlashInfer reads only the pages it is given: one width there.
+KV_BUCKET_MIN_TOKENS = 512
+KV_BUCKET_FACTOR = 4
+
+
+def kv_page_buckets(max_pages: int, page_size: int, min_tokens: int = KV_BUCKET_MIN_TOKENS,
+                    factor: int = KV_BUCKET_FACTOR) -> tuple[int, ...]:
+    """Page-table widths to capture, ascending, always ending at `max_pages`: min_tokens x factor^i in pages,
+    without a width within 1.5x of the next (not worth a graph set of its own)."""
+    widths, w = [], -(-min_tokens // page_size)
+    while w * 1.5 <= max_pages:
+        widths.append(w)
+        w *= factor
+    return (*widths, max_pages)
+
+
+def width_for(widths: tuple[int, ...], pages: int) -> int | None:
+    """Narrowest width holding `pages` pages (None: wider than every captured graph)."""
+    i = bisect.bisect_left(widths, pages)
+    return widths[i] if i < len(widths) else None

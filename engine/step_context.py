@@ -66,6 +66,7 @@ class DecodeContext:
     page_tables: np.ndarray | None = None  # [B, P] host copy, for attention backends that plan (FlashInfer)
 
     graph: bool = False  # replay a captured graph (uniform q = k + 1 per lane, fixed page-table width)
+    graph_kind: str | None = None  # the registered graph it replays (flavour and page-table width)
     graph_page_table: torch.Tensor | None = None  # [B, captured width]: all a graph replay uploads of the layout
 
     @property

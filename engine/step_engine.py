@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from specstep.cuda_graphs.buckets import kv_page_buckets, width_for
 from specstep.engine.batch_builder import build_forward_batch, build_layout, page_table_array, to_device
 from specstep.engine.forward_batch import ForwardBatch
 from specstep.engine.kv_cache import KVPool
@@ -33,7 +34,7 @@ from specstep.engine.rejection_sampler import rejection_sample
 from specstep.engine.sampler import sample
 from specstep.engine.sampling_params import SamplingTensors
 from specstep.engine.step_context import Chain, DecodeContext, SeqState
-from specstep.engine.step_graphs import flavour, graph_inputs, register_decode_graphs
+from specstep.engine.step_graphs import flavour, graph_inputs, graph_kind, register_decode_graphs
 from specstep.traces import ranges
 from specstep.traces.ranges import DEVICE_TRACK
 from specstep.traces.tracer import NULL_TRACER, Tracer
@@ -58,6 +59,7 @@ class StepEngine:
         self.tracer = tracer
         self.graphs: GraphRunner | None = None  # set by `use_graphs` after the KV pools are sized
         self.graph_max_len = 0
+        self.graph_widths: tuple[int, ...] = ()  # captured page-table widths, ascending
         self.target = target
         self.pool = pool
         self.proposer = proposer
@@ -70,7 +72,9 @@ class StepEngine:
         # one token short of max_model_len that drafts nothing: the page table's width covers them.
         self.graph_max_len = self.max_kv_len(max_model_len, max(ks))
         max_pages = -(-self.graph_max_len // self.page_size)
-        register_decode_graphs(runner, self, ks, max_pages, scratch_slot)
+        # FlashInfer reads only the pages it is planned with; the torch backend gathers the table's whole width.
+        self.graph_widths = (max_pages,) if self.plans_attention else kv_page_buckets(max_pages, self.page_size)
+        register_decode_graphs(runner, self, ks, self.graph_widths, scratch_slot)
         self.graphs = runner
         return runner.capture(self.tracer)
 
@@ -168,12 +172,17 @@ class StepEngine:
             for i, d in enumerate(host_drafts):
                 grid[i, 1: 1 + num_draft[i]] = d[: num_draft[i]]
         st = self.sampling_tensors(seqs)
-        graph = self.graphs is not None and self.graphs.has_graph(self._flavour(st, refill), k + 1, b)
+        kind = width = None
+        if self.graphs is not None:
+            width = self._graph_width(tables, k)
+            kind = graph_kind(self._flavour(st, refill), width, self.graph_widths)
+            kind = kind if self.graphs.has_graph(kind, k + 1, b) else None
+        graph = kind is not None
         graph_table = verify = single = None
         if graph:
             # Fixed shapes: q = k + 1 for every lane, page tables at the captured width. The step function
             # derives its layouts on device from the page table alone, so that is all this step uploads.
-            graph_table = to_device(page_table_array(tables, -(-self.graph_max_len // self.page_size)), self.device)
+            graph_table = to_device(page_table_array(tables, width), self.device)
         else:
             verify = build_layout(num_draft + 1, tables, self.page_size, self.device)
             single = build_layout(np.ones(b, np.int64), tables, self.page_size, self.device)
@@ -183,8 +192,17 @@ class StepEngine:
             slots=to_device(np.array([s.slot for s in seqs], dtype=np.int64), self.device),
             verify_layout=verify, single_layout=single, device=self.device, input_grid=grid,
             num_draft_dev=to_device(num_draft, self.device), chain=chain, refill=refill, graph=graph,
-            page_tables=host_tables, graph_page_table=graph_table,
+            page_tables=host_tables, graph_kind=kind, graph_page_table=graph_table,
         )
+
+    def _graph_width(self, tables: list[list[int]], k: int) -> int:
+        """The narrowest captured page-table width for these lanes. A uniform lane writes k + 1 verify
+        positions and the proposer's look-ahead from its start even where it drafts fewer (and reserved fewer
+        pages): those land past its own pages, on the table's dummy-page padding, which must exist. Positions
+        never pass max_model_len's width, the widest."""
+        lookahead = self.proposer.kv_lookahead if self.proposer else 0
+        need = max(len(t) for t in tables) + -(-(k + 1 + lookahead) // self.page_size)
+        return width_for(self.graph_widths, min(need, self.graph_widths[-1]))
 
     def plan_decode(self, seqs: list[SeqState], num_draft: np.ndarray, chain: Chain | None = None,
                     refill: bool = True) -> DecodeContext:
@@ -215,8 +233,7 @@ class StepEngine:
             if not plans:
                 self._patch(ctx, grid)
             if ctx.graph:
-                outs = self.graphs.run(self._flavour(ctx.st, ctx.refill), k + 1,
-                                       graph_inputs(ctx, grid, ctx.graph_page_table), b)
+                outs = self.graphs.run(ctx.graph_kind, k + 1, graph_inputs(ctx, grid, ctx.graph_page_table), b)
                 # Static outputs are rewritten by the next replay, which may run before the host reads these.
                 out, accepted = outs["out_tokens"].clone(), outs["num_accepted"].clone()
             else:

@@ -10,9 +10,13 @@ read of the accepted lengths. Host-known flags that change the work are in the f
     ..._norefill      the draft's KV refill dropped by the policy
 
 Graphs need a fixed shape, so every lane feeds q = k + 1 verify tokens (num_draft masks the unused tail:
-those KV writes land in look-ahead slots the request reserved and the next step overwrites) and the page table
-has a fixed width of ceil(max_model_len / page_size) pages. Padding lanes point at the dummy page and at a
-scratch row of the proposer's carried state.
+those KV writes land in look-ahead slots the request reserved, or on the dummy page, and the next step
+overwrites them) and the page table has a fixed width. With the torch attention backend, which gathers every
+key of that width, each flavour is captured at a few widths (`cuda_graphs.buckets.kv_page_buckets`: 512
+tokens x 4^i up to max_model_len) and a step replays the narrowest that holds its lanes, so its attention work
+follows the batch's lengths, not max_model_len; the widest keeps the flavour's plain name, a narrower one is
+`{flavour}.kv{pages}`. Padding lanes point at the dummy page and at a scratch row of the proposer's carried
+state.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ FLAVOURS = (*SAMPLING, *(f"{s}_norefill" for s in SAMPLING))
 def flavour(st: SamplingTensors, refill: bool) -> str:
     kind = "greedy" if st.all_greedy else "general" if st.needs_filter else "sampled"
     return kind + ("" if refill else "_norefill")
+
+
+def graph_kind(flavour_name: str, width: int, widths: tuple[int, ...]) -> str:
+    """The registered name of a flavour's graphs at page-table width `width` (one of `widths`)."""
+    return flavour_name if width == widths[-1] else f"{flavour_name}.kv{width}"
 
 
 def decode_inputs(max_pages: int, vocab_size: int, scratch_slot: int):
@@ -85,15 +94,17 @@ def decode_step_fn(engine: StepEngine):
     return step
 
 
-def register_decode_graphs(runner: GraphRunner, engine: StepEngine, ks: tuple[int, ...], max_pages: int,
-                           scratch_slot: int) -> None:
-    specs = decode_inputs(max_pages, engine.vocab_size, scratch_slot)
+def register_decode_graphs(runner: GraphRunner, engine: StepEngine, ks: tuple[int, ...],
+                           widths: tuple[int, ...], scratch_slot: int) -> None:
+    """Every flavour at every page-table width in `widths` (ascending; the last covers max_model_len)."""
     flavours = FLAVOURS if engine.has_draft_model else SAMPLING
-    for name in flavours:
-        refill = not name.endswith("norefill")
-        prepare = (lambda key, refill=refill: engine.plan_graph_padding(key.q - 1, key.batch, refill))
-        # The refill is dropped only in steps where nobody drafts (`AdaptivePolicy._refill`), and a stale draft
-        # cannot propose: a _norefill graph only ever replays with q = 1.
-        q_values = tuple(k + 1 for k in ks) if refill else (1,)
-        runner.register(StepKind(name, decode_step_fn(engine), specs, q_values=q_values,
-                                 prepare=prepare if engine.plans_attention else None))
+    for width in widths:
+        specs = decode_inputs(width, engine.vocab_size, scratch_slot)
+        for name in flavours:
+            refill = not name.endswith("norefill")
+            prepare = (lambda key, refill=refill: engine.plan_graph_padding(key.q - 1, key.batch, refill))
+            # The refill is dropped only in steps where nobody drafts (`AdaptivePolicy._refill`), and a stale
+            # draft cannot propose: a _norefill graph only ever replays with q = 1.
+            q_values = tuple(k + 1 for k in ks) if refill else (1,)
+            runner.register(StepKind(graph_kind(name, width, widths), decode_step_fn(engine), specs,
+                                     q_values=q_values, prepare=prepare if engine.plans_attention else None))
