@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from specstep.engine.forward_batch import BatchLayout, ForwardBatch, SplitAttention
 from specstep.engine.kv_cache import DUMMY_PAGE
+
+Upload = Callable[[Sequence[np.ndarray]], list[torch.Tensor]]  # engine.staging.Staging.upload
 
 
 def to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
@@ -29,9 +31,10 @@ def page_table_array(page_tables: Sequence[Sequence[int]], num_pages: int) -> np
     return pt
 
 
-def build_layout(q_lens: Sequence[int] | np.ndarray, page_tables: Sequence[Sequence[int]], page_size: int,
-                 device: torch.device | str, max_kv_len: int | None = None) -> BatchLayout:
-    """Layout for request b feeding q_lens[b] tokens; keys cover every page in its table (or max_kv_len)."""
+def layout_arrays(q_lens: Sequence[int] | np.ndarray, page_tables: Sequence[Sequence[int]], page_size: int,
+                  max_kv_len: int | None = None) -> tuple[list[np.ndarray], bool]:
+    """Host arrays of `BatchLayout` (in its field order) for request b feeding q_lens[b] tokens, keys covering
+    every page in its table (or max_kv_len); and whether the layout is dense."""
     q_lens = np.asarray(q_lens, dtype=np.int64)
     b = len(q_lens)
     qn = int(q_lens.max())
@@ -43,8 +46,22 @@ def build_layout(q_lens: Sequence[int] | np.ndarray, page_tables: Sequence[Seque
     out_index = token_req * qn + token_offset
     num_pages = -(-max_kv_len // page_size) if max_kv_len else max(len(p) for p in page_tables)
     pt = page_table_array(page_tables, num_pages)
-    return BatchLayout(*(to_device(a, device) for a in (q_lens, token_req, token_offset, q_index, out_index, pt)),
-                       page_size=page_size, dense=bool((q_lens == qn).all()))
+    return [q_lens, token_req, token_offset, q_index, out_index, pt], bool((q_lens == qn).all())
+
+
+LAYOUT_ARRAYS = 6
+
+
+def build_layout(q_lens: Sequence[int] | np.ndarray, page_tables: Sequence[Sequence[int]], page_size: int,
+                 device: torch.device | str, max_kv_len: int | None = None, upload: Upload | None = None
+                 ) -> BatchLayout:
+    """The layout on the device: through `upload` (a step's staging) when given, else one copy an array."""
+    arrays, dense = layout_arrays(q_lens, page_tables, page_size, max_kv_len)
+    return layout_from(upload(arrays) if upload else [to_device(a, device) for a in arrays], page_size, dense)
+
+
+def layout_from(tensors: Sequence[torch.Tensor], page_size: int, dense: bool) -> BatchLayout:
+    return BatchLayout(*tensors, page_size=page_size, dense=dense)
 
 
 PAD_LIMIT = 2.0  # a padded attention part may compute at most this many times its requests' own query x keys
@@ -69,9 +86,10 @@ def attention_parts(q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int) -> 
 
 def build_forward_batch(input_ids: Sequence[Sequence[int]], start_pos: Sequence[int] | np.ndarray,
                         page_tables: Sequence[Sequence[int]], page_size: int, device: torch.device | str,
-                        attention=None, slot: str = "") -> ForwardBatch:
+                        attention=None, slot: str = "", upload: Upload | None = None) -> ForwardBatch:
     """Ragged host token lists (prefill, mixed steps, catch-up, tests); plans `slot` on `attention` if it plans,
-    else splits the attention where one padded batch would waste most of its work (`attention_parts`)."""
+    else splits the attention where one padded batch would waste most of its work (`attention_parts`). Every
+    array goes to the device in one `upload` when given (a step's pinned staging)."""
     q_lens = np.array([len(t) for t in input_ids], dtype=np.int64)
     start_pos = np.asarray(start_pos, dtype=np.int64)
     flat = np.fromiter((x for t in input_ids for x in t), dtype=np.int64, count=int(q_lens.sum()))
@@ -81,14 +99,22 @@ def build_forward_batch(input_ids: Sequence[Sequence[int]], start_pos: Sequence[
         parts = [(0, len(q_lens))]
     else:
         parts = attention_parts(q_lens, start_pos + q_lens, page_size)
+    host = [flat]
+    dense = []
+    for r0, r1 in parts:
+        arrays, d = layout_arrays(q_lens[r0:r1], page_tables[r0:r1], page_size)
+        host += [*arrays, start_pos[r0:r1]]
+        dense.append(d)
+    dev = upload(host) if upload else [to_device(a, device) for a in host]
+    ids = dev[0]
+    per_part = LAYOUT_ARRAYS + 1
+    layouts = [(layout_from(dev[1 + i * per_part: i * per_part + per_part], page_size, d), dev[(i + 1) * per_part])
+               for i, d in enumerate(dense)]
     if len(parts) == 1:
-        layout = build_layout(q_lens, page_tables, page_size, device)
-        return ForwardBatch.derive(layout, to_device(start_pos, device), to_device(flat, device), slot=slot)
+        return ForwardBatch.derive(layouts[0][0], layouts[0][1], ids, slot=slot)
     cu = np.concatenate([[0], np.cumsum(q_lens)])
-    ids = to_device(flat, device)
-    fbs = [ForwardBatch.derive(build_layout(q_lens[r0:r1], page_tables[r0:r1], page_size, device),
-                               to_device(start_pos[r0:r1], device), ids[cu[r0]: cu[r1]], slot=slot)
-           for r0, r1 in parts]
+    fbs = [ForwardBatch.derive(layout, start, ids[cu[r0]: cu[r1]], slot=slot)
+           for (r0, r1), (layout, start) in zip(parts, layouts)]
     split = SplitAttention([(int(cu[r0]), int(cu[r1]), fb.attn) for (r0, r1), fb in zip(parts, fbs)], slot)
     return ForwardBatch(input_ids=ids, positions=torch.cat([fb.positions for fb in fbs]),
                         slot_mapping=torch.cat([fb.slot_mapping for fb in fbs]), attn=split)

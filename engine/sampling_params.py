@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specstep.engine.errors import InvalidRequestError
@@ -60,16 +61,25 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], vocab_size: int,
-              device: torch.device | str) -> SamplingTensors:
+              device: torch.device | str, upload=None) -> SamplingTensors:
+        """`upload` (a step's `engine.staging.Staging.upload`) sends the five rows in one pinned copy a dtype;
+        without it each is copied on its own (tests, one-off calls)."""
+        arrays = cls.host_arrays(params, seeds, vocab_size)
+        tensors = upload(arrays) if upload else [torch.from_numpy(a).to(device) for a in arrays]
+        return cls.from_tensors(tensors, params, vocab_size)
+
+    @staticmethod
+    def host_arrays(params: Sequence[SamplingParams], seeds: Sequence[int], vocab_size: int) -> list[np.ndarray]:
+        """temperature, top_k, top_p, greedy, seeds (the field order) as host arrays."""
+        return [np.array([1.0 if p.greedy else p.temperature for p in params], dtype=np.float32),
+                np.array([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], dtype=np.int64),
+                np.array([p.top_p for p in params], dtype=np.float32),
+                np.array([p.greedy for p in params], dtype=np.bool_),
+                np.array(list(seeds), dtype=np.int64)]
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[torch.Tensor], params: Sequence[SamplingParams],
+                     vocab_size: int) -> SamplingTensors:
         greedy = [p.greedy for p in params]
-        return cls(
-            temperature=torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device),
-            top_k=torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
-                               device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
-            greedy=torch.tensor(greedy, device=device),
-            seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
-            all_greedy=all(greedy),
-            any_greedy=any(greedy),
-            needs_filter=any(not p.greedy and (0 < p.top_k < vocab_size or p.top_p < 1.0) for p in params),
-        )
+        return cls(*tensors, all_greedy=all(greedy), any_greedy=any(greedy),
+                   needs_filter=any(not p.greedy and (0 < p.top_k < vocab_size or p.top_p < 1.0) for p in params))

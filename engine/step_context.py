@@ -38,8 +38,10 @@ class Chain:
     """
 
     prev: Any  # StepHandle[StepOutput] of the previous step
-    src: torch.Tensor  # rows in the previous step
-    dst: torch.Tensor  # rows in this step
+    src: np.ndarray  # [R] int64 rows in the previous step (host; staged with the step's inputs)
+    dst: np.ndarray  # [R] int64 rows in this step
+    src_dev: torch.Tensor | None = None  # device copies, set when the step's inputs are uploaded
+    dst_dev: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -68,6 +70,7 @@ class DecodeContext:
     graph: bool = False  # replay a captured graph (uniform q = k + 1 per lane, fixed page-table width)
     graph_kind: str | None = None  # the registered graph it replays (flavour and page-table width)
     graph_page_table: torch.Tensor | None = None  # [B, captured width]: all a graph replay uploads of the layout
+    input_grid_dev: torch.Tensor | None = None  # device copy of input_grid (staged with the step's other inputs)
 
     @property
     def batch_size(self) -> int:

@@ -25,7 +25,13 @@ import numpy as np
 import torch
 
 from specstep.cuda_graphs.buckets import kv_page_buckets, width_for
-from specstep.engine.batch_builder import build_forward_batch, build_layout, page_table_array, to_device
+from specstep.engine.batch_builder import (
+    LAYOUT_ARRAYS,
+    build_forward_batch,
+    layout_arrays,
+    layout_from,
+    page_table_array,
+)
 from specstep.engine.forward_batch import ForwardBatch
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.models.llama import LlamaForCausalLM
@@ -33,6 +39,7 @@ from specstep.engine.proposers.base import Proposer
 from specstep.engine.rejection_sampler import rejection_sample
 from specstep.engine.sampler import sample
 from specstep.engine.sampling_params import SamplingTensors
+from specstep.engine.staging import Staging
 from specstep.engine.step_context import Chain, DecodeContext, SeqState
 from specstep.engine.step_graphs import flavour, graph_inputs, graph_kind, register_decode_graphs
 from specstep.traces import ranges
@@ -52,6 +59,11 @@ class StepOutput:
     num_draft: np.ndarray  # [B] drafts actually proposed (host-known)
     start: torch.Tensor  # [B] position of each request's input token (device; chained steps read it)
 
+    def read(self) -> tuple[list[int], list[list[int]]]:
+        """The step's one host sync: accepted counts and tokens, read back in one transfer."""
+        rows = torch.cat([self.num_accepted.unsqueeze(1), self.out_tokens], dim=1).tolist()
+        return [r[0] for r in rows], [r[1:] for r in rows]
+
 
 class StepEngine:
     def __init__(self, target: LlamaForCausalLM, pool: KVPool, proposer: Proposer | None,
@@ -65,6 +77,7 @@ class StepEngine:
         self.proposer = proposer
         self.device = device
         self.vocab_size = target.cfg.vocab_size
+        self.staging = Staging(device)  # every per-step host -> device copy (pinned, double-buffered on CUDA)
 
     def use_graphs(self, runner: GraphRunner, ks: tuple[int, ...], max_model_len: int, scratch_slot: int):
         """Register the decode step for every k in `ks` and capture (largest bucket first)."""
@@ -97,7 +110,8 @@ class StepEngine:
         return self.proposer is not None and self.proposer.has_model
 
     def sampling_tensors(self, seqs: list[SeqState]) -> SamplingTensors:
-        return SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], self.vocab_size, self.device)
+        return SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], self.vocab_size, self.device,
+                                     self.staging.upload)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[SeqState], with_proposer: bool | list[bool] = True,
@@ -121,12 +135,15 @@ class StepEngine:
         with self.tracer.range(ranges.PREFILL, track=DEVICE_TRACK, batch=b, tokens=int(q_lens.sum()),
                                decode=num_decode):
             fb = build_forward_batch(ids, start, [s.page_table for s in seqs], self.page_size, self.device,
-                                     self.target.attention, "prefill")
+                                     self.target.attention, "prefill", self.staging.upload)
             hidden = self.target(fb, self.pool)
             cu = np.concatenate([[0], np.cumsum(q_lens)])
-            last = torch.from_numpy(cu[1:] - 1).to(self.device)
-            st = self.sampling_tensors(seqs)
-            tokens = sample(self.target.compute_logits(hidden[last]), st, to_device(start + q_lens, self.device))
+            params = [s.params for s in seqs]
+            last, positions, *sampling = self.staging.upload(
+                [cu[1:] - 1, start + q_lens, *SamplingTensors.host_arrays(params, [s.seed for s in seqs],
+                                                                           self.vocab_size)])
+            st = SamplingTensors.from_tensors(sampling, params, self.vocab_size)
+            tokens = sample(self.target.compute_logits(hidden[last]), st, positions)
             if self.has_draft_model:
                 use = np.zeros(b, bool)
                 use[num_decode:] = with_proposer[num_decode:] if isinstance(with_proposer, list) else with_proposer
@@ -138,17 +155,17 @@ class StepEngine:
         def rows(mask):
             idx = np.flatnonzero(mask)
             flat = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in idx]) if len(idx) else np.zeros(0, np.int64)
-            return idx, torch.from_numpy(flat).to(self.device)
+            return idx, flat
         for mask, consume in ((use, True), (~use, False)):
             idx, flat = rows(mask)
             if not len(idx):
                 continue
             sub = [seqs[i] for i in idx]
+            flat_dev, idx_dev = self.staging.upload([flat, idx.astype(np.int64)])
             if consume:
-                self.proposer.prefill(sub, start[idx], q_lens[idx], final[idx], hidden[flat],
-                                      tokens[torch.from_numpy(idx).to(self.device)])
+                self.proposer.prefill(sub, start[idx], q_lens[idx], final[idx], hidden[flat_dev], tokens[idx_dev])
             else:
-                self.proposer.keep_prefill(sub, start[idx], q_lens[idx], hidden[flat])
+                self.proposer.keep_prefill(sub, start[idx], q_lens[idx], hidden[flat_dev])
 
     @torch.inference_mode()
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
@@ -171,28 +188,46 @@ class StepEngine:
         if host_drafts is not None and k > 0:
             for i, d in enumerate(host_drafts):
                 grid[i, 1: 1 + num_draft[i]] = d[: num_draft[i]]
-        st = self.sampling_tensors(seqs)
+        params = [s.params for s in seqs]
+        st_flags = SamplingTensors.from_tensors([None] * 5, params, self.vocab_size)  # host flags, for the flavour
         kind = width = None
         if self.graphs is not None:
             width = self._graph_width(tables, k)
-            kind = graph_kind(self._flavour(st, refill), width, self.graph_widths)
+            kind = graph_kind(self._flavour(st_flags, refill), width, self.graph_widths)
             kind = kind if self.graphs.has_graph(kind, k + 1, b) else None
         graph = kind is not None
-        graph_table = verify = single = None
+        # Everything the step reads from the host goes to the device in one staged upload (one pinned copy per
+        # dtype on CUDA), here on the scheduler thread, not inside the device job.
+        host = [base, np.array([s.slot for s in seqs], dtype=np.int64), num_draft.astype(np.int64), grid]
+        host += SamplingTensors.host_arrays(params, [s.seed for s in seqs], self.vocab_size)
         if graph:
             # Fixed shapes: q = k + 1 for every lane, page tables at the captured width. The step function
             # derives its layouts on device from the page table alone, so that is all this step uploads.
-            graph_table = to_device(page_table_array(tables, width), self.device)
+            host.append(page_table_array(tables, width))
         else:
-            verify = build_layout(num_draft + 1, tables, self.page_size, self.device)
-            single = build_layout(np.ones(b, np.int64), tables, self.page_size, self.device)
+            verify, dense_v = layout_arrays(num_draft + 1, tables, self.page_size)
+            single, dense_s = layout_arrays(np.ones(b, np.int64), tables, self.page_size)
+            host += verify + single
+        if chain is not None:
+            host += [chain.src, chain.dst]
+        dev = self.staging.upload(host)
+        if chain is not None:
+            chain.src_dev, chain.dst_dev = dev[-2:]
+        start, slots, num_draft_dev, grid_dev = dev[:4]
+        st = SamplingTensors.from_tensors(dev[4:9], params, self.vocab_size)
+        graph_table = verify_layout = single_layout = None
+        if graph:
+            graph_table = dev[9]
+        else:
+            n = LAYOUT_ARRAYS
+            verify_layout = layout_from(dev[9: 9 + n], self.page_size, dense_v)
+            single_layout = layout_from(dev[9 + n: 9 + 2 * n], self.page_size, dense_s)
         host_tables = page_table_array(tables, max(len(t) for t in tables)) if self.plans_attention else None
         return DecodeContext(
-            seqs=seqs, k=k, num_draft=num_draft, base_pos=base, start=to_device(base, self.device), st=st,
-            slots=to_device(np.array([s.slot for s in seqs], dtype=np.int64), self.device),
-            verify_layout=verify, single_layout=single, device=self.device, input_grid=grid,
-            num_draft_dev=to_device(num_draft, self.device), chain=chain, refill=refill, graph=graph,
-            page_tables=host_tables, graph_kind=kind, graph_page_table=graph_table,
+            seqs=seqs, k=k, num_draft=num_draft, base_pos=base, start=start, st=st, slots=slots,
+            verify_layout=verify_layout, single_layout=single_layout, device=self.device, input_grid=grid,
+            num_draft_dev=num_draft_dev, chain=chain, refill=refill, graph=graph, page_tables=host_tables,
+            graph_kind=kind, graph_page_table=graph_table, input_grid_dev=grid_dev,
         )
 
     def _graph_width(self, tables: list[list[int]], k: int) -> int:
@@ -222,7 +257,7 @@ class StepEngine:
         """The device part of a decode step (no host sync): patch a chained step's inputs, then run the body
         eagerly or as a graph replay."""
         b, k = ctx.batch_size, ctx.k
-        grid = to_device(ctx.input_grid, self.device)
+        grid = ctx.input_grid_dev
         plans = self.plans_attention
         if plans:
             # Outside the DECODE range: the device idles while a chained step waits for the previous step's
@@ -250,9 +285,10 @@ class StepEngine:
         """A chained step's starts and last tokens from the previous step's outputs, on the device."""
         if ctx.chain is not None:
             c, prev = ctx.chain, ctx.chain.prev.result()
-            acc = prev.num_accepted[c.src]
-            ctx.start[c.dst] = prev.start[c.src] + acc + 1
-            grid[c.dst, 0] = prev.out_tokens[c.src, acc]
+            src, dst = c.src_dev, c.dst_dev
+            acc = prev.num_accepted[src]
+            ctx.start[dst] = prev.start[src] + acc + 1
+            grid[dst, 0] = prev.out_tokens[src, acc]
 
     def _plan_attention(self, ctx: DecodeContext) -> None:
         """Plan every forward of the step with exact host lengths. A chained step's starts exist only on the

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from specstep.engine.errors import InvalidRequestError
 from specstep.engine.step_context import Chain
@@ -337,16 +336,14 @@ class EngineCore(ChunkedPrefill):
                 return None  # the draft must catch up on host tokens first: drain
             if not self._reserve_pages(batch, decision.num_draft, pending):
                 return None
-        dev = self.engine.device
-        src = torch.tensor([row[id(r)] for r in batch], device=dev)
-        chain = Chain(prev=cur.handle, src=src, dst=torch.arange(len(batch), device=dev))
+        chain = Chain(prev=cur.handle, src=np.array([row[id(r)] for r in batch], dtype=np.int64),
+                      dst=np.arange(len(batch), dtype=np.int64))
         return self._launch(batch, decision, chain)
 
     def _complete(self, inf: InFlight) -> list[RequestOutput]:
         with self.tracer.range(ranges.WAIT):
             out = inf.handle.wait()
-            accepted = out.num_accepted.tolist()  # the step's one host sync
-            tokens = out.out_tokens.tolist()
+            accepted, tokens = out.read()  # the step's one host sync
         outputs = []
         with self.tracer.range(ranges.PROCESS_OUTPUT):
             probing = inf.decision.probing if inf.decision.probing is not None else np.zeros(len(inf.batch), bool)

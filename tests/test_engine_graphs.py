@@ -140,8 +140,6 @@ def test_a_graph_step_uploads_only_the_page_table_of_its_layout(tiny_target, mon
     the layout (before: all six layout arrays, five of them unused)."""
     import numpy as np
 
-    import specstep.engine.batch_builder as bb
-    import specstep.engine.step_engine as se
     from specstep.scheduler.request import Request
 
     core = make_core(tiny_target, graphs="on", max_batch_size=4, overlap=False)
@@ -149,11 +147,12 @@ def test_a_graph_step_uploads_only_the_page_table_of_its_layout(tiny_target, mon
         core.add_request(Request(str(i), [3, 1, 4, 1, 5], SamplingParams(temperature=0.0, max_tokens=4), seed=i))
     core.step()  # prefill
     uploads = []
-    for mod in (bb, se):
-        monkeypatch.setattr(mod, "to_device", lambda a, d, f=mod.to_device: (uploads.append(a.shape), f(a, d))[1])
+    upload = core.engine.staging.upload
+    monkeypatch.setattr(core.engine.staging, "upload", lambda arrays: (uploads.append(len(arrays)), upload(arrays))[1])
     ctx = core.engine.plan_decode(core.running, np.zeros(2, np.int64))
     assert ctx.graph and ctx.verify_layout is None and ctx.graph_page_table.shape[0] == 2
-    assert len(uploads) == 4, uploads  # start, slots, num_draft, the page table
+    # One upload: start, slots, num_draft, the token grid, five sampling rows, the page table.
+    assert uploads == [10], uploads
     out = core.engine.run_decode(ctx)
     assert out.out_tokens.shape == (2, 1)
 

@@ -99,6 +99,40 @@ def test_cuda_engine_speculative_greedy_equality(tiny_target, tiny_draft, spec):
     assert [r.output_token_ids for r in fast] == [r.output_token_ids for r in plain]
 
 
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+@pytest.mark.parametrize("graphs", ["on", "off"])
+def test_cuda_steady_state_decode_syncs_only_in_its_readback(tiny_target, tmp_path, monkeypatch, spec, graphs):
+    """Steady-state decode steps under sync debug mode "error": every input is staged (pinned, non-blocking)
+    and nothing synchronises except the one documented readback, `StepOutput.read`."""
+    from specstep.engine.step_engine import StepOutput
+    from specstep.scheduler.request import Request
+
+    draft = str(make_mtp_head(tmp_path / "head", tiny_target)) if spec == "mtp" else None
+    core = make_core(tiny_target, device=CUDA, dtype="float32", spec=spec, draft=draft, num_spec_tokens=3,
+                     spec_policy="fixed", graphs=graphs, max_batch_size=4)
+    params = SamplingParams(temperature=0.7, max_tokens=64, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        core.add_request(Request(str(i), list(p), params, seed=i))
+    for _ in range(3):  # prefill, then two decode steps (warm caches, allocator, chained pipeline)
+        core.step()
+    read = StepOutput.read
+
+    def documented_readback(out):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return read(out)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+    monkeypatch.setattr(StepOutput, "read", documented_readback)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(6):
+            core.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    core.stream.close()
+
+
 # ---- FlashInfer vs torch -------------------------------------------------------------------------------------
 
 needs_flashinfer = pytest.mark.skipif(not fib.AVAILABLE, reason="flashinfer is not importable (bring its wheels in "

@@ -22,6 +22,7 @@ from specstep.engine.batch_builder import build_forward_batch
 from specstep.engine.forward_batch import ForwardBatch
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.proposers.base import Proposer, draw
+from specstep.engine.staging import Staging
 from specstep.engine.step_context import DecodeContext, SeqState
 
 
@@ -32,6 +33,7 @@ class ModelProposer(Proposer):
                  device: torch.device) -> None:
         self.pool = pool
         self.device = device
+        self.staging = Staging(device)  # its host -> device inputs (pinned, double-buffered on CUDA)
         self.carried_logits = torch.zeros(max_slots, vocab_size, device=device)
         self.carried_hidden = torch.zeros(max_slots, hidden_size, device=device)
 
@@ -81,7 +83,7 @@ class ModelProposer(Proposer):
         sh = self.shift
         ids = [s.token_ids[c + sh: c + q] + [0] if f else s.token_ids[c + sh: c + q + sh]
                for s, c, q, f in zip(seqs, start.tolist(), q_lens.tolist(), final.tolist())]
-        last = torch.from_numpy(np.flatnonzero(final)).to(self.device)
+        (last,) = self.staging.upload([np.flatnonzero(final).astype(np.int64)])
         self.run_host_tokens(seqs, ids, start, target_hidden, "prefill", last_token=sampled[last],
                              last_of=last)
 
@@ -91,12 +93,13 @@ class ModelProposer(Proposer):
         """Feed ragged host token runs from `start`, and carry state from each run's last token (optionally
         replaced on device by `last_token`, e.g. the target's sampled token, for the runs `last_of` or all)."""
         fb = build_forward_batch(ids, start, [s.page_table for s in seqs], self.pool.page_size, self.device,
-                                 self.attention, slot)
-        last_rows = torch.from_numpy(np.cumsum([len(t) for t in ids]) - 1).to(self.device)
+                                 self.attention, slot, self.staging.upload)
+        last_rows, slots = self.staging.upload([np.cumsum([len(t) for t in ids], dtype=np.int64) - 1,
+                                                np.array([s.slot for s in seqs], dtype=np.int64)])
         if last_token is not None:
             fb.input_ids.index_copy_(0, last_rows if last_of is None else last_rows[last_of], last_token)
         hidden = self.forward(fb, hidden_in)
-        self._carry(hidden, last_rows, torch.tensor([s.slot for s in seqs], device=self.device))
+        self._carry(hidden, last_rows, slots)
 
     def propose(self, ctx: DecodeContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         slots = ctx.slots

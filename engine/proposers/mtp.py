@@ -67,9 +67,10 @@ class MTPProposer(ModelProposer):
             positions += range(c + first, c + q)
             slots += [s.slot] * (q - first)
             row += q
-        dev = self.device
-        self.history[torch.tensor(slots, device=dev), torch.tensor(positions, device=dev) % HISTORY] = \
-            target_hidden[torch.tensor(rows, device=dev)].to(self.history.dtype)
+        slot_t, pos_t, row_t = self.staging.upload([np.array(slots, dtype=np.int64),
+                                                    np.array(positions, dtype=np.int64) % HISTORY,
+                                                    np.array(rows, dtype=np.int64)])
+        self.history[slot_t, pos_t] = target_hidden[row_t].to(self.history.dtype)
 
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
         # Token t[p] is consumed at position p - 1 with h[p - 1]; only the last HISTORY hidden states exist.
@@ -80,7 +81,7 @@ class MTPProposer(ModelProposer):
             starts.append(first - 1)
             slots += [s.slot] * (len(s.token_ids) - first)
             positions += range(first - 1, len(s.token_ids) - 1)
-        slot_t = torch.tensor(slots, device=self.device)
-        pos_t = torch.tensor(positions, device=self.device) % HISTORY
+        slot_t, pos_t = self.staging.upload([np.array(slots, dtype=np.int64),
+                                             np.array(positions, dtype=np.int64) % HISTORY])
         hidden = self.history[slot_t, pos_t]
         self.run_host_tokens(seqs, ids, np.array(starts, dtype=np.int64), hidden, "catch_up")
