@@ -3,6 +3,13 @@ paged KV from indptr / indices / last_page_len; causal attention aligned to the 
 graph-mode wrappers with fixed batch sizes and required buffers). It checks our host logic (index arithmetic,
 padding lanes, which plan a forward uses, when plans happen), not FlashInfer's kernels: tests/test_gpu.py runs
 the real ones.
+
+Workspaces as in FlashInfer: each wrapper's constructor allocates its own int workspace and pinned mirror
+(`INT_WORKSPACE_BYTES` each; FlashInfer's are 8 MiB) and, for prefill, a kv-length buffer; plan() writes the
+schedule into the pinned mirror and copies it into the int workspace, where run() reads it. Here the schedule
+stored there is a stamp (wrapper, plan number): run() fails if another wrapper's plan overwrote this one's int
+workspace (or kv lengths) between its plan and its run, which is what sharing them between wrappers planned
+together does.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from specstep.engine.attention import flashinfer_backend as fib
+
+INT_WORKSPACE_BYTES = 1024  # what a fake wrapper's constructor allocates (FlashInfer's: 8 << 20)
 
 
 class _FakeWrapper:
@@ -23,7 +32,12 @@ class _FakeWrapper:
         assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
         self.graph = use_cuda_graph
         self.buffers = buffers
-        self._pin_memory_int_workspace_buffer = None
+        self._float_workspace_buffer = float_workspace_buffer
+        self._int_workspace_buffer = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
+                                                 device=float_workspace_buffer.device)
+        self._pin_memory_int_workspace_buffer = self._own_pinned = torch.empty(INT_WORKSPACE_BYTES,
+                                                                               dtype=torch.uint8)
+        self._kv_lens_buffer = None if self.decode else torch.zeros(64, dtype=torch.int32)
         self.plans = 0
         if use_cuda_graph:  # the real wrappers insist on these buffers in graph mode
             names = ({"paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer"}
@@ -36,11 +50,20 @@ class _FakeWrapper:
               kv_data_type=None, non_blocking=True, uniform_q_len=None):
         if uniform_q_len is not None:  # the real wrapper warns and falls back; our graph plans are uniform
             assert (qo_indptr.diff() == uniform_q_len).all(), "uniform_q_len given for a ragged batch"
-        assert self._pin_memory_int_workspace_buffer is not None, "staging buffer not swapped in"
+        assert self._pin_memory_int_workspace_buffer is not self._own_pinned, "staging buffer not swapped in"
         assert indptr.dtype == indices.dtype == last.dtype == torch.int32
         if self.graph:
             assert len(indptr) == self.lanes + 1, "graph-mode wrappers have a fixed batch size"
         self.plans += 1
+        # The schedule: written on the host into the pinned mirror, then copied into the int workspace.
+        stamp = self._pin_memory_int_workspace_buffer[:16].view(torch.int64)
+        stamp[0], stamp[1] = id(self), self.plans
+        self._int_workspace_buffer[:16].copy_(self._pin_memory_int_workspace_buffer[:16])
+        self.kv_lens = (indptr.diff() - 1) * ps + last
+        if self._kv_lens_buffer is not None:
+            if len(last) > len(self._kv_lens_buffer):  # as FlashInfer: this wrapper gets a larger one
+                self._kv_lens_buffer = torch.zeros(len(last), dtype=torch.int32)
+            self._kv_lens_buffer[: len(last)] = self.kv_lens
         self.plan_args = dict(qo=qo_indptr.clone(), indptr=indptr.clone(), indices=indices.clone(),
                               last=last.clone(), hq=hq, hkv=hkv, ps=ps, scale=sm_scale,
                               uniform=uniform_q_len)
@@ -52,6 +75,10 @@ class _FakeWrapper:
             return self._attend(q, paged_kv_cache)
 
     def _attend(self, q, paged_kv_cache):
+        stamp = self._int_workspace_buffer[:16].view(torch.int64).tolist()
+        assert stamp == [id(self), self.plans], "another wrapper's plan overwrote this wrapper's int workspace"
+        if self._kv_lens_buffer is not None:
+            assert self._kv_lens_buffer[: len(self.kv_lens)].equal(self.kv_lens), "kv lengths overwritten"
         a = self.plan_args
         k_cache, v_cache = paged_kv_cache  # [pages, ps, hkv, d]
         out = torch.empty_like(q)
@@ -91,6 +118,31 @@ class _FakePrefill(_FakeWrapper):
                    num_kv_heads, head_dim_qk, page_size, **kw)
 
 
+class FakeEvent:
+    """A CUDA event for the staging sets: done once the host waits on it (a real one completes on its own
+    when the stream gets there, which a CPU test cannot wait for; this one lets a test see who waited)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def query(self) -> bool:
+        return self.done
+
+
+class FakeEvents:
+    """`FlashInferAttention.record_event` for CPU tests: the events recorded after each plan, in order."""
+
+    def __init__(self) -> None:
+        self.recorded: list[FakeEvent] = []
+
+    def record(self, stream) -> FakeEvent:
+        self.recorded.append(FakeEvent())
+        return self.recorded[-1]
+
+
 class FakeFlashInfer:
     BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
     BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
@@ -103,4 +155,3 @@ def install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fib, "check_usable", lambda device: None)
     monkeypatch.setattr(fib, "KV_DTYPES", (torch.float16, torch.bfloat16, torch.float32))  # CPU tests run fp32
     monkeypatch.setattr(fib, "WORKSPACE_BYTES", 1024)
-    monkeypatch.setattr(fib, "INT_WORKSPACE_BYTES", 1024)

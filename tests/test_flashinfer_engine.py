@@ -36,10 +36,14 @@ def test_flashinfer_engine_matches_torch(monkeypatch, tiny_target, tiny_draft, t
     assert eng.plans_attention and core.overlap  # chained steps ran (they plan after the wait)
     wrappers = eng.target.attention._wrappers
     if graphs == "on":  # verify ran as graph replays, each planned into the wrapper its graph captured
-        graph_plans = [w.w.plans for key, w in wrappers.items() if key[0] == "verify" and key[1] is not None]
+        graph_plans = [w.plans for key, w in wrappers.items() if key[0] == "verify" and key[1] is not None]
         assert graph_plans and max(graph_plans) > 2
     if eng.has_draft_model:
         assert {"prefill", "refill", "draft.1", "draft.2"} <= set(eng.proposer.attention._planned)
+    # One int workspace per slot however many wrappers (the fake's kernels check that none was overwritten).
+    for att in [eng.target.attention] + ([eng.proposer.attention] if eng.has_draft_model else []):
+        int_ws = {w._int_workspace_buffer.untyped_storage().data_ptr() for w in att._wrappers.values()}
+        assert len(int_ws) == len(att._slots) <= len(att._wrappers)
 
 
 @pytest.mark.parametrize("spec", ["draft_model", "mtp"])

@@ -61,7 +61,7 @@ def _problem(q_lens, kv_lens, seed=0):
 def test_plan_matches_torch_backend(fi, slot, q_lens, kv_lens):
     pool, q, ref, pt, meta = _problem(q_lens, kv_lens)
     fi.plan(slot, np.array(q_lens), np.array(kv_lens), pt)
-    assert isinstance(fi._planned[slot].w, _FakeDecode) == (max(q_lens) == 1 and slot != "prefill")
+    assert isinstance(fi._planned[slot], _FakeDecode) == (max(q_lens) == 1 and slot != "prefill")
     meta.slot = slot
     out = fi.forward(q, pool.k[0], pool.v[0], meta, CFG.num_heads, CFG.head_dim**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -71,11 +71,11 @@ def test_plan_matches_torch_backend(fi, slot, q_lens, kv_lens):
 def test_graph_lanes_pad_on_the_dummy_page(fi, slot, q):
     fi.plan_padding(slot, 4, q)  # what a graph would be captured with
     w = fi._wrappers[(slot, 4, q)]
-    assert w.w.graph and w.w.plan_args["indices"].tolist() == [0] * 4 * -(-q // PS)
+    assert w.graph and w.plan_args["indices"].tolist() == [0] * 4 * -(-q // PS)
     pool, qs, ref, pt, meta = _problem([q] * 3, [q + 5, 11, 20])
     fi.plan(slot, np.full(3, q), np.array([q + 5, 11, 20]), pt, lanes=4)
     assert fi._planned[slot] is w  # the wrapper the graph captured, rewritten in place
-    a, n = w.w.plan_args, -(-q // PS)
+    a, n = w.plan_args, -(-q // PS)
     assert a["indices"][-n:].tolist() == [0] * n and int(a["last"][3]) == q  # the padding lane
     assert a["uniform"] == (None if slot == "decode" else q)  # graph lanes: tiles sized for q query rows
     out = fi.forward(torch.cat([qs, torch.zeros(q, CFG.q_size)]), pool.k[0], pool.v[0], _meta(slot),
@@ -87,9 +87,9 @@ def test_eager_and_graph_plans_of_a_slot_use_different_wrappers(fi):
     _, _, _, pt, _ = _problem([1, 1], [6, 9])
     fi.plan("verify", np.array([2, 3]), np.array([6, 9]), pt)
     eager = fi._planned["verify"]
-    assert eager.w.plan_args["uniform"] is None
+    assert eager.plan_args["uniform"] is None
     fi.plan("verify", np.array([3, 3]), np.array([6, 9]), pt, lanes=2)
-    assert fi._planned["verify"] is not eager and fi._planned["verify"].w.graph and not eager.w.graph
+    assert fi._planned["verify"] is not eager and fi._planned["verify"].graph and not eager.graph
 
 
 def test_errors(fi):

@@ -18,8 +18,9 @@ forward's host lengths; `forward` then runs the wrapper last planned for the slo
 before any of its kernels are enqueued (a graph replays them all at once).
 
 Graph mode. `lanes` set means "this forward is a graph replay over `lanes` lanes": the plan goes into a
-`use_cuda_graph=True` wrapper with fixed-size device buffers, one per (slot, lanes, q), so a graph captured
-after `plan_padding` keeps reading buffers that later plans rewrite in place. Padding lanes attend their own
+`use_cuda_graph=True` wrapper with fixed-size device buffers (its slot's, see "Workspaces"), one wrapper per
+(slot, lanes, q), so a graph captured after `plan_padding` keeps reading buffers that later plans rewrite in
+place. Padding lanes attend their own
 q tokens on the dummy page (kv_len = q), as the GraphRunner pads them. Eager forwards share one ordinary
 wrapper per (slot, decode or prefill kernels).
 
@@ -32,15 +33,40 @@ sync; traced as `wait_accepted`), plans with the exact lengths (`plan`, tens of 
 The device idles for the plan and the launch. (Next refinement: read the accepted lengths right after N's
 accept stage, so the plan hides behind N's refill.)
 
+Workspaces: what may be shared, and what may not. A FlashInfer wrapper works in two device buffers:
+  * the float workspace is scratch for one kernel launch (split-KV partial outputs and their log-sum-exps;
+    `plan` only picks offsets into it). Kernels on one stream run one after another, so every wrapper of
+    every model shares one (`workspace`, handed from the target's instance to the proposer's).
+  * the int workspace holds the plan: `plan` writes the schedule into a pinned mirror, copies it into the int
+    workspace, and the kernels read it there (a graph at the address it was captured with). Wrappers whose
+    plans coexist cannot share one, and all slots of a step are planned before any of its kernels run: one
+    int workspace per slot (per instance). The wrappers of one slot can share it: a step plans a slot once,
+    into one wrapper; the next step's plan copies are stream-ordered after this step's kernels; a graph
+    replay is always preceded by a plan of its slot into the same buffer, at the same offsets (FlashInfer
+    lays a graph-mode schedule out from the wrapper's fixed sizes, not from the lengths).
+The rest of a slot's plan state shares the same way (`_Slot`): FlashInfer's kv-length buffer, the graph-mode
+indptr / indices / last-page buffers (views of the slot's largest set, sized lanes x max_pages, the most a
+replay may attend) and the device copy of each plan's page indices. FlashInfer's constructor still allocates
+a wrapper's own 8 MiB int workspace and 8 MiB pinned mirror: the slot's first wrapper donates its int
+workspace, the rest are dropped before any use (their blocks go back to torch's caching allocators, which hand
+them to the next wrapper's constructor). Default MTP configuration (counted on the CPU with the fake after
+start-up and a few requests: 94 wrappers, 88 of them graph-mode, over 7 slots): device int workspaces
+94 x 8 MiB = 752 MiB when each wrapper kept its own, now 7 x 8 MiB = 56 MiB; pinned mirrors stay at most two
+per slot (see below), 12 x 8 MiB = 96 MiB here.
+
 Staging and syncs (the one place that knows these FlashInfer details):
-  * `plan` writes its schedule into a pinned host buffer (`_pin_memory_int_workspace_buffer`) and copies it
-    to the device asynchronously on the current stream; our indptr/last_page_len arrays are pinned too. So
-    every slot has two pinned staging sets used alternately, swapped into the wrapper before each plan, and
-    an event recorded after each plan; before a set is reused its event is synchronised (the copy from an
-    earlier step, normally long done).
+  * `plan` writes its schedule into the pinned mirror (`_pin_memory_int_workspace_buffer`) and copies it to
+    the device asynchronously on the current stream; our indptr/last_page_len arrays are pinned too. So every
+    slot has two pinned staging sets used alternately (`flashinfer_staging.PinnedStaging`), the set's mirror
+    swapped into the wrapper before each plan, and an event recorded after each plan. A set is rewritten, or
+    regrown (its old arrays freed), only once its event has completed: FlashInfer's copy is its own
+    cudaMemcpyAsync, which torch's pinned allocator does not track, so a block freed earlier could be handed
+    out and overwritten under the pending copy. (The wait is for a copy from an earlier step, normally done.)
   * `plan` is issued on the device stream, so its device copies are ordered after the step still running.
   * Page indices are passed as a device tensor: FlashInfer copies host indices with non_blocking=False, which
     would stall the host until the device stream drains.
+  * Host work per plan is O(rows + pages in use) (`flashinfer_staging.paged_kv_layout`), never rows x
+    max_pages: a long maximum context costs nothing until requests use it.
 """
 
 from __future__ import annotations
@@ -48,16 +74,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from specstep.engine.attention.flashinfer_staging import Event, PinnedStaging, capacity, paged_kv_layout
 from specstep.engine.config import ModelConfig
 from specstep.engine.errors import ConfigError
 from specstep.engine.forward_batch import AttentionMetadata
-from specstep.engine.kv_cache import DUMMY_PAGE
 
 try:
     import flashinfer
@@ -65,8 +91,7 @@ except ImportError:  # CPU machines, or CUDA machines without the wheel
     flashinfer = None
 
 AVAILABLE = flashinfer is not None
-WORKSPACE_BYTES = 256 << 20
-INT_WORKSPACE_BYTES = 8 << 20
+WORKSPACE_BYTES = 256 << 20  # the float workspace, shared by every wrapper (see "Workspaces")
 KV_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's kernels have no float32 variant
 
 
@@ -96,74 +121,73 @@ def _call(fn, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-@dataclass(slots=True)
-class _Staging:
-    """One pinned host set: what plan() reads on the host and copies to the device asynchronously."""
-
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    last_page_len: torch.Tensor
-    int_workspace: torch.Tensor  # swapped in as FlashInfer's own pinned staging buffer
-    event: torch.cuda.Event | None = None
+def _record_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
-class _StagingPair:
-    """Two pinned sets per slot, used alternately. Plans of different slots (all made before a step's kernels
-    are enqueued) never share a set, so the event wait below only ever waits for a copy from an earlier step.
-    Wrappers of one slot at different buckets share the pair: one step plans a slot once."""
+class _Slot:
+    """One slot's plan state, shared by all its wrappers (module docstring, "Workspaces"): FlashInfer's int
+    workspace and kv-length buffer, the graph-mode buffers, the device page indices, and the pinned staging."""
 
-    def __init__(self, max_pages: int, pinned: bool) -> None:
-        self._max_pages = max_pages
-        self._pinned = pinned
-        self._sets: list[_Staging] = []
-        self._lanes = 0
-        self._turn = 0
+    def __init__(self, device: torch.device, max_pages: int) -> None:
+        self.device, self.max_pages = device, max_pages
+        self.int_workspace: torch.Tensor | None = None
+        self.kv_lens: torch.Tensor | None = None
+        self.staging: PinnedStaging | None = None
+        self._graph: dict[str, torch.Tensor] = {}
+        self._graph_rows = 0
+        self._indices = torch.zeros(0, dtype=torch.int32, device=device)
 
-    def next(self, lanes: int) -> _Staging:
-        if lanes > self._lanes:  # grow; pinned blocks still read by in-flight copies stay alive until done
-            pin = dict(dtype=torch.int32, pin_memory=self._pinned)
-            self._sets = [_Staging(torch.empty(lanes + 1, **pin), torch.empty(lanes + 1, **pin),
-                                   torch.empty(lanes * self._max_pages, **pin), torch.empty(lanes, **pin),
-                                   torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=self._pinned))
-                          for _ in range(2)]
-            self._lanes = lanes
-        self._turn ^= 1
-        s = self._sets[self._turn]
-        if s.event is not None:
-            s.event.synchronize()  # guard: never overwrite pinned memory an async copy has not read yet
-        return s
+    def adopt(self, w: Any) -> None:
+        """Point a new wrapper at the slot's buffers; the ones its constructor made are dropped unused, so no
+        copy can be pending on them. The slot's first wrapper donates its own."""
+        if self.int_workspace is None:
+            self.int_workspace = w._int_workspace_buffer
+            nbytes = self.int_workspace.numel() * self.int_workspace.element_size()
+            self.staging = PinnedStaging(nbytes, pinned=self.device.type == "cuda")
+        w._int_workspace_buffer = self.int_workspace
+        lens = getattr(w, "_kv_lens_buffer", None)
+        if isinstance(lens, torch.Tensor):  # prefill wrappers: kv lengths copied in by plan
+            self.kv_lens = lens if self.kv_lens is None else self.kv_lens
+            w._kv_lens_buffer = self.kv_lens
 
-
-class _Wrapper:
-    """A FlashInfer wrapper; graph mode (`lanes` set) gets fixed-size device buffers, as capture needs."""
-
-    def __init__(self, decode: bool, lanes: int | None, max_pages: int, ws: torch.Tensor, group: int) -> None:
-        dev = ws.device
-        graph = lanes is not None
-        rows = lanes or 1
-        extra: dict[str, torch.Tensor] = {}
-        if graph:
-            indptr = torch.zeros(rows + 1, dtype=torch.int32, device=dev)
-            indices = torch.zeros(rows * max_pages, dtype=torch.int32, device=dev)
-            last = torch.zeros(rows, dtype=torch.int32, device=dev)
-            extra = (dict(paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
-                          paged_kv_last_page_len_buffer=last) if decode else
-                     dict(qo_indptr_buf=torch.arange(rows + 1, dtype=torch.int32, device=dev),
-                          paged_kv_indptr_buf=indptr, paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last))
+    def graph_buffers(self, rows: int, decode: bool) -> dict[str, torch.Tensor]:
+        """The fixed device buffers a graph-mode wrapper of `rows` lanes is built with: views of the slot's
+        largest set. Growing makes a new set; wrappers built earlier keep theirs (only this slot uses them)."""
+        if rows > self._graph_rows:
+            z = functools.partial(torch.zeros, dtype=torch.int32, device=self.device)
+            self._graph = dict(qo=z(rows + 1), indptr=z(rows + 1), indices=z(rows * self.max_pages), last=z(rows))
+            self._graph_rows = rows
+        g = self._graph
+        indptr, indices, last = g["indptr"][: rows + 1], g["indices"][: rows * self.max_pages], g["last"][:rows]
         if decode:
-            self.w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=graph,
-                                                                   use_tensor_cores=group >= 4, **extra)
-        else:
-            self.w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=graph, **extra)
-        # Page indices go to FlashInfer as a device tensor (a host one is copied with a blocking copy). One
-        # per wrapper is enough: the next plan's copy into it is stream-ordered after the kernels reading it.
-        self.dev_indices = torch.zeros(rows * max_pages, dtype=torch.int32, device=dev)
+            return dict(paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+                        paged_kv_last_page_len_buffer=last)
+        return dict(qo_indptr_buf=g["qo"][: rows + 1], paged_kv_indptr_buf=indptr, paged_kv_indices_buf=indices,
+                    paged_kv_last_page_len_buf=last)
 
     def indices(self, n: int) -> torch.Tensor:
-        if n > self.dev_indices.numel():  # ordinary wrappers only; the old tensor is freed in stream order
-            self.dev_indices = torch.zeros(n, dtype=torch.int32, device=self.dev_indices.device)
-        return self.dev_indices[:n]
+        """Device page indices for one plan (a host tensor would be copied with a blocking copy): eager wrappers
+        read them at run, graph wrappers copy them into their own buffer at plan. A grown-out tensor is freed in
+        stream order (only this stream used it)."""
+        if n > self._indices.numel():
+            self._indices = torch.zeros(capacity(n), dtype=torch.int32, device=self.device)
+        return self._indices[:n]
+
+
+def _make_wrapper(decode: bool, lanes: int | None, slot: _Slot, ws: torch.Tensor, group: int) -> Any:
+    """A FlashInfer wrapper on the slot's buffers; graph mode (`lanes` set) gets fixed-size device buffers."""
+    graph = lanes is not None
+    extra = slot.graph_buffers(lanes, decode) if lanes is not None else {}
+    if decode:
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=graph,
+                                                          use_tensor_cores=group >= 4, **extra)
+    else:
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=graph, **extra)
+    slot.adopt(w)
+    return w
 
 
 class FlashInferAttention:
@@ -185,18 +209,20 @@ class FlashInferAttention:
         # One float workspace for every wrapper (and model, if passed in): kernels run in stream order.
         self.workspace = workspace if workspace is not None else torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8,
                                                                             device=device)
-        self._wrappers: dict[tuple[str, int | None, int | bool], _Wrapper] = {}
-        self._staging: dict[str, _StagingPair] = {}
-        self._planned: dict[str, _Wrapper] = {}  # slot -> the wrapper its last plan went into
+        self._wrappers: dict[tuple[str, int | None, int | bool], Any] = {}  # FlashInfer wrappers
+        self._slots: dict[str, _Slot] = {}
+        self._planned: dict[str, Any] = {}  # slot -> the wrapper its last plan went into
+        # Event recorded after each plan, guarding its pinned set (CPU tests pass a fake; None: no async copies).
+        self.record_event: Callable[[Any], Event] | None = _record_event if self.device.type == "cuda" else None
 
-    def _wrapper(self, slot: str, lanes: int | None, q: int, decode: bool) -> _Wrapper:
+    def _wrapper(self, slot: _Slot, name: str, lanes: int | None, q: int, decode: bool) -> Any:
         """Graph-mode wrappers are fixed in lanes and rows: one per (slot, lanes, q). Ordinary wrappers: one
         per slot and kernel family (`decode`: decode kernels, else prefill kernels)."""
-        key = (slot, lanes, q) if lanes is not None else (slot, None, decode)
+        key = (name, lanes, q) if lanes is not None else (name, None, decode)
         w = self._wrappers.get(key)
         if w is None:
-            w = self._wrappers[key] = _Wrapper(decode, lanes, self.max_pages, self.workspace,
-                                               self.num_heads // self.num_kv_heads)
+            w = self._wrappers[key] = _make_wrapper(decode, lanes, slot, self.workspace,
+                                                    self.num_heads // self.num_kv_heads)
         return w
 
     def plan_padding(self, slot: str, lanes: int, q: int, stream: torch.cuda.Stream | None = None) -> None:
@@ -217,42 +243,38 @@ class FlashInferAttention:
             raise ValueError(f"{slot}: a graph replay feeds the same number of tokens to every lane, got {q_lens}")
         kv = np.concatenate([np.asarray(kv_lens, dtype=np.int32), q_all[live:]])
         ps = self.page_size
-        n_pages = np.maximum((kv + ps - 1) // ps, 1)
-        if int(n_pages.max(initial=1)) > self.max_pages:
-            raise ValueError(f"{slot}: a request needs {int(n_pages.max())} pages, max {self.max_pages}")
-        pt = np.full((rows, self.max_pages), DUMMY_PAGE, dtype=np.int32)
-        width = min(page_tables.shape[1], self.max_pages)
-        pt[:live, :width] = page_tables[:live, :width]
+        if len(kv) and int(kv.max()) > self.max_pages * ps:
+            raise ValueError(f"{slot}: a request needs {-(-int(kv.max()) // ps)} pages, max {self.max_pages}")
+        kv_indptr, kv_indices, last_page_len = paged_kv_layout(kv, page_tables[:live], ps)
         decode = q == 1 and slot != "prefill"  # one new token per lane: the decode kernels
-        w = self._wrapper(slot, lanes, q, decode)
+        st = self._slots.get(slot)
+        if st is None:
+            st = self._slots[slot] = _Slot(self.device, self.max_pages)
+        w = self._wrapper(st, slot, lanes, q, decode)
+        qo_indptr = np.zeros(rows + 1, np.int32)
+        np.cumsum(q_all, out=qo_indptr[1:])
+        assert st.staging is not None  # made with the slot's first wrapper, sized by its int workspace
+        s = st.staging.stage(qo_indptr, kv_indptr, kv_indices, last_page_len)
+        total = len(kv_indices)
         cuda = self.device.type == "cuda"  # False only in the CPU tests of the host logic (fake flashinfer)
-        s = self._staging.setdefault(slot, _StagingPair(self.max_pages, cuda)).next(rows)
-        total = int(n_pages.sum())
-        s.kv_indptr[0] = 0
-        s.kv_indptr[1: rows + 1] = torch.from_numpy(np.cumsum(n_pages, dtype=np.int32))
-        s.kv_indices[:total] = torch.from_numpy(pt[np.arange(self.max_pages) < n_pages[:, None]])
-        s.last_page_len[:rows] = torch.from_numpy(kv - (n_pages - 1) * ps)
-        s.qo_indptr[0] = 0
-        s.qo_indptr[1: rows + 1] = torch.from_numpy(np.cumsum(q_all, dtype=np.int32))
         if cuda:
             stream = stream or torch.cuda.current_stream(self.device)
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-            indices = w.indices(total)
+            indices = st.indices(total)
             indices.copy_(s.kv_indices[:total], non_blocking=True)
-            w.w._pin_memory_int_workspace_buffer = s.int_workspace  # FlashInfer's own pinned staging
+            w._pin_memory_int_workspace_buffer = s.int_workspace  # FlashInfer's own pinned staging
             common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale, non_blocking=True)
             args = (s.kv_indptr[: rows + 1], indices, s.last_page_len[:rows], self.num_heads, self.num_kv_heads,
                     self.head_dim, ps)
             if decode:
-                _call(w.w.plan, *args, pos_encoding_mode="NONE", **common)
+                _call(w.plan, *args, pos_encoding_mode="NONE", **common)
             else:
                 # A graph's lanes all feed q tokens: saying so lets FlashInfer size its query tiles for q rows
                 # instead of a ragged worst case (and it must be said on every plan of that wrapper).
-                _call(w.w.plan, s.qo_indptr[: rows + 1], *args, causal=True,
+                _call(w.plan, s.qo_indptr[: rows + 1], *args, causal=True,
                       uniform_q_len=q if lanes is not None else None, **common)
-            if cuda:
-                s.event = torch.cuda.Event()
-                s.event.record(stream)
+            if self.record_event is not None:
+                s.event = self.record_event(stream)
         self._planned[slot] = w
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -267,4 +289,4 @@ class FlashInferAttention:
         t = q.shape[0]
         ps, hkv, d = self.page_size, k_cache.shape[1], k_cache.shape[2]
         kv = (k_cache.view(-1, ps, hkv, d), v_cache.view(-1, ps, hkv, d))
-        return w.w.run(q.view(t, num_heads, d), kv).reshape(t, num_heads * d)
+        return w.run(q.view(t, num_heads, d), kv).reshape(t, num_heads * d)
