@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specstep.engine.errors import CheckpointError
+from specstep.engine.errors import CheckpointError, ParallelError
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -50,6 +50,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    tp_size: int = 1  # 1: the whole model; N: one rank's share of it over N tensor-parallel ranks (`shard`)
 
     @property
     def q_size(self) -> int:
@@ -58,6 +59,29 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def shard(self, world_size: int) -> ModelConfig:
+        """One rank's share over `world_size` tensor-parallel ranks (the same shape on every rank).
+
+        Attention heads, KV heads and the MLP width are per rank; the hidden size and the vocabulary stay global
+        (hidden states are replicated between layers, logits are gathered), so code that samples keeps reading
+        the model's own `cfg`. KV pools and attention backends take this config: its `num_kv_heads` is the KV
+        pool's per-rank head count. When the group is larger than the KV head count (and a multiple of it), each
+        KV head is replicated on `world_size / num_kv_heads` ranks, as vLLM does: every rank then holds one."""
+        if world_size == 1:
+            return self
+        if self.tp_size != 1:
+            raise ParallelError(f"config is already one rank's share of {self.tp_size}")
+        h, hkv, inter = self.num_heads, self.num_kv_heads, self.intermediate_size
+        if world_size < 1 or h % world_size:
+            raise ParallelError(f"{h} attention heads do not split over tensor-parallel size {world_size}")
+        if hkv % world_size and world_size % hkv:
+            raise ParallelError(f"{hkv} KV heads do not split over tensor-parallel size {world_size} "
+                                f"(it must divide them, or be a multiple of them to replicate each)")
+        if inter % world_size:
+            raise ParallelError(f"MLP width {inter} does not split over tensor-parallel size {world_size}")
+        return replace(self, num_heads=h // world_size, num_kv_heads=max(1, hkv // world_size),
+                       intermediate_size=inter // world_size, tp_size=world_size)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ModelConfig:

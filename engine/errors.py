@@ -21,3 +21,8 @@ class OutOfPagesError(SpecstepError):
 
 class ConfigError(SpecstepError):
     """An engine option cannot be honoured on this machine (e.g. FlashInfer without CUDA)."""
+
+
+class ParallelError(ConfigError):
+    """A tensor-parallel group cannot be formed (a rank did not join in time, a backend is missing) or the model
+    cannot be split over it (heads, KV heads or the MLP width not divisible by the group size)."""

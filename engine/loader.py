@@ -3,13 +3,16 @@
 Hugging Face tensor names map onto ours; q/k/v and gate/up are concatenated into the merged projections.
 Every expected tensor must be present with the right shape, and no unexpected tensor may be left over:
 a partial load is always an error that names the tensor.
+
+Under tensor parallelism each rank reads only its part of each tensor (`engine.parallel.shard`) through
+safetensors' lazy slices, so no rank ever holds a whole sharded weight; merged projections concatenate the rank's
+slice of each piece. Sliced tensors are checked against the whole model's shape before anything is read.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -18,6 +21,8 @@ from safetensors.torch import save_file
 
 from specstep.engine.config import DTYPES, ModelConfig
 from specstep.engine.errors import CheckpointError
+from specstep.engine.parallel.group import SINGLE
+from specstep.engine.parallel.shard import ZEROS, RankSlice, rank_slice
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 # merged parameter -> the Hugging Face pieces, in concatenation order
@@ -57,41 +62,43 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
-
-
 def hf_to_local(name: str) -> str:
     """`model.layers.3.self_attn.q_proj.weight` -> `layers.3.self_attn.q_proj.weight` (pre-merge name)."""
     return name[len("model."):] if name.startswith("model.") else name
 
 
 def load_state_dict(module: torch.nn.Module, folder: Path, dtype: torch.dtype) -> None:
-    """Fill `module` (built on the meta device) from the folder's tensors, merging split projections."""
+    """Fill `module` (built on the meta device) from the folder's tensors, merging split projections.
+
+    The module's tensor-parallel group (`module.tp`, a single rank if absent) decides which slices are read; the
+    module's own parameters have that rank's shapes."""
+    cfg = getattr(module, "cfg", None)
+    tp = getattr(module, "tp", SINGLE).config
     expected = {k: v for k, v in module.state_dict().items()}
-    tied = hasattr(module, "lm_head") and getattr(getattr(module, "cfg", None), "tie_word_embeddings", False)
+    tied = hasattr(module, "lm_head") and getattr(cfg, "tie_word_embeddings", False)
     if tied:
         expected.pop("lm_head.weight", None)
     pieces: dict[str, dict[str, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
-    for hf_name, tensor in iter_tensors(folder):
-        if _IGNORED.match(hf_name):
-            continue
-        name = hf_to_local(hf_name)
-        if tied and name == "lm_head.weight":
-            continue  # some tied checkpoints still store it; the embedding is the source of truth
-        merged = next(((m, p) for m, parts in _MERGED.items() for p in parts if f".{p}." in f".{name}"), None)
-        if merged:
-            m, part = merged
-            target = name.replace(part, m)
-            pieces.setdefault(target, {})[part] = tensor
-            continue
-        if name not in expected:
-            raise CheckpointError(f"{folder}: unexpected tensor {hf_name!r} for this architecture")
-        out[name] = tensor
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if _IGNORED.match(hf_name):
+                    continue
+                name = hf_to_local(hf_name)
+                if tied and name == "lm_head.weight":
+                    continue  # some tied checkpoints still store it; the embedding is the source of truth
+                merged = next(((m, p) for m, parts in _MERGED.items() for p in parts if f".{p}." in f".{name}"), None)
+                target = name.replace(merged[1], merged[0]) if merged else name
+                if not merged and name not in expected:
+                    raise CheckpointError(f"{folder}: unexpected tensor {hf_name!r} for this architecture")
+                share = rank_slice(name, cfg, tp) if cfg is not None else None
+                ref = expected.get(target)
+                tensor = _read_share(f, hf_name, share, None if ref is None else tuple(ref.shape), folder)
+                if merged:
+                    pieces.setdefault(target, {})[merged[1]] = tensor
+                else:
+                    out[name] = tensor
     for target, parts in pieces.items():
         merged_name = next(m for m in _MERGED if m in target)
         order = _MERGED[merged_name]
@@ -112,6 +119,30 @@ def load_state_dict(module: torch.nn.Module, folder: Path, dtype: torch.dtype) -
     module.load_state_dict(out, strict=False, assign=True)
     if tied:
         module.lm_head.weight = module.embed_tokens.weight
+
+
+def _read_share(f, hf_name: str, share: RankSlice | str | None, ref: tuple[int, ...] | None,
+                folder: Path) -> torch.Tensor:
+    """This rank's part of one checkpoint tensor, read lazily. `ref`: the rank's parameter shape (merged pieces:
+    the merged parameter's; None: a piece no parameter takes, which the caller reports), from which the whole
+    tensor's expected shape follows: only the split dimension differs."""
+    if share is None:
+        return f.get_tensor(hf_name)
+    view = f.get_slice(hf_name)
+    shape = tuple(view.get_shape())
+    if share == ZEROS:
+        return torch.zeros(shape)  # the caller's final check compares it with the (unsplit) parameter
+    if ref is None:
+        return torch.empty(0)
+    whole = ref[:share.dim] + (share.global_size,) + ref[share.dim + 1:]
+    if shape != whole:
+        raise CheckpointError(f"{folder}: tensor {hf_name!r} has shape {shape}, config expects {whole}")
+    tensor = view[(slice(None),) * share.dim + (slice(share.start, share.stop),)]
+    pad = share.size - tensor.shape[share.dim]
+    if pad:  # the vocabulary's last shard: zero rows that no token id reaches
+        pad_shape = tensor.shape[:share.dim] + (pad,) + tensor.shape[share.dim + 1:]
+        tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=share.dim)
+    return tensor
 
 
 def local_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, prefix: str = "model.") -> dict[str, torch.Tensor]:

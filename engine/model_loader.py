@@ -1,4 +1,7 @@
-"""Build a model from a folder: parse its config, construct on `meta`, assign the checkpoint's tensors."""
+"""Build a model from a folder: parse its config, construct on `meta`, assign the checkpoint's tensors.
+
+With a tensor-parallel group `tp`, each rank builds and loads only its own shard (`engine.parallel.shard`); a
+model whose heads do not split over the group fails here with `ParallelError`, before any tensor is read."""
 
 from __future__ import annotations
 
@@ -13,10 +16,11 @@ from specstep.engine.model_source import resolve_model
 from specstep.engine.models.cpu_linear import plan_linears
 from specstep.engine.models.llama import LlamaForCausalLM
 from specstep.engine.models.mtp_head import MTPHead
+from specstep.engine.parallel.group import SINGLE, TPGroup
 
 
 def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str = "auto",
-               cpu_linear: str = "auto") -> LlamaForCausalLM:
+               cpu_linear: str = "auto", tp: TPGroup = SINGLE) -> LlamaForCausalLM:
     """`model`: a Hugging Face-format folder or a GGUF file (converted once, see `engine.gguf_checkpoint`)."""
     folder = resolve_model(model)
     if not folder.is_dir():
@@ -27,7 +31,7 @@ def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, tp)
     load_state_dict(model, folder, torch_dtype)
     # Buffers (rotary tables) were built on meta; rebuild them for real on the target device.
     model.rotary.build_tables()
@@ -38,7 +42,7 @@ def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str
 
 
 def load_mtp_head(folder: str | Path, target_cfg: ModelConfig, device: str | torch.device = "cpu",
-                  dtype: torch.dtype = torch.float32, cpu_linear: str = "auto") -> MTPHead:
+                  dtype: torch.dtype = torch.float32, cpu_linear: str = "auto", tp: TPGroup = SINGLE) -> MTPHead:
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"head folder {str(folder)!r} does not exist")
@@ -50,7 +54,7 @@ def load_mtp_head(folder: str | Path, target_cfg: ModelConfig, device: str | tor
             f"{folder}: head (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does not fit the target "
             f"(hidden {target_cfg.hidden_size}, vocab {target_cfg.vocab_size})")
     with torch.device("meta"):
-        head = MTPHead(cfg)
+        head = MTPHead(cfg, tp)  # the target's group: the head shards with it
     load_state_dict(head, folder, dtype)
     head.rotary.build_tables()
     head = head.to(device).eval()

@@ -4,6 +4,12 @@ Two ways in, one set of weights:
   * serving: flat tokens [T] with a `ForwardBatch` and a paged `KVPool` (prefill, decode and verify alike);
   * training: dense [B, S] causal batches without a cache (`forward_dense`).
 q/k/v and gate/up projections are merged (one GEMM each); the loader splits Hugging Face tensors into them.
+
+Tensor parallelism (`tp`, default a single rank) changes only shapes and adds collectives: each rank builds its
+share of the heads, KV heads, MLP width and vocabulary (`ModelConfig.shard`, `engine.parallel.shard`) out of plain
+`nn.Linear`s (so the CPU's `CpuLinear` swap still applies), the ranks' partial sums are all-reduced after o_proj,
+down_proj and the embedding, and `compute_logits` gathers the vocabulary. Hidden states between layers are
+replicated on every rank, so every rank must run every forward and `compute_logits` in the same order.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from specstep.engine.config import ModelConfig
 from specstep.engine.forward_batch import ForwardBatch
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.models.rotary import RotaryEmbedding, apply_rotary
+from specstep.engine.parallel.group import SINGLE, TPGroup
+from specstep.engine.parallel.vocab_embedding import VocabParallelEmbedding
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) for the batch's positions
 
@@ -36,9 +44,12 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    """`cfg` is this rank's share (its heads and KV heads); o_proj is row-parallel, so its output is all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self.layer_id = layer_id
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         # Llama with attention_bias has an o_proj bias too; Qwen2 has q/k/v biases only.
@@ -59,33 +70,34 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         o = attention.forward(q.flatten(1), k_cache, v_cache, batch.attn, self.cfg.num_heads, self.scale)
-        return self.o_proj(o)
+        return self.tp.all_reduce(self.o_proj(o))
 
     def forward_dense(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self._qkv(x, rope)  # [B, S, heads, D]
         o = dense_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale)
-        return self.o_proj(o.transpose(1, 2).flatten(2))
+        return self.tp.all_reduce(self.o_proj(o.transpose(1, 2).flatten(2)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.self_attn = LlamaAttention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: Rope,
                 attention: AttentionBackend) -> torch.Tensor:
@@ -103,16 +115,21 @@ class LlamaForCausalLM(nn.Module):
     Keeping them apart lets the engine compute logits only at the positions it samples from, and hands the
     hidden states to an MTP head. `attention` is the paged-attention backend every layer uses (the torch
     reference unless the engine installs FlashInfer); it is state of the serving path, not of the weights.
+
+    `cfg` is the whole model's; `rank_cfg` is this rank's share, which its KV pool and attention backend take.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
+        self.rank_cfg = cfg.shard(tp.world_size)  # raises ParallelError if the heads do not split
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(self.rank_cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Column-parallel over the (padded) vocabulary: the same rows as this rank's embedding shard.
+        self.lm_head = nn.Linear(cfg.hidden_size, self.embed_tokens.num_embeddings, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.attention: AttentionBackend = TorchAttention()
@@ -133,4 +150,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.tp.world_size > 1:
+            # Every rank gets the whole vocabulary (sampling runs on any rank); padding rows are cut off.
+            logits = self.tp.all_gather(logits, dim=-1)[..., : self.cfg.vocab_size].contiguous()
+        return logits.float()

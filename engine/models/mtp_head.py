@@ -9,6 +9,10 @@ The RMSNorms EAGLE dropped are restored (they made training converge). Embedding
 target's own, frozen and shared: the caller passes embeddings in and applies the target's `compute_logits`, so
 this module holds only its own weights. Its output plays the role of a target hidden state, which is what it
 feeds forward when drafting more than one token.
+
+Under tensor parallelism the head shards with the target (same group): its decoder layer splits like the target's,
+`fc` and the norms are replicated (their inputs are the replicated hidden states and embeddings), and its KV pool
+takes `rank_cfg`. Every rank runs it, because its layer's collectives need every rank.
 """
 
 from __future__ import annotations
@@ -23,18 +27,21 @@ from specstep.engine.forward_batch import ForwardBatch
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.models.llama import LlamaDecoderLayer, RMSNorm
 from specstep.engine.models.rotary import RotaryEmbedding
+from specstep.engine.parallel.group import SINGLE, TPGroup
 
 
 class MTPHead(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
+        self.rank_cfg = cfg.shard(tp.world_size)
         d = cfg.hidden_size
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.embed_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.fc = nn.Linear(2 * d, d, bias=False)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, 0)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(self.rank_cfg, 0, tp)])
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.attention: AttentionBackend = TorchAttention()  # the engine may install FlashInfer (see LlamaForCausalLM)
 
