@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specstep.engine.errors import ConfigError
 from specstep.engine.model_source import EMBEDDED_TARGET as DEFAULT_TARGET
 from specstep.engine.model_source import default_draft, resolve_model
 
@@ -20,8 +21,11 @@ class EngineConfig:
     num_spec_tokens: int = 4
     draft_vocab: int | None = None  # drafter's reduced vocabulary: None = its folder's list if any, 0 = full, N = top N
     page_size: int = 16
-    kv_cache_tokens: int = 65536  # KV capacity (tokens) when num_pages is not given
+    # KV capacity: planned from memory (engine.memory_plan) unless given. num_pages > kv_cache_tokens > the plan.
+    kv_cache_tokens: int | None = None
     num_pages: int | None = None
+    # The plan's share of memory. None: 0.9 of the GPU; on CPU half the RAM available, at most 4 GiB of KV.
+    gpu_memory_utilization: float | None = None
     max_batch_size: int = 64
     max_prefill_tokens: int = 4096  # whole-prompt prefill steps (max_num_batched_tokens unset): their token cap
     # Chunked prefill: each step's token budget (decode tokens first, then prompt chunks), as in vLLM. None: a
@@ -52,6 +56,12 @@ class EngineConfig:
             raise ValueError(f"--cpu-linear must be auto, matmul or onednn, got {self.cpu_linear!r}")
         if self.page_size < 1:
             raise ValueError("page size must be >= 1")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise ConfigError(f"--kv-cache-tokens must be >= 1, got {self.kv_cache_tokens}")
+        if self.num_pages is not None and self.num_pages < 2:  # page 0 is the dummy page
+            raise ConfigError(f"--num-pages must be >= 2, got {self.num_pages}")
         if self.spec_policy not in ("fixed", "adaptive"):
             raise ValueError(f"--spec-policy must be fixed or adaptive, got {self.spec_policy!r}")
         if self.spec_objective not in ("throughput", "latency"):

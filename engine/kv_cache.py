@@ -2,6 +2,9 @@
 
 Page 0 is the dummy page: padding lanes (graph buckets, masked keys) read and write it, so the allocator
 never hands it to a request. Target and draft each own a pool; both are indexed by the same page tables.
+
+Start-up builds the pools with the dummy page only, measures memory with everything else in place, then sizes
+them (`allocate`, see `engine.memory_plan`) before any graph is captured: graphs record the tensors' addresses.
 """
 
 from __future__ import annotations
@@ -17,12 +20,26 @@ class KVPool:
     def __init__(self, cfg: ModelConfig, num_layers: int, num_pages: int, page_size: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         self.page_size = page_size
-        self.num_pages = num_pages
-        shape = (num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_layers = num_layers
+        self._row = (cfg.num_kv_heads, cfg.head_dim)
+        self._dtype, self._device = dtype, device
+        self.num_pages = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.allocate(num_pages)
 
-    @staticmethod
-    def bytes_per_page(cfg: ModelConfig, num_layers: int, page_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * elem
+    def allocate(self, num_pages: int) -> None:
+        """Replace the pool by one of `num_pages` pages (zeroed). Only before graphs are captured and while no
+        request holds a page: the old contents are dropped."""
+        self.k, self.v = [], []  # the old tensors go first: the peak stays at one pool
+        shape = (num_pages * self.page_size, *self._row)
+        self.k = [torch.zeros(shape, dtype=self._dtype, device=self._device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self._dtype, device=self._device) for _ in range(self.num_layers)]
+        self.num_pages = num_pages
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page takes across every layer, K and V."""
+        elem = torch.empty((), dtype=self._dtype).element_size()
+        return 2 * self.num_layers * self.page_size * self._row[0] * self._row[1] * elem
+

@@ -84,12 +84,16 @@ class StepEngine:
         # Every lane of a graph writes k + 1 verify positions (and the proposer's look-ahead), even a request
         # one token short of max_model_len that drafts nothing: the page table's width covers them.
         self.graph_max_len = self.max_kv_len(max_model_len, max(ks))
-        max_pages = -(-self.graph_max_len // self.page_size)
-        # FlashInfer reads only the pages it is planned with; the torch backend gathers the table's whole width.
-        self.graph_widths = (max_pages,) if self.plans_attention else kv_page_buckets(max_pages, self.page_size)
+        self.graph_widths = self.kv_widths(self.graph_max_len)
         register_decode_graphs(runner, self, ks, self.graph_widths, scratch_slot)
         self.graphs = runner
         return runner.capture(self.tracer)
+
+    def kv_widths(self, max_kv_len: int) -> tuple[int, ...]:
+        """Page-table widths graphs are captured at. FlashInfer reads only the pages it is planned with: one
+        width. The torch backend gathers a table's whole width: KV-length buckets up to max_kv_len."""
+        max_pages = -(-max_kv_len // self.page_size)
+        return (max_pages,) if self.plans_attention else kv_page_buckets(max_pages, self.page_size)
 
     @property
     def page_size(self) -> int:

@@ -1,4 +1,5 @@
-"""Start-up in reading order: threads, device, load target (and proposer), size the KV pools, build the core."""
+"""Start-up in reading order: threads, device, load target (and proposer), plan memory and size the KV pools,
+capture graphs, build the core."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ from specstep.engine.attention import make_backend, resolve_backend  # noqa: E40
 from specstep.engine.engine_config import EngineConfig  # noqa: E402
 from specstep.engine.errors import CheckpointError  # noqa: E402
 from specstep.engine.kv_cache import KVPool  # noqa: E402
+from specstep.engine.memory_plan import MemoryPlan, plan_kv_cache  # noqa: E402
+from specstep.engine.memory_probe import (  # noqa: E402
+    draft_carry_bytes,
+    graph_count_estimate,
+    host_ram_available,
+    largest_steps,
+    measure_cpu,
+    measure_cuda,
+)
 from specstep.engine.model_loader import load_model, load_mtp_head  # noqa: E402
 from specstep.engine.proposers.base import Proposer  # noqa: E402
 from specstep.engine.proposers.draft_model import DraftModelProposer  # noqa: E402
@@ -43,6 +53,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     graphs: dict | None = None  # what capture learned (buckets, graph count, seconds, bytes)
     attention: str = "torch"
+    memory: MemoryPlan | None = None  # how the KV cache was sized (`MemoryPlan.describe()` for the ready line)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,20 +68,30 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
         # With overlap, the scheduler thread and the stream's worker thread each take a core: one intra-op
         # thread. Inline, both cores go to the matmuls (measured faster from batch 1 up on this machine kind).
         torch.set_num_threads(cfg.threads or (1 if cfg.overlap else 2))
+    planned = cfg.num_pages is None and cfg.kv_cache_tokens is None
+    # The CPU budget is a share of the RAM available before the weights load: they come out of it.
+    ram = host_ram_available() if planned and device.type == "cpu" else 0
     target = load_model(cfg.model, device, cfg.dtype, cfg.cpu_linear)
     dtype = target.embed_tokens.weight.dtype
     max_len = min(cfg.max_model_len or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)
-    num_pages = cfg.num_pages or (-(-cfg.kv_cache_tokens // cfg.page_size) + 1)
-    pool = KVPool(target.cfg, target.cfg.num_layers, num_pages, cfg.page_size, dtype, device)
-    proposer = build_proposer(cfg, target, num_pages, dtype, device)
+    # Pools of the dummy page only until memory is planned: the proposer's state, the attention backends and a
+    # warm-up exist (and are measured) before the KV cache takes what is left.
+    pool = KVPool(target.cfg, target.cfg.num_layers, 1, cfg.page_size, dtype, device)
+    proposer = build_proposer(cfg, target, 1, dtype, device)
     if device.type == "cuda":  # device-track ranges timed by CUDA events, not by the launching thread
         tracer.use_cuda_events(torch.cuda)
     step_engine = StepEngine(target, pool, proposer, device, tracer)
     k_max = cfg.num_spec_tokens if proposer else 0
     attention = install_attention(cfg, step_engine, step_engine.max_kv_len(max_len, k_max), dtype, device)
     ks = graph_ks(k_max)
+    use_graphs = cfg.graphs == "on" or (cfg.graphs == "auto" and device.type == "cuda")
+    pools = [pool] + ([proposer.pool] if proposer is not None and proposer.has_model else [])
+    memory = plan_memory(cfg, step_engine, pools, max_len, k_max, ram, ks if use_graphs else None)
+    for p in pools:
+        p.allocate(memory.num_pages)
+    num_pages = memory.num_pages
     capture = None
-    if cfg.graphs == "on" or (cfg.graphs == "auto" and device.type == "cuda"):
+    if use_graphs:
         from specstep.cuda_graphs.runner import GraphConfig, GraphRunner
 
         runner = GraphRunner(device, GraphConfig(max_batch=cfg.max_batch_size))
@@ -93,8 +114,32 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     info = EngineInfo(num_pages=num_pages, page_size=cfg.page_size, max_model_len=max_len,
                       vocab_size=target.cfg.vocab_size, device=str(device), dtype=str(dtype).replace("torch.", ""),
                       spec=cfg.spec, eos_token_ids=tuple(eos),
-                      graphs=capture.to_dict() if capture is not None else None, attention=attention)
+                      graphs=capture.to_dict() if capture is not None else None, attention=attention, memory=memory)
     return core, tokenizer, info
+
+
+def plan_memory(cfg: EngineConfig, engine: StepEngine, pools: list[KVPool], max_len: int, k_max: int,
+                ram: int, capture_ks: tuple[int, ...] | None) -> MemoryPlan:
+    """The KV pools' size: as given (--num-pages, --kv-cache-tokens), else planned from measured memory
+    (`engine.memory_plan`; `ram`: host RAM available before the weights loaded, CPU only; `capture_ks`: the k
+    values graphs will be captured for, None without graphs)."""
+    seq_tokens = engine.max_kv_len(max_len, k_max)
+    figures = None
+    if cfg.num_pages is None and cfg.kv_cache_tokens is None:
+        shapes = largest_steps(cfg.max_batch_size, k_max, max_len, seq_tokens, cfg.page_size, cfg.max_prefill_tokens,
+                               cfg.max_num_batched_tokens)
+        carry = draft_carry_bytes(cfg.max_batch_size, k_max, engine.vocab_size) if engine.has_draft_model else 0
+        roots = (engine.target, engine.proposer)
+        if engine.device.type == "cuda":
+            graphs = None if capture_ks is None else graph_count_estimate(
+                cfg.max_batch_size, capture_ks, engine.has_draft_model,
+                len(engine.kv_widths(engine.max_kv_len(max_len, max(capture_ks)))))
+            figures = measure_cuda(engine.target, shapes, roots, cfg.page_size, engine.device,
+                                   cfg.gpu_memory_utilization, carry, graphs)
+        else:
+            figures = measure_cpu(engine.target, shapes, roots, ram, cfg.gpu_memory_utilization, carry)
+    return plan_kv_cache(sum(p.page_bytes for p in pools), cfg.page_size, seq_tokens, cfg.max_batch_size, figures,
+                         cfg.kv_cache_tokens, cfg.num_pages)
 
 
 def policy_config(cfg: EngineConfig, k_max: int, candidates: tuple[int, ...] | None) -> PolicyConfig:

@@ -120,8 +120,9 @@ class Frontend:
                 code = 1
         else:
             ready = self.supervisor.ready
+            kv = f"; {ready.kv_cache}" if ready.kv_cache else ""
             on_listening(f"specstep serve: ready ({self.cfg.model_origin or self.cfg.model_name}; spec {ready.spec}, "
-                         f"{ready.num_pages} KV pages) on {self.address}")
+                         f"{ready.num_pages} KV pages{kv}) on {self.address}")
             await self._done.wait()
             code = 0
         router_task.cancel()

@@ -66,9 +66,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU linear kernels (auto: MKL or prepacked oneDNN per weight shape and row count, timed at "
                         "load; matmul / onednn: one kernel everywhere; default: %(default)s)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
-    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV capacity in tokens (default: %(default)s)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="share of memory the engine may use, KV cache included: the KV cache gets F x the GPU's "
+                        "memory minus what is in use (weights, other processes), a warm-up's peak at the largest "
+                        "batch and a CUDA-graph reserve; on CPU F x the RAM available at start-up minus the "
+                        "weights and an activation estimate (default: 0.9 on CUDA, as vLLM; on CPU 0.5 with the KV "
+                        "cache capped at 4 GiB). The ready line reports the result")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV capacity in tokens, overriding the memory plan (default: planned, see "
+                        "--gpu-memory-utilization)")
     p.add_argument("--num-pages", type=int, default=None,
-                   help="KV pages (overrides --kv-cache-tokens; default: from --kv-cache-tokens)")
+                   help="KV pages (overrides --kv-cache-tokens and the plan; default: planned)")
     p.add_argument("--max-batch-size", type=int, default=64,
                    help="most requests decoding at once (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -103,6 +111,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, spec=args.spec, draft=args.draft, num_spec_tokens=args.num_spec_tokens,
                         draft_vocab=args.draft_vocab,
                         page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens, num_pages=args.num_pages,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
                         max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, dtype=args.dtype,
                         device=args.device, threads=args.threads, spec_policy=args.spec_policy,
@@ -213,6 +222,8 @@ def _run(args: argparse.Namespace) -> int:
             raise SpecstepError(f"{where}: {e}") from None
         reqs.append(req)
 
+    # After every input is checked (an input error stays a one-line message), before the first step.
+    print(f"specstep generate: ready ({ready_text(info)})", file=sys.stderr, flush=True)
     start = time.perf_counter()
     while core.has_unfinished():
         core.step()
@@ -240,6 +251,12 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{len(reqs)} requests, {total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s), spec={info.spec}",
           file=sys.stderr)
     return 0
+
+
+def ready_text(info) -> str:
+    """`spec X, N KV pages; kv cache ... (how it was sized)`: the start-up facts a user checks first."""
+    text = f"spec {info.spec}, {info.num_pages} KV pages"
+    return f"{text}; {info.memory.describe()}" if info.memory is not None else text
 
 
 def make_tracer(path: str | None):

@@ -254,6 +254,7 @@ class Ready(Wire):
     spec: str
     num_spec_tokens: int
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    kv_cache: str = ""  # how the KV cache was sized (`MemoryPlan.describe()`), for the ready line
 
 
 class EngineOutput(Wire):

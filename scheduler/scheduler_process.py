@@ -256,7 +256,8 @@ def ready_message(core: EngineCore, info, max_prompt_len: int | None) -> Ready:
                  page_size=alloc.page_size, max_model_len=info.max_model_len, max_prompt_len=limit,
                  vocab_size=info.vocab_size, max_batch_size=core.config.max_batch_size, device=info.device,
                  dtype=info.dtype, spec=info.spec, num_spec_tokens=core.config.num_spec_tokens,
-                 eos_token_ids=list(info.eos_token_ids))
+                 eos_token_ids=list(info.eos_token_ids),
+                 kv_cache=info.memory.describe() if info.memory is not None else "")
 
 
 def engine_config(cfg: SchedulerProcessConfig) -> EngineConfig:
@@ -275,7 +276,8 @@ def run(cfg: SchedulerProcessConfig) -> int:
     # SimpleQueue.put is reentrant (safe in a signal handler) and wakes the loop if it is blocked while idle.
     signal.signal(signal.SIGTERM, lambda *_: io.inbox.put(EngineShutdown(drain=True)))
     io.outbox.put(ready_message(core, info, cfg.max_prompt_len))
-    log.info("ready: %s, %d KV pages of %d tokens", info.spec, core.allocator.num_pages, core.allocator.page_size)
+    log.info("ready: %s, %d KV pages of %d tokens; %s", info.spec, core.allocator.num_pages, core.allocator.page_size,
+             info.memory.describe() if info.memory is not None else "")
     try:
         loop.run()
     finally:

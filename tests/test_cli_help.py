@@ -28,8 +28,10 @@ def test_every_option_states_its_default(command):
 
 @pytest.mark.parametrize("command, shown", [
     ("serve", ["--drain-timeout DRAIN_TIMEOUT", "(default: 60.0)", "default: 5)", "(default: 300.0)", "4096",
-               "(default: 65536)", "(default: 64)", "tcp://127.0.0.1:5555", "default: 9400"]),
-    ("generate", ["(default: 65536)", "(default: 64)", "(default: 16)", "(default: none)"]),
+               "(default: planned, see --gpu-memory-utilization)", "(default: 0.9 on CUDA", "(default: 64)",
+               "tcp://127.0.0.1:5555", "default: 9400"]),
+    ("generate", ["(default: planned, see --gpu-memory-utilization)", "(default: 64)", "(default: 16)",
+                  "(default: none)"]),
 ])
 def test_help_shows_the_values(command, shown, capsys):
     with pytest.raises(SystemExit) as e:
