@@ -26,6 +26,9 @@ class EngineConfig:
     num_pages: int | None = None
     # The plan's share of memory. None: 0.9 of the GPU; on CPU half the RAM available, at most 4 GiB of KV.
     gpu_memory_utilization: float | None = None
+    # Ranks of a tensor-parallel group (one process and one device each; `engine.parallel`). The draft model runs
+    # on the leader only; the MTP head is split with the target.
+    tensor_parallel_size: int = 1
     max_batch_size: int = 64
     max_prefill_tokens: int = 4096  # whole-prompt prefill steps (max_num_batched_tokens unset): their token cap
     # Chunked prefill: each step's token budget (decode tokens first, then prompt chunks), as in vLLM. None: a
@@ -56,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"--cpu-linear must be auto, matmul or onednn, got {self.cpu_linear!r}")
         if self.page_size < 1:
             raise ValueError("page size must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:

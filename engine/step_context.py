@@ -71,6 +71,7 @@ class DecodeContext:
     graph_kind: str | None = None  # the registered graph it replays (flavour and page-table width)
     graph_page_table: torch.Tensor | None = None  # [B, captured width]: all a graph replay uploads of the layout
     input_grid_dev: torch.Tensor | None = None  # device copy of input_grid (staged with the step's other inputs)
+    tp_message: Any = None  # tensor parallelism: the leader's description of this step for the followers
 
     @property
     def batch_size(self) -> int:

@@ -35,6 +35,7 @@ from specstep.engine.batch_builder import (
 from specstep.engine.forward_batch import ForwardBatch
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.models.llama import LlamaForCausalLM
+from specstep.engine.parallel.group import SINGLE, TPGroup
 from specstep.engine.proposers.base import Proposer
 from specstep.engine.rejection_sampler import rejection_sample
 from specstep.engine.sampler import sample
@@ -67,8 +68,12 @@ class StepOutput:
 
 class StepEngine:
     def __init__(self, target: LlamaForCausalLM, pool: KVPool, proposer: Proposer | None,
-                 device: torch.device, tracer: Tracer = NULL_TRACER) -> None:
+                 device: torch.device, tracer: Tracer = NULL_TRACER, tp: TPGroup = SINGLE) -> None:
         self.tracer = tracer
+        # Tensor parallelism (`engine.parallel.tp_engine`): every rank runs this step on its shard. A draft model
+        # lives on the leader only; its drafts and the acceptance it alone can compute are broadcast in the step.
+        self.tp = tp
+        self.leader_drafts = tp.world_size > 1 and proposer is not None and proposer.kind == "draft_model"
         self.graphs: GraphRunner | None = None  # set by `use_graphs` after the KV pools are sized
         self.graph_max_len = 0
         self.graph_widths: tuple[int, ...] = ()  # captured page-table widths, ascending
@@ -325,6 +330,8 @@ class StepEngine:
             if self.proposer.has_model:
                 with tr.range(ranges.DRAFT, track=dev):
                     drafts, draft_probs = self.proposer.propose(ctx)
+                    if self.leader_drafts:
+                        drafts = self.tp.broadcast(drafts.contiguous())  # the verify batch's drafts, from rank 0
                 grid[:, 1:] = drafts
             else:
                 drafts = grid[:, 1:]
@@ -339,7 +346,15 @@ class StepEngine:
                 accepted = torch.zeros(b, dtype=torch.long, device=self.device)
             else:
                 logits = self.target.compute_logits(hidden)[ctx.verify_rows()]  # [B, k + 1, V]
-                out, accepted = rejection_sample(drafts, draft_probs, logits, ctx.num_draft_dev, ctx.st, first_pos)
+                if self.leader_drafts and self.tp.rank != 0:
+                    # Only the leader has the draft's distributions: its acceptance arrives below.
+                    out = torch.zeros(b, k + 1, dtype=torch.long, device=self.device)
+                    accepted = torch.zeros(b, dtype=torch.long, device=self.device)
+                else:
+                    out, accepted = rejection_sample(drafts, draft_probs, logits, ctx.num_draft_dev, ctx.st,
+                                                     first_pos)
+                if self.leader_drafts:
+                    out, accepted = self.tp.broadcast(out.contiguous()), self.tp.broadcast(accepted.contiguous())
         if self.has_draft_model and ctx.refill:
             with tr.range(ranges.REFILL, track=dev):
                 self.proposer.refill(ctx, out, accepted, hidden)

@@ -3,6 +3,7 @@ capture graphs, build the core."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ import torch  # noqa: E402
 
 from specstep.engine.attention import make_backend, resolve_backend  # noqa: E402
 from specstep.engine.engine_config import EngineConfig  # noqa: E402
-from specstep.engine.errors import CheckpointError  # noqa: E402
+from specstep.engine.errors import CheckpointError, ConfigError  # noqa: E402
 from specstep.engine.kv_cache import KVPool  # noqa: E402
 from specstep.engine.memory_plan import MemoryPlan, plan_kv_cache  # noqa: E402
 from specstep.engine.memory_probe import (  # noqa: E402
@@ -24,6 +25,8 @@ from specstep.engine.memory_probe import (  # noqa: E402
     measure_cuda,
 )
 from specstep.engine.model_loader import load_model, load_mtp_head  # noqa: E402
+from specstep.engine.parallel.group import SINGLE, TPGroup  # noqa: E402
+from specstep.engine.parallel.tp_engine import LeaderDraft, LeaderEngine  # noqa: E402
 from specstep.engine.proposers.base import Proposer  # noqa: E402
 from specstep.engine.proposers.draft_model import DraftModelProposer  # noqa: E402
 from specstep.engine.proposers.draft_vocab import build_reduced_head  # noqa: E402
@@ -36,6 +39,7 @@ from specstep.scheduler.engine_core import EngineCore, SchedulerConfig  # noqa: 
 from specstep.scheduler.page_allocator import PageAllocator  # noqa: E402
 from specstep.scheduler.spec_governor import GovernorConfig  # noqa: E402
 from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig  # noqa: E402
+from specstep.scheduler.tp_group import start_tp_group  # noqa: E402
 from specstep.traces.tracer import NULL_TRACER, Tracer  # noqa: E402
 
 
@@ -54,48 +58,42 @@ class EngineInfo:
     graphs: dict | None = None  # what capture learned (buckets, graph count, seconds, bytes)
     attention: str = "torch"
     memory: MemoryPlan | None = None  # how the KV cache was sized (`MemoryPlan.describe()` for the ready line)
+    tensor_parallel_size: int = 1
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0) -> torch.device:
+    """`auto`: CUDA when present. A tensor-parallel rank r drives cuda:r (one device per rank, one machine)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    return torch.device("cuda", rank) if device.type == "cuda" and device.index is None and rank else device
+
+
+@dataclass(slots=True)
+class StepEngineParts:
+    """What every rank builds (`build_step_engine`); the leader builds the core around it."""
+
+    step_engine: StepEngine
+    memory: MemoryPlan
+    capture: object | None  # CaptureInfo
+    attention: str
+    max_len: int
+    ks: tuple[int, ...]
 
 
 def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[EngineCore, Tokenizer | None, EngineInfo]:
-    device = resolve_device(cfg.device)
-    if device.type == "cpu":
-        # With overlap, the scheduler thread and the stream's worker thread each take a core: one intra-op
-        # thread. Inline, both cores go to the matmuls (measured faster from batch 1 up on this machine kind).
-        torch.set_num_threads(cfg.threads or (1 if cfg.overlap else 2))
-    planned = cfg.num_pages is None and cfg.kv_cache_tokens is None
-    # The CPU budget is a share of the RAM available before the weights load: they come out of it.
-    ram = host_ram_available() if planned and device.type == "cpu" else 0
-    target = load_model(cfg.model, device, cfg.dtype, cfg.cpu_linear)
-    dtype = target.embed_tokens.weight.dtype
-    max_len = min(cfg.max_model_len or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)
-    # Pools of the dummy page only until memory is planned: the proposer's state, the attention backends and a
-    # warm-up exist (and are measured) before the KV cache takes what is left.
-    pool = KVPool(target.cfg, target.cfg.num_layers, 1, cfg.page_size, dtype, device)
-    proposer = build_proposer(cfg, target, 1, dtype, device)
-    if device.type == "cuda":  # device-track ranges timed by CUDA events, not by the launching thread
-        tracer.use_cuda_events(torch.cuda)
-    step_engine = StepEngine(target, pool, proposer, device, tracer)
-    k_max = cfg.num_spec_tokens if proposer else 0
-    attention = install_attention(cfg, step_engine, step_engine.max_kv_len(max_len, k_max), dtype, device)
-    ks = graph_ks(k_max)
-    use_graphs = cfg.graphs == "on" or (cfg.graphs == "auto" and device.type == "cuda")
-    pools = [pool] + ([proposer.pool] if proposer is not None and proposer.has_model else [])
-    memory = plan_memory(cfg, step_engine, pools, max_len, k_max, ram, ks if use_graphs else None)
-    for p in pools:
-        p.allocate(memory.num_pages)
-    num_pages = memory.num_pages
-    capture = None
-    if use_graphs:
-        from specstep.cuda_graphs.runner import GraphConfig, GraphRunner
-
-        runner = GraphRunner(device, GraphConfig(max_batch=cfg.max_batch_size))
-        capture = step_engine.use_graphs(runner, ks, max_len, scratch_slot=cfg.max_batch_size)
+    """The leader's engine: with tensor parallelism it first starts the follower ranks (`scheduler.tp_group`),
+    which build the same step engine on their shards and replay its steps."""
+    group = start_tp_group(cfg) if cfg.tensor_parallel_size > 1 else None
+    try:
+        parts = build_step_engine(cfg, tracer, group.tp if group else SINGLE)
+    except BaseException:
+        if group is not None:  # leave the group first: followers blocked in a collective then fail at once
+            group.tp.close()
+            group.stop()
+        raise
+    step_engine, max_len, ks = parts.step_engine, parts.max_len, parts.ks
+    target, proposer = step_engine.target, step_engine.proposer
     try:
         tokenizer = Tokenizer.from_folder(cfg.model)
     except CheckpointError:
@@ -108,14 +106,66 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
                             max_num_batched_tokens=cfg.max_num_batched_tokens,
                             num_spec_tokens=cfg.num_spec_tokens if proposer else 0, max_model_len=max_len,
                             spec_max_len=spec_max_len)
-    policy = AdaptivePolicy(policy_config(cfg, sched.num_spec_tokens, ks if capture is not None else None))
-    core = EngineCore(step_engine, PageAllocator(num_pages, cfg.page_size), sched, eos, policy=policy,
-                      stream=make_stream(device, cfg.overlap), tracer=tracer)
+    policy = AdaptivePolicy(policy_config(cfg, sched.num_spec_tokens, ks if parts.capture is not None else None))
+    engine = step_engine if group is None else LeaderEngine(step_engine, group.tp, group.stop)
+    num_pages = parts.memory.num_pages
+    core = EngineCore(engine, PageAllocator(num_pages, cfg.page_size), sched, eos, policy=policy,
+                      stream=make_stream(step_engine.device, cfg.overlap), tracer=tracer)
     info = EngineInfo(num_pages=num_pages, page_size=cfg.page_size, max_model_len=max_len,
-                      vocab_size=target.cfg.vocab_size, device=str(device), dtype=str(dtype).replace("torch.", ""),
+                      vocab_size=target.cfg.vocab_size, device=str(step_engine.device),
+                      dtype=str(target.embed_tokens.weight.dtype).replace("torch.", ""),
                       spec=cfg.spec, eos_token_ids=tuple(eos),
-                      graphs=capture.to_dict() if capture is not None else None, attention=attention, memory=memory)
+                      graphs=parts.capture.to_dict() if parts.capture is not None else None,
+                      attention=parts.attention, memory=parts.memory,
+                      tensor_parallel_size=cfg.tensor_parallel_size)
     return core, tokenizer, info
+
+
+def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGroup = SINGLE) -> StepEngineParts:
+    """Threads, device, target (this rank's shard) and proposer, memory plan and KV pools, graphs."""
+    device = resolve_device(cfg.device, tp.rank)
+    if device.type == "cpu":
+        # With overlap, the scheduler thread and the stream's worker thread each take a core: one intra-op
+        # thread. Inline, both cores go to the matmuls (measured faster from batch 1 up on this machine kind).
+        # Tensor-parallel ranks share the machine's cores.
+        threads = cfg.threads or (1 if cfg.overlap else 2)
+        torch.set_num_threads(max(1, threads // tp.world_size) if cfg.threads is None else threads)
+    planned = cfg.num_pages is None and cfg.kv_cache_tokens is None
+    # The CPU budget is a share of the RAM available before the weights load: they come out of it.
+    ram = host_ram_available() // tp.world_size if planned and device.type == "cpu" else 0
+    target = load_model(cfg.model, device, cfg.dtype, cfg.cpu_linear, tp=tp)
+    dtype = target.embed_tokens.weight.dtype
+    max_len = min(cfg.max_model_len or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)
+    # Pools of the dummy page only until memory is planned: the proposer's state, the attention backends and a
+    # warm-up exist (and are measured) before the KV cache takes what is left.
+    pool = KVPool(target.rank_cfg, target.cfg.num_layers, 1, cfg.page_size, dtype, device)
+    proposer = build_proposer(cfg, target, 1, dtype, device, tp)
+    if device.type == "cuda":  # device-track ranges timed by CUDA events, not by the launching thread
+        tracer.use_cuda_events(torch.cuda)
+    step_engine = StepEngine(target, pool, proposer, device, tracer, tp)
+    k_max = cfg.num_spec_tokens if proposer else 0
+    attention = install_attention(cfg, step_engine, step_engine.max_kv_len(max_len, k_max), dtype, device)
+    ks = graph_ks(k_max)
+    use_graphs = cfg.graphs == "on" or (cfg.graphs == "auto" and device.type == "cuda")
+    if use_graphs and tp.world_size > 1 and device.type != "cuda":
+        # The CPU stand-in checks that a step keeps nothing it allocated alive; gloo's collectives hold their
+        # buffers past the call, so it cannot check these steps. CUDA graphs capture NCCL collectives.
+        raise ConfigError("--graphs on with --tensor-parallel-size > 1 needs CUDA (the CPU graph stand-in cannot "
+                          "check steps with gloo collectives)")
+    pools = [pool] + ([proposer.pool] if proposer is not None and getattr(proposer, "pool", None) else [])
+    memory = plan_memory(cfg, step_engine, pools, max_len, k_max, ram, ks if use_graphs else None)
+    pages = tp.min(memory.num_pages)  # every rank addresses the same pages: the smallest plan wins
+    if pages != memory.num_pages:
+        memory = dataclasses.replace(memory, num_pages=pages, limit="the smallest tensor-parallel rank's plan")
+    for p in pools:
+        p.allocate(memory.num_pages)
+    capture = None
+    if use_graphs:
+        from specstep.cuda_graphs.runner import GraphConfig, GraphRunner
+
+        runner = GraphRunner(device, GraphConfig(max_batch=cfg.max_batch_size))
+        capture = step_engine.use_graphs(runner, ks, max_len, scratch_slot=cfg.max_batch_size)
+    return StepEngineParts(step_engine, memory, capture, attention, max_len, ks)
 
 
 def plan_memory(cfg: EngineConfig, engine: StepEngine, pools: list[KVPool], max_len: int, k_max: int,
@@ -163,7 +213,7 @@ def install_attention(cfg: EngineConfig, engine: StepEngine, max_kv_len: int, dt
     nets = [engine.target] + ([engine.proposer.network] if engine.has_draft_model else [])
     workspace = None
     for net in nets:
-        net.attention = make_backend(name, net.cfg, cfg.page_size, dtype, device, max_pages, workspace)
+        net.attention = make_backend(name, net.rank_cfg, cfg.page_size, dtype, device, max_pages, workspace)
         workspace = net.attention.workspace  # one float workspace: the models' kernels run in stream order
     return name
 
@@ -174,20 +224,25 @@ def graph_ks(k_max: int) -> tuple[int, ...]:
 
 
 def build_proposer(cfg: EngineConfig, target, num_pages: int, dtype: torch.dtype,
-                   device: torch.device) -> Proposer | None:
+                   device: torch.device, tp: TPGroup = SINGLE) -> Proposer | None:
     if cfg.spec == "none":
         return None
     if cfg.spec == "ngram":
         return NgramProposer(device)
     path = cfg.draft_path
     if cfg.spec == "draft_model":
+        if tp.rank != 0:  # the draft runs on the leader only; followers receive its drafts
+            return LeaderDraft(DraftModelProposer.kv_lookahead, device)
         draft = load_model(path, device, str(dtype).replace("torch.", ""), cfg.cpu_linear)
         pool = KVPool(draft.cfg, draft.cfg.num_layers, num_pages, cfg.page_size, dtype, device)
         reduced = build_reduced_head(draft.lm_head.weight, path, draft.cfg.vocab_size, cfg.draft_vocab,
                                      cfg.cpu_linear)
         return DraftModelProposer(draft, target.cfg.vocab_size, pool, cfg.max_batch_size + 1, device, reduced)
-    head = load_mtp_head(path, target.cfg, device, dtype, cfg.cpu_linear)
-    pool = KVPool(head.cfg, 1, num_pages, cfg.page_size, dtype, device)
-    reduced = build_reduced_head(target.lm_head.weight, path, target.cfg.vocab_size, cfg.draft_vocab, cfg.cpu_linear)
+    head = load_mtp_head(path, target.cfg, device, dtype, cfg.cpu_linear, tp=tp)
+    pool = KVPool(head.rank_cfg, 1, num_pages, cfg.page_size, dtype, device)
+    # A reduced draft vocabulary takes rows of the full lm_head, which a tensor-parallel rank does not hold: the
+    # head drafts over the full (gathered) vocabulary there.
+    reduced = None if tp.world_size > 1 else build_reduced_head(target.lm_head.weight, path, target.cfg.vocab_size,
+                                                                cfg.draft_vocab, cfg.cpu_linear)
     # max_batch_size + 1: a scratch row for padding lanes
     return MTPProposer(head, target, pool, cfg.max_batch_size + 1, device, reduced)

@@ -123,6 +123,18 @@ class EngineCore(ChunkedPrefill):
         self._finish(req, FinishReason.ABORT)
         return req
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        tp = getattr(self.engine, "tp", None)  # simulated engines in tests have none
+        return tp.world_size if tp is not None else 1
+
+    def close(self) -> None:
+        """Stop the device stream, then (tensor parallelism) release the follower ranks."""
+        self.stream.close()
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling or self.inflight)
 

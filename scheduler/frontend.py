@@ -121,6 +121,8 @@ class Frontend:
         else:
             ready = self.supervisor.ready
             kv = f"; {ready.kv_cache}" if ready.kv_cache else ""
+            if ready.tensor_parallel_size > 1:
+                kv += f"; tensor-parallel {ready.tensor_parallel_size} ranks"
             on_listening(f"specstep serve: ready ({self.cfg.model_origin or self.cfg.model_name}; spec {ready.spec}, "
                          f"{ready.num_pages} KV pages{kv}) on {self.address}")
             await self._done.wait()

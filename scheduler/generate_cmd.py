@@ -66,6 +66,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU linear kernels (auto: MKL or prepacked oneDNN per weight shape and row count, timed at "
                         "load; matmul / onednn: one kernel everywhere; default: %(default)s)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the target (and its MTP head) over N ranks, one process and one device each "
+                        "(torch.distributed: NCCL on GPUs, gloo on CPU); a draft model runs on rank 0 only "
+                        "(default: %(default)s)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                    help="share of memory the engine may use, KV cache included: the KV cache gets F x the GPU's "
                         "memory minus what is in use (weights, other processes), a warm-up's peak at the largest "
@@ -112,6 +116,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         draft_vocab=args.draft_vocab,
                         page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens, num_pages=args.num_pages,
                         gpu_memory_utilization=args.gpu_memory_utilization,
+                        tensor_parallel_size=args.tensor_parallel_size,
                         max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, dtype=args.dtype,
                         device=args.device, threads=args.threads, spec_policy=args.spec_policy,
@@ -229,7 +234,7 @@ def _run(args: argparse.Namespace) -> int:
         core.step()
     elapsed = time.perf_counter() - start
     core.check_integrity()
-    core.stream.close()
+    core.close()
     if recorder is not None:
         recorder.save(args.trace)
 

@@ -58,6 +58,8 @@ class ServerMetrics:
         self.decisions = Gauge("specstep_spec_decisions", "Speculation decisions so far, by reason", ["reason"],
                                registry=r)
         self._reasons_seen: set[str] = set()
+        self.tp_size = Gauge("specstep_tensor_parallel_size", "Ranks of the engine's tensor-parallel group",
+                             registry=r)
 
     # ---- feeding -------------------------------------------------------------------------------------------
     def observe_step_output(self, num_tokens: int, gap_s: float | None, first: bool) -> None:
@@ -101,6 +103,7 @@ class ServerMetrics:
         self.governor_ratio.set(stats.spec_governor_ratio)
         self.governor_switches.set(stats.spec_governor_switches)
         self.requests_off.set(stats.spec_requests_off)
+        self.tp_size.set(stats.tensor_parallel_size)
         # A restarted scheduler counts from zero: reasons it has not reported yet are 0, not the old count.
         for reason in self._reasons_seen | stats.spec_decisions.keys():
             self.decisions.labels(reason).set(stats.spec_decisions.get(reason, 0))

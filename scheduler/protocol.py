@@ -179,6 +179,7 @@ class EngineStats(Wire):
     spec_probes: int = 0  # decisions that probed
     spec_decisions: dict[str, int] = msgspec.field(default_factory=dict)  # decisions by reason
     spec_requests_off: int = 0  # policy-chosen requests drafting nothing at the last decode step
+    tensor_parallel_size: int = 1  # ranks of the engine's tensor-parallel group
 
 
 class StatsReply(Wire):
@@ -255,6 +256,7 @@ class Ready(Wire):
     num_spec_tokens: int
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     kv_cache: str = ""  # how the KV cache was sized (`MemoryPlan.describe()`), for the ready line
+    tensor_parallel_size: int = 1  # ranks of the engine's tensor-parallel group
 
 
 class EngineOutput(Wire):

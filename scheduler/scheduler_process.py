@@ -236,7 +236,8 @@ def _policy_stats(core: EngineCore) -> dict:
         off = int((d.auto & (d.num_draft == 0)).sum())
     return dict(spec_governor=pol.governor_state, spec_governor_ratio=round(state[0], 4) if state else 0.0,
                 spec_governor_switches=pol.governor.switches, spec_probes=pol.reasons["probe"],
-                spec_decisions=dict(pol.reasons), spec_requests_off=off)
+                spec_decisions=dict(pol.reasons), spec_requests_off=off,
+                tensor_parallel_size=core.tensor_parallel_size)
 
 
 def _k_distribution(core: EngineCore) -> dict[int, int]:
@@ -257,7 +258,8 @@ def ready_message(core: EngineCore, info, max_prompt_len: int | None) -> Ready:
                  vocab_size=info.vocab_size, max_batch_size=core.config.max_batch_size, device=info.device,
                  dtype=info.dtype, spec=info.spec, num_spec_tokens=core.config.num_spec_tokens,
                  eos_token_ids=list(info.eos_token_ids),
-                 kv_cache=info.memory.describe() if info.memory is not None else "")
+                 kv_cache=info.memory.describe() if info.memory is not None else "",
+                 tensor_parallel_size=info.tensor_parallel_size)
 
 
 def engine_config(cfg: SchedulerProcessConfig) -> EngineConfig:
@@ -281,6 +283,7 @@ def run(cfg: SchedulerProcessConfig) -> int:
     try:
         loop.run()
     finally:
+        core.close()  # with tensor parallelism: releases the follower ranks (a broken group is left as is)
         io.close()
         ctx.term()
         if io.orphaned:  # nobody else will: the frontend bound them and was killed

@@ -69,17 +69,18 @@ def exact_distribution(folder, temperature: float, top_k: int, top_p: float) -> 
 
 
 def generate(models, proposer: str, params: list[SamplingParams], k: int = 3, spec_policy: str = "fixed",
-             policy=None, max_num_batched_tokens: int | None = None) -> np.ndarray:
+             policy=None, max_num_batched_tokens: int | None = None, tensor_parallel_size: int = 1) -> np.ndarray:
     spec, draft = models[proposer]
     # A scripted policy runs inline: with overlap a chained step's decision may be re-made after a drain.
     core = make_core(models["target"], spec=spec, draft=None if draft is None else str(draft), num_spec_tokens=k,
                      page_size=16, max_batch_size=len(params), kv_cache_tokens=32 * len(params) + 64,
                      spec_policy=spec_policy, overlap=policy is None,
-                     max_num_batched_tokens=max_num_batched_tokens)
+                     max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size)
     if policy is not None:
         core.policy = policy
     reqs = run_to_completion(core, [PROMPT] * len(params), params, seeds=list(range(len(params))),
                              check_every_step=False)
+    core.close()
     if proposer not in ("plain", "ngram"):
         assert sum(r.stats.drafted for r in reqs) > 0
     return np.array([r.output_token_ids for r in reqs])
@@ -130,6 +131,15 @@ def test_speculative_sampling_matches_target_distribution(models, exact, setting
     joint = exact(temperature, top_k, top_p)
     assert_distribution(np.bincount(outputs[:, 0], minlength=V), joint.sum(axis=(1, 2, 3)), ALPHA, "t1")
     assert_distribution(counts_of(outputs), joint.sum(axis=0).ravel(), ALPHA, f"{setting}: (t2, t3, t4)")
+
+
+@pytest.mark.parametrize("proposer", ["perturbed", "mtp"])
+def test_tensor_parallel_keeps_the_distribution(models, exact, proposer):
+    """At tensor-parallel size 2: the draft model on the leader (its acceptance broadcast), the MTP head split."""
+    params = [SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)]
+    outputs = generate(models, proposer, params * N, tensor_parallel_size=2)
+    joint = exact(1.0, 0, 1.0)
+    assert_distribution(counts_of(outputs), joint.sum(axis=0).ravel(), ALPHA, f"tp2 {proposer}: (t2, t3, t4)")
 
 
 @pytest.mark.parametrize("proposer", ["perturbed", "mtp", "ngram"])

@@ -13,8 +13,11 @@ collective.) Only the backend differs between GPU (NCCL) and CPU (gloo); the cal
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -45,13 +48,14 @@ class TPGroup:
     """A formed group (from `init_tp_group`), or, with `group=None`, a description of one rank's place in a group:
     enough to build and load that rank's shard on `meta`/CPU (tests, sizing), though its collectives cannot run."""
 
-    __slots__ = ("config", "_group", "_store")
+    __slots__ = ("config", "_group", "_store", "_cpu_group")
 
     def __init__(self, config: ParallelConfig, group: dist.ProcessGroup | None = None,
-                 store: dist.Store | None = None) -> None:
+                 store: dist.Store | None = None, cpu_group: dist.ProcessGroup | None = None) -> None:
         self.config = config
         self._group = group
         self._store = store  # kept alive: a TCP store's server lives in the leader's object
+        self._cpu_group = cpu_group if cpu_group is not None else group  # host objects (gloo)
 
     @property
     def world_size(self) -> int:
@@ -82,10 +86,27 @@ class TPGroup:
             dist.broadcast(x, src=src, group=self._need_group())
         return x
 
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """`src`'s picklable host object on every rank (the leader's step messages), over the gloo group."""
+        if self.config.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self._cpu_group if self._cpu_group is not None
+                                   else self._need_group())
+        return box[0]
+
+    def min(self, value: int) -> int:
+        """The smallest of every rank's `value` (memory plans: every rank must size the same KV pool)."""
+        if self.config.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu_group)
+        return int(t.item())
+
     def close(self) -> None:
         if self._group is not None:
-            dist.destroy_process_group(self._group)
-            self._group = None
+            dist.destroy_process_group()
+            self._group = self._cpu_group = None
 
     def _need_group(self) -> dist.ProcessGroup:
         if self._group is None:
@@ -103,7 +124,7 @@ SINGLE = TPGroup(ParallelConfig())
 
 def init_tp_group(world_size: int, rank: int, init_method: str, backend: str = "auto",
                   device: torch.device | str | None = None, join_timeout_s: float = 60.0,
-                  timeout_s: float = 600.0) -> TPGroup:
+                  timeout_s: float = 600.0, alive: Callable[[], str | None] | None = None) -> TPGroup:
     """Join (or, as rank 0, host) the group at `init_method` (`tcp://host:port`, `file:///path`, `env://`).
 
     `auto` picks NCCL for a CUDA `device` (default: CUDA when present) and gloo otherwise. Every rank waits at most
@@ -120,13 +141,15 @@ def init_tp_group(world_size: int, rank: int, init_method: str, backend: str = "
         # One device per rank on one machine: rank r drives cuda:r unless told otherwise.
         torch.cuda.set_device(device if device.index is not None else rank % torch.cuda.device_count())
     store = _connect_store(init_method, world_size, rank, join_timeout_s)
-    _wait_for_ranks(store, init_method, world_size, rank, join_timeout_s)
+    _wait_for_ranks(store, init_method, world_size, rank, join_timeout_s, alive)
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as e:
         raise ParallelError(f"rank {rank}: could not form the {backend} group at {init_method}: {e}") from e
-    return TPGroup(ParallelConfig(world_size, rank, backend), dist.group.WORLD, store)
+    # Host messages travel over gloo; with NCCL that is a second group beside the device one.
+    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    return TPGroup(ParallelConfig(world_size, rank, backend), dist.group.WORLD, store, cpu_group)
 
 
 def _resolve_backend(backend: str, device: torch.device) -> str:
@@ -162,12 +185,17 @@ def _connect_store(init_method: str, world_size: int, rank: int, timeout_s: floa
     raise ParallelError(f"unsupported init method {init_method!r} (use tcp://host:port, file:///path or env://)")
 
 
-def _wait_for_ranks(store: dist.Store, init_method: str, world_size: int, rank: int, timeout_s: float) -> None:
+def _wait_for_ranks(store: dist.Store, init_method: str, world_size: int, rank: int, timeout_s: float,
+                    alive: Callable[[], str | None] | None = None) -> None:
+    """Until every rank has joined, or the deadline; `alive` (the leader, which started the others) says why a
+    rank can no longer join (its process exited), so start-up fails at once instead of at the deadline."""
     keys = [f"{_JOINED}{r}" for r in range(world_size)]
     store.set(keys[rank], "1")
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise ParallelError(f"rank {rank}: rank(s) {missing} of the tensor-parallel group at {init_method} did not "
-                            f"join within {timeout_s:g} s") from e
+    deadline = time.monotonic() + timeout_s
+    # Polled with `check` (no waits that time out: c10d logs a warning for each).
+    while missing := [r for r, key in enumerate(keys) if not store.check([key])]:
+        dead = alive() if alive is not None else None
+        if dead or time.monotonic() >= deadline:
+            why = dead or f"did not join within {timeout_s:g} s"
+            raise ParallelError(f"rank {rank}: rank(s) {missing} of the tensor-parallel group at {init_method} {why}")
+        time.sleep(0.05)
