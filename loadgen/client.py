@@ -33,6 +33,7 @@ from specstep.scheduler.protocol import (
 from specstep.scheduler.sockets import make_socket
 
 Event = Delta | Final | Error
+CLIENT_TIMEOUT = 0  # an error code of our own (the server's codes start at 1): no answer within the timeout
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ class Result:
     """One request as the client saw it."""
 
     request_id: str
+    address: str = ""  # the server that answered it ("": none took it, see loadgen/router.py)
     start: float = 0.0
     end: float = 0.0
     token_ids: list[int] = field(default_factory=list)
@@ -66,6 +68,7 @@ class Result:
 
 class Client:
     def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None) -> None:
+        self.address = address
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
         self.sock = make_socket(self.ctx, zmq.DEALER, connect=address)
@@ -121,7 +124,9 @@ class Client:
             self._streams.pop(req.request_id, None)
 
     async def complete(self, req: GenerateRequest, timeout_s: float | None = None) -> Result:
-        res = Result(req.request_id, start=time.perf_counter())
+        """The whole request. Past `timeout_s` it is aborted on the server and ends with a CLIENT_TIMEOUT error:
+        a server that does not answer (dead, unreachable) costs at most the timeout, never a hang."""
+        res = Result(req.request_id, address=self.address, start=time.perf_counter())
 
         async def collect() -> None:
             async for msg in self.generate(req):
@@ -138,7 +143,11 @@ class Client:
                 else:
                     res.num_deltas += 1
 
-        await asyncio.wait_for(collect(), timeout_s)
+        try:
+            await asyncio.wait_for(collect(), timeout_s)
+        except asyncio.TimeoutError:
+            self.abort(req.request_id)
+            res.error = Error(CLIENT_TIMEOUT, f"client-side timeout after {timeout_s:g} s", req.request_id)
         res.end = time.perf_counter()
         return res
 

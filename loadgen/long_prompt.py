@@ -22,6 +22,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -29,6 +30,9 @@ import numpy as np
 from specstep.loadgen.client import Client, Result
 from specstep.loadgen.runner import LoadPoint, RunResult
 from specstep.scheduler.protocol import GenerateRequest
+
+if TYPE_CHECKING:
+    from specstep.loadgen.router import Router
 
 SETTLE_S = 0.5  # between long prompts, and after every stream's first token before the first one
 
@@ -54,7 +58,7 @@ def long_requests(load: LongPromptLoad, vocab_size: int, seed: int) -> list[Gene
             for i in range(load.num_long_prompts)]
 
 
-async def run_long_prompt_point(client: Client, streams: int, stream_reqs: list[GenerateRequest],
+async def run_long_prompt_point(client: Client | Router, streams: int, stream_reqs: list[GenerateRequest],
                                 long_reqs: list[GenerateRequest], tag: str, timeout_s: float) -> LongPromptRun:
     """`streams` closed-loop streams cycling through `stream_reqs` until every request of `long_reqs` (sent
     one at a time) has finished."""

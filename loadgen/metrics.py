@@ -6,6 +6,7 @@ from collections import Counter
 
 import numpy as np
 
+from specstep.loadgen.client import Result
 from specstep.loadgen.runner import RunResult
 
 PERCENTILES = (50, 90, 99)
@@ -20,9 +21,10 @@ def percentiles(values: list[float], prefix: str) -> dict[str, float | None]:
     return out
 
 
-def summarize(run: RunResult) -> dict:
+def summarize(run: RunResult, addresses: list[str] | None = None) -> dict:
     """TTFT, inter-token latency (gaps between token-carrying messages; tokens accepted together in one
-    speculative step arrive together), request latency, throughput and speculation acceptance."""
+    speculative step arrive together), request latency, throughput and speculation acceptance; and, under
+    `per_address`, each server's share (every one of `addresses`, if given, even one that got nothing)."""
     ok = [r for r in run.results if r.ok]
     errors = Counter(str(r.error.code) for r in run.results if r.error is not None)
     out_tokens = sum(len(r.token_ids) for r in ok)
@@ -50,4 +52,25 @@ def summarize(run: RunResult) -> dict:
     summary |= percentiles([g for r in ok for g in r.itls], "itl")
     summary |= percentiles([r.end - r.start for r in ok], "latency")
     summary |= percentiles([r.final.timings.queue_s for r in ok], "server_queue")
+    summary["per_address"] = per_address(run.results, addresses or [])
     return summary
+
+
+def per_address(results: list[Result], addresses: list[str]) -> dict[str, dict]:
+    """Requests, output tokens, errors (by code, as in `summarize`), TTFT and latency per server. Results no
+    server took (the router had none live) are under "unrouted"."""
+    groups: dict[str, list[Result]] = {a: [] for a in addresses}
+    for r in results:
+        groups.setdefault(r.address or "unrouted", []).append(r)
+    out = {}
+    for address, rs in groups.items():
+        ok = [r for r in rs if r.ok]
+        out[address] = {
+            "num_requests": len(rs),
+            "num_ok": len(ok),
+            "output_tokens": sum(len(r.token_ids) for r in ok),
+            "errors": dict(Counter(str(r.error.code) for r in rs if r.error is not None)),
+        }
+        out[address] |= percentiles([r.ttft for r in ok if r.ttft is not None], "ttft")
+        out[address] |= percentiles([r.end - r.start for r in ok], "latency")
+    return out

@@ -1,4 +1,5 @@
-"""Write a sweep's results: JSON (everything), CSV (one row per setting and load point), PNG plots, a table."""
+"""Write a sweep's results: JSON (everything, with each point's `per_address` breakdown), CSV (one row per
+setting and load point: the totals), PNG plots, tables."""
 
 from __future__ import annotations
 
@@ -128,3 +129,25 @@ def long_prompt_table(settings: dict[str, dict]):
                           ms(p["stream_itl_prefill_max_ms"]), ms(p["stream_itl_prefill_p99_over_p50"]),
                           ms(p["long_ttft_p50_ms"]), ms(p["long_ttft_max_ms"]))
     return t
+
+
+def address_table(settings: dict[str, dict]):
+    """Each load point's share per replica (several `--address`)."""
+    from rich.table import Table
+
+    from specstep.loadgen.router import error_name
+
+    t = Table(title="per address")
+    for col in ("setting", "load", "address", "ok", "tokens", "errors", "TTFT p50", "latency p50", "latency p99"):
+        t.add_column(col, justify="left" if col in ("setting", "address", "errors") else "right")
+    ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    for name, s in settings.items():
+        for p in s["points"]:
+            for address, a in p.get("per_address", {}).items():
+                errors = ", ".join(f"{n} {error_name(code)}" for code, n in a["errors"].items()) or "-"
+                down = s.get("replicas", {}).get(address, {}).get("down")
+                t.add_row(name, p["label"], address + (" (down at the end)" if down else ""),
+                          f"{a['num_ok']}/{a['num_requests']}", str(a["output_tokens"]), errors,
+                          ms(a["ttft_p50_ms"]), ms(a["latency_p50_ms"]), ms(a["latency_p99_ms"]))
+    return t
+
