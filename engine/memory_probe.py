@@ -166,7 +166,7 @@ def measure_cpu(target: nn.Module, shapes: Sequence[StepShape], roots: Sequence[
     """CPU figures: `available` is host RAM measured before the weights were loaded (so they come out of it)."""
     elem = target.embed_tokens.weight.element_size()
     weights = resident_bytes(*roots)
-    activations = max(step_peak_bytes(target.cfg, s, elem) for s in shapes) + carry
+    activations = max(step_peak_bytes(target.rank_cfg, s, elem) for s in shapes) + carry  # this rank's share
     return MemoryFigures("cpu", available, utilization or CPU_DEFAULT_UTILIZATION, weights, weights, activations,
                          0, CPU_DEFAULT_KV_CAP if utilization is None else None, "activations estimated")
 
@@ -175,7 +175,8 @@ def warm_up(target: nn.Module, shape: StepShape, page_size: int, device: torch.d
     """One forward of `shape` over a pool of the dummy page alone (every key read and write lands there), then
     sampling at its logit rows: the memory a real step of this shape allocates."""
     dtype = target.embed_tokens.weight.dtype
-    pool = KVPool(target.cfg, target.cfg.num_layers, 1, page_size, dtype, device)
+    # This rank's KV heads (tensor parallelism: a shard's keys are [T, Hkv / N, D]).
+    pool = KVPool(target.rank_cfg, target.cfg.num_layers, 1, page_size, dtype, device)
     table = [DUMMY_PAGE] * (shape.width // page_size)
     n = shape.logit_rows
     with torch.inference_mode():

@@ -84,6 +84,9 @@ class StepEngineParts:
 def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[EngineCore, Tokenizer | None, EngineInfo]:
     """The leader's engine: with tensor parallelism it first starts the follower ranks (`scheduler.tp_group`),
     which build the same step engine on their shards and replay its steps."""
+    if cfg.tensor_parallel_size > 1 and cfg.device.startswith("cuda:"):
+        raise ConfigError(f"--device {cfg.device} with --tensor-parallel-size {cfg.tensor_parallel_size}: rank r "
+                          "uses cuda:r; give --device cuda (or auto) and choose GPUs with CUDA_VISIBLE_DEVICES")
     group = start_tp_group(cfg) if cfg.tensor_parallel_size > 1 else None
     try:
         parts = build_step_engine(cfg, tracer, group.tp if group else SINGLE)
@@ -107,7 +110,10 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
                             num_spec_tokens=cfg.num_spec_tokens if proposer else 0, max_model_len=max_len,
                             spec_max_len=spec_max_len)
     policy = AdaptivePolicy(policy_config(cfg, sched.num_spec_tokens, ks if parts.capture is not None else None))
-    engine = step_engine if group is None else LeaderEngine(step_engine, group.tp, group.stop)
+    engine = step_engine
+    if group is not None:
+        engine = LeaderEngine(step_engine, group.tp, group)
+        group.watch()  # built: from now on a follower's death ends this process (see TPGroupHandle.watch)
     num_pages = parts.memory.num_pages
     core = EngineCore(engine, PageAllocator(num_pages, cfg.page_size), sched, eos, policy=policy,
                       stream=make_stream(step_engine.device, cfg.overlap), tracer=tracer)
@@ -210,7 +216,9 @@ def install_attention(cfg: EngineConfig, engine: StepEngine, max_kv_len: int, dt
     if name == "torch":
         return name
     max_pages = -(-max_kv_len // cfg.page_size)
-    nets = [engine.target] + ([engine.proposer.network] if engine.has_draft_model else [])
+    # A follower's draft model lives on the leader (`LeaderDraft`): nothing of it attends there.
+    nets = [engine.target] + ([engine.proposer.network] if engine.has_draft_model and
+                              not isinstance(engine.proposer, LeaderDraft) else [])
     workspace = None
     for net in nets:
         net.attention = make_backend(name, net.rank_cfg, cfg.page_size, dtype, device, max_pages, workspace)

@@ -128,12 +128,13 @@ class EngineCore(ChunkedPrefill):
         tp = getattr(self.engine, "tp", None)  # simulated engines in tests have none
         return tp.world_size if tp is not None else 1
 
-    def close(self) -> None:
-        """Stop the device stream, then (tensor parallelism) release the follower ranks."""
+    def close(self, failed: bool = False) -> None:
+        """Stop the device stream, then (tensor parallelism) release the follower ranks; `failed`: after an
+        error, when ranks may be stuck in a step this process left."""
         self.stream.close()
         close = getattr(self.engine, "close", None)
         if close is not None:
-            close()
+            close(failed)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling or self.inflight)

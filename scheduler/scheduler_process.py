@@ -280,10 +280,12 @@ def run(cfg: SchedulerProcessConfig) -> int:
     io.outbox.put(ready_message(core, info, cfg.max_prompt_len))
     log.info("ready: %s, %d KV pages of %d tokens; %s", info.spec, core.allocator.num_pages, core.allocator.page_size,
              info.memory.describe() if info.memory is not None else "")
+    failed = True
     try:
         loop.run()
+        failed = False
     finally:
-        core.close()  # with tensor parallelism: releases the follower ranks (a broken group is left as is)
+        core.close(failed)  # with tensor parallelism: releases the follower ranks (killed after a failure)
         io.close()
         ctx.term()
         if io.orphaned:  # nobody else will: the frontend bound them and was killed

@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 import subprocess
+import threading
+import time
 from dataclasses import dataclass, field
 
 from specstep.engine.engine_config import EngineConfig
 from specstep.engine.parallel.group import TPGroup, init_tp_group
 from specstep.scheduler.launch import module_command
+
+log = logging.getLogger("specstep.tp")
 
 JOIN_TIMEOUT_S = 120.0  # followers import torch and start before they join; a model loads after
 # An idle server's followers wait inside a broadcast for the next step: no deadline in practice. A dead rank is
@@ -34,15 +39,39 @@ COLLECTIVE_TIMEOUT_S = 30 * 24 * 3600.0
 class TPGroupHandle:
     tp: TPGroup | None
     procs: list[subprocess.Popen] = field(default_factory=list)
+    _watching: threading.Event = field(default_factory=threading.Event)
+
+    def watch(self, interval_s: float = 0.5) -> None:
+        """From now on a follower that exits ends this process (status 70), whatever it is doing: on NCCL a
+        dead peer inside one machine is not reported, so the leader would wait in its next step for good. The
+        scheduler process's death is what the frontend and supervisor act on (ENGINE_DIED, a new group)."""
+        self._watching.set()
+
+        def loop() -> None:
+            while self._watching.is_set():
+                why = self.dead()
+                if why is not None and self._watching.is_set():
+                    log.error("tensor-parallel follower %s: exiting so the group restarts", why)
+                    os._exit(70)
+                time.sleep(interval_s)
+        threading.Thread(target=loop, name="tp-watchdog", daemon=True).start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Wait for the followers to leave (after the leader's stop message), killing any that do not."""
+        self._watching.clear()
         for p in self.procs:
             try:
                 p.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+    def kill(self) -> None:
+        """After a failure: the followers may be inside a collective the leader will never join."""
+        self._watching.clear()
+        for p in self.procs:
+            p.kill()
+            p.wait()
 
     def dead(self) -> str | None:
         """Why a follower can no longer take part (its process exited), else None."""
@@ -73,9 +102,7 @@ def start_tp_group(cfg: EngineConfig) -> TPGroupHandle:
         handle.tp = init_tp_group(n, 0, init_method, device=device, join_timeout_s=JOIN_TIMEOUT_S,
                                   timeout_s=COLLECTIVE_TIMEOUT_S, alive=handle.dead)
     except BaseException:
-        for p in handle.procs:
-            p.kill()
-            p.wait()
+        handle.kill()
         raise
     return handle
 

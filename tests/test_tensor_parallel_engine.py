@@ -188,3 +188,36 @@ async def test_a_killed_follower_fails_in_flight_requests_and_the_group_restarts
     finally:
         c.close()
         srv.stop()
+
+
+def test_after_a_failure_the_leader_kills_its_followers(tiny_target):
+    """A leader that failed mid-step must not send its stop message (a follower may be inside that step's
+    collective, which the message would pair with): the followers are killed instead, at once."""
+    core = make_core(tiny_target, tensor_parallel_size=2)
+    procs = core.engine._group.procs
+    t0 = time.monotonic()
+    core.close(failed=True)
+    assert [p.poll() for p in procs] == [-signal.SIGKILL] and time.monotonic() - t0 < 10  # killed, not stopped
+    core.engine.tp.close()
+
+
+WATCHDOG = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+from tests.helpers import make_core
+core = make_core({target!r}, tensor_parallel_size=2)
+os.kill(core.engine._group.procs[0].pid, signal.SIGKILL)
+time.sleep(60)  # idle: nothing would notice the dead follower but the watchdog
+sys.exit(0)
+"""
+
+
+def test_a_dead_follower_ends_an_idle_leader(tiny_target):
+    """NCCL does not report a dead peer inside one machine, so the leader watches its followers: one that exits
+    ends the leader (status 70), which the supervisor then restarts."""
+    root = str(Path(__file__).resolve().parents[1])
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", WATCHDOG.format(root=root, target=str(tiny_target))],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    assert proc.returncode == 70, proc.stderr[-2000:]
+    assert "exiting so the group restarts" in proc.stderr and time.monotonic() - t0 < 60

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -56,19 +55,20 @@ class SeqSync:
     """Leader side: what each slot's mirror on the followers already holds."""
 
     def __init__(self) -> None:
-        self._sent: dict[int, tuple[Any, int]] = {}  # slot -> (request identity, tokens sent)
+        # slot -> (the request object, tokens sent). The object itself, not its id or request_id: both can be
+        # reused, and a stale mirror would silently feed the followers other tokens than the leader's.
+        self._sent: dict[int, tuple[SeqState, int]] = {}
 
     def snapshot(self, seqs: list[SeqState]) -> list[tuple]:
         out = []
         for s in seqs:
-            ident = getattr(s, "request_id", None) or id(s)
             known = self._sent.get(s.slot)
             n = len(s.token_ids)
-            if known is None or known[0] != ident or known[1] > n:
+            if known is None or known[0] is not s or known[1] > n:
                 out.append((s.slot, s.num_computed, list(s.page_table), list(s.token_ids), s.params, s.seed))
             else:
                 out.append((s.slot, s.num_computed, list(s.page_table), s.token_ids[known[1]:]))
-            self._sent[s.slot] = (ident, n)
+            self._sent[s.slot] = (s, n)
         return out
 
 
@@ -106,10 +106,10 @@ class LeaderEngine:
     """The leader's `StepEngine`, as `EngineCore` sees it: each device call is first announced to the followers.
     Everything else (attributes, host-only helpers) is the wrapped engine's."""
 
-    def __init__(self, engine, tp: TPGroup, on_close=None) -> None:
+    def __init__(self, engine, tp: TPGroup, group=None) -> None:
         self._engine = engine
         self.tp = tp
-        self._on_close = on_close  # waits for the follower processes to exit
+        self._group = group  # the follower processes (`scheduler.tp_group.TPGroupHandle`): stop / kill
         self._sync = SeqSync()
         self._seq = 0
         self._lock = threading.Lock()  # messages are numbered in the order they are built
@@ -149,19 +149,28 @@ class LeaderEngine:
         return ctx
 
     def run_decode(self, ctx: DecodeContext):
+        if ctx.tp_message is None:  # built by the wrapped engine directly: the followers would not know the step
+            raise RuntimeError("at tensor-parallel size > 1 a decode step must be planned with plan_decode")
         self._send(ctx.tp_message)
         return self._engine.run_decode(ctx)
 
-    def close(self) -> None:
-        """Release the followers (they exit their loop) and leave the group. A broken group (a rank died) is
-        left as it is: its surviving ranks exit on their own failed collective."""
+    def close(self, failed: bool = False) -> None:
+        """Release the followers (they exit their loop) and leave the group. After a failure the followers may
+        be inside a collective of a step the leader left: no stop message (it would pair with that collective),
+        they are killed."""
+        if failed:
+            if self._group is not None:
+                self._group.kill()
+            return
         try:
             self._send(self._message(STOP))
-        except Exception as e:  # noqa: BLE001 (shutting down: report, do not mask the error that got us here)
+        except Exception as e:  # noqa: BLE001 (a broken group at shutdown: report it, kill what is left)
             log.warning("tensor-parallel group already broken at shutdown: %s", e)
+            if self._group is not None:
+                self._group.kill()
             return
-        if self._on_close is not None:
-            self._on_close()
+        if self._group is not None:
+            self._group.stop()
         self.tp.close()
 
 
