@@ -48,7 +48,3 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, width: in
     cols = mix32(torch.arange(width, device=seeds.device, dtype=torch.int64) + 0x9E3779B9)
     h = mix32(keys ^ cols)
     return (h.double() + 0.5) * (1.0 / 2**32)
-
-
-def exponential(seeds: torch.Tensor, positions: torch.Tensor, stream: int, width: int) -> torch.Tensor:
-    return -torch.log(uniform(seeds, positions, stream, width))
