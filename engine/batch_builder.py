@@ -26,8 +26,9 @@ def page_table_array(page_tables: Sequence[Sequence[int]], num_pages: int) -> np
     """[B, num_pages] int64, padded with the dummy page."""
     pt = np.full((len(page_tables), max(num_pages, 1)), DUMMY_PAGE, dtype=np.int64)
     for i, pages in enumerate(page_tables):
-        n = min(len(pages), num_pages)
-        pt[i, :n] = pages[:n]
+        if len(pages) > num_pages:  # a cut table would send a lane's keys and writes to the wrong pages
+            raise ValueError(f"page table of {len(pages)} pages does not fit a width of {num_pages}")
+        pt[i, :len(pages)] = pages
     return pt
 
 
@@ -53,11 +54,10 @@ LAYOUT_ARRAYS = 6
 
 
 def build_layout(q_lens: Sequence[int] | np.ndarray, page_tables: Sequence[Sequence[int]], page_size: int,
-                 device: torch.device | str, max_kv_len: int | None = None, upload: Upload | None = None
-                 ) -> BatchLayout:
-    """The layout on the device: through `upload` (a step's staging) when given, else one copy an array."""
+                 device: torch.device | str, max_kv_len: int | None = None) -> BatchLayout:
+    """The layout on the device, one copy an array (tests and one-off forwards; steps stage `layout_arrays`)."""
     arrays, dense = layout_arrays(q_lens, page_tables, page_size, max_kv_len)
-    return layout_from(upload(arrays) if upload else [to_device(a, device) for a in arrays], page_size, dense)
+    return layout_from([to_device(a, device) for a in arrays], page_size, dense)
 
 
 def layout_from(tensors: Sequence[torch.Tensor], page_size: int, dense: bool) -> BatchLayout:

@@ -162,13 +162,14 @@ def host_ram_available() -> int:
 
 
 def measure_cpu(target: nn.Module, shapes: Sequence[StepShape], roots: Sequence[object], available: int,
-                utilization: float | None, carry: int = 0) -> MemoryFigures:
-    """CPU figures: `available` is host RAM measured before the weights were loaded (so they come out of it)."""
+                utilization: float | None, carry: int = 0, ranks: int = 1) -> MemoryFigures:
+    """CPU figures: `available` is host RAM measured before the weights were loaded (so they come out of it);
+    `ranks`: tensor-parallel ranks sharing the host (the default KV cap is the server's, split between them)."""
     elem = target.embed_tokens.weight.element_size()
     weights = resident_bytes(*roots)
     activations = max(step_peak_bytes(target.rank_cfg, s, elem) for s in shapes) + carry  # this rank's share
     return MemoryFigures("cpu", available, utilization or CPU_DEFAULT_UTILIZATION, weights, weights, activations,
-                         0, CPU_DEFAULT_KV_CAP if utilization is None else None, "activations estimated")
+                         0, CPU_DEFAULT_KV_CAP // ranks if utilization is None else None, "activations estimated")
 
 
 def warm_up(target: nn.Module, shape: StepShape, page_size: int, device: torch.device) -> None:

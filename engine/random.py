@@ -1,10 +1,11 @@
-"""Counter-based randomness: noise is a pure function of (request seed, token position, stream, vocab id).
+"""Counter-based randomness: noise is a pure function of (request seed, token position, stream).
 
 Why not torch.Generator: one generator per request costs a launch per request and cannot be captured in a
 graph; a global generator makes a request's output depend on who else is in the batch. Hashing the counter
 gives per-request seeds, batch-independent results, reproducibility after preemption (for plain sampling; a
 speculating request's draws depend on what was drafted and accepted, so only its distribution is fixed), and
-no host sync.
+no host sync. (The sampler inverts a float64 CDF at this noise; on CUDA the cumsum's rounding may depend on the
+number of rows, so a draw that lands within about 1e-16 of a CDF step could change with the batch.)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,7 +61,8 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], vocab_size: int,
-              device: torch.device | str, upload=None) -> SamplingTensors:
+              device: torch.device | str,
+              upload: Callable[[Sequence[np.ndarray]], list[torch.Tensor]] | None = None) -> SamplingTensors:
         """`upload` (a step's `engine.staging.Staging.upload`) sends the five rows in one pinned copy a dtype;
         without it each is copied on its own (tests, one-off calls)."""
         arrays = cls.host_arrays(params, seeds, vocab_size)
@@ -80,6 +81,23 @@ class SamplingTensors:
     @classmethod
     def from_tensors(cls, tensors: Sequence[torch.Tensor], params: Sequence[SamplingParams],
                      vocab_size: int) -> SamplingTensors:
+        """From the device copies of `host_arrays` (in its order)."""
+        temperature, top_k, top_p, greedy, seeds = tensors
+        f = SamplingFlags.of(params, vocab_size)
+        return cls(temperature, top_k, top_p, greedy, seeds, all_greedy=f.all_greedy, any_greedy=f.any_greedy,
+                   needs_filter=f.needs_filter)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingFlags:
+    """What the host knows of a batch's sampling without any tensor (it picks the step's graph flavour)."""
+
+    all_greedy: bool
+    any_greedy: bool
+    needs_filter: bool  # some non-greedy row asks for top-k or top-p (the vocabulary sort)
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], vocab_size: int) -> SamplingFlags:
         greedy = [p.greedy for p in params]
-        return cls(*tensors, all_greedy=all(greedy), any_greedy=any(greedy),
-                   needs_filter=any(not p.greedy and (0 < p.top_k < vocab_size or p.top_p < 1.0) for p in params))
+        return cls(all(greedy), any(greedy),
+                   any(not p.greedy and (0 < p.top_k < vocab_size or p.top_p < 1.0) for p in params))

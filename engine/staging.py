@@ -7,9 +7,10 @@ upload is packed into a pinned host buffer per dtype and sent with one `non_bloc
 device buffer; the step's tensors are views of it.
 
 Lifetimes (the CUDA defects this guards against):
-  * The pinned buffer must not be rewritten while its copy may still be pending: there are two *sets* used
-    alternately, and an event recorded after a set's copies is synchronised before the set is reused. With
-    one upload a step, the event two steps back is long complete when the host comes round again.
+  * The pinned buffer must not be rewritten while its copy may still be pending: there are four *sets* used
+    round-robin, and an event recorded after a set's copies is synchronised before the set is reused. A
+    decode step uploads once (on the scheduler thread), a prefill at most three times (inside its device job),
+    so a set comes round again only after steps whose copies are long complete: the sync never waits.
   * A set's buffer is regrown only after that sync, so the buffer it replaces has no pending copy either.
   * The device buffer is an ordinary caching-allocator block allocated on the launching stream: the stream
     job that reads it keeps the step's closure, and with it these views, alive until `wait()` (engine/stream.py).
@@ -39,15 +40,13 @@ class _Set:
 class Staging:
     """`upload(arrays)` -> device tensors with the arrays' shapes and dtypes (int64, float32, bool)."""
 
-    def __init__(self, device: torch.device | str, num_sets: int = 2) -> None:
+    def __init__(self, device: torch.device | str, num_sets: int = 4) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._sets = [_Set() for _ in range(num_sets)]
         self._next = 0
-        self.uploads = 0  # calls (a test counts them per step)
 
     def upload(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
-        self.uploads += 1
         s = self._sets[self._next]
         self._next = (self._next + 1) % len(self._sets)
         if s.event is not None:

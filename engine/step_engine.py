@@ -26,7 +26,6 @@ import torch
 
 from specstep.cuda_graphs.buckets import kv_page_buckets, width_for
 from specstep.engine.batch_builder import (
-    LAYOUT_ARRAYS,
     build_forward_batch,
     layout_arrays,
     layout_from,
@@ -39,7 +38,7 @@ from specstep.engine.parallel.group import SINGLE, TPGroup
 from specstep.engine.proposers.base import Proposer
 from specstep.engine.rejection_sampler import rejection_sample
 from specstep.engine.sampler import sample
-from specstep.engine.sampling_params import SamplingTensors
+from specstep.engine.sampling_params import SamplingFlags, SamplingTensors
 from specstep.engine.staging import Staging
 from specstep.engine.step_context import Chain, DecodeContext, SeqState
 from specstep.engine.step_graphs import flavour, graph_inputs, graph_kind, register_decode_graphs
@@ -75,7 +74,6 @@ class StepEngine:
         self.tp = tp
         self.leader_drafts = tp.world_size > 1 and proposer is not None and proposer.kind == "draft_model"
         self.graphs: GraphRunner | None = None  # set by `use_graphs` after the KV pools are sized
-        self.graph_max_len = 0
         self.graph_widths: tuple[int, ...] = ()  # captured page-table widths, ascending
         self.target = target
         self.pool = pool
@@ -88,8 +86,7 @@ class StepEngine:
         """Register the decode step for every k in `ks` and capture (largest bucket first)."""
         # Every lane of a graph writes k + 1 verify positions (and the proposer's look-ahead), even a request
         # one token short of max_model_len that drafts nothing: the page table's width covers them.
-        self.graph_max_len = self.max_kv_len(max_model_len, max(ks))
-        self.graph_widths = self.kv_widths(self.graph_max_len)
+        self.graph_widths = self.kv_widths(self.max_kv_len(max_model_len, max(ks)))
         register_decode_graphs(runner, self, ks, self.graph_widths, scratch_slot)
         self.graphs = runner
         return runner.capture(self.tracer)
@@ -117,10 +114,6 @@ class StepEngine:
     @property
     def has_draft_model(self) -> bool:
         return self.proposer is not None and self.proposer.has_model
-
-    def sampling_tensors(self, seqs: list[SeqState]) -> SamplingTensors:
-        return SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], self.vocab_size, self.device,
-                                     self.staging.upload)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[SeqState], with_proposer: bool | list[bool] = True,
@@ -161,16 +154,16 @@ class StepEngine:
 
     def _proposer_prefill(self, seqs, start, q_lens, final, cu, hidden, tokens, use) -> None:
         """The proposer's part of a prefill or mixed step: rows in `use` consume their chunk; the others keep."""
-        def rows(mask):
-            idx = np.flatnonzero(mask)
-            flat = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in idx]) if len(idx) else np.zeros(0, np.int64)
-            return idx, flat
+        groups = []  # (rows, consume?) with their flat token rows, both sent in one upload
         for mask, consume in ((use, True), (~use, False)):
-            idx, flat = rows(mask)
-            if not len(idx):
-                continue
+            idx = np.flatnonzero(mask)
+            if len(idx):
+                flat = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in idx])
+                groups.append((idx, consume, flat))
+        dev = self.staging.upload([a for idx, _, flat in groups for a in (flat, idx.astype(np.int64))])
+        for g, (idx, consume, _) in enumerate(groups):
+            flat_dev, idx_dev = dev[2 * g], dev[2 * g + 1]
             sub = [seqs[i] for i in idx]
-            flat_dev, idx_dev = self.staging.upload([flat, idx.astype(np.int64)])
             if consume:
                 self.proposer.prefill(sub, start[idx], q_lens[idx], final[idx], hidden[flat_dev], tokens[idx_dev])
             else:
@@ -198,39 +191,37 @@ class StepEngine:
             for i, d in enumerate(host_drafts):
                 grid[i, 1: 1 + num_draft[i]] = d[: num_draft[i]]
         params = [s.params for s in seqs]
-        st_flags = SamplingTensors.from_tensors([None] * 5, params, self.vocab_size)  # host flags, for the flavour
         kind = width = None
         if self.graphs is not None:
             width = self._graph_width(tables, k)
-            kind = graph_kind(self._flavour(st_flags, refill), width, self.graph_widths)
+            kind = graph_kind(self._flavour(SamplingFlags.of(params, self.vocab_size), refill), width,
+                              self.graph_widths)
             kind = kind if self.graphs.has_graph(kind, k + 1, b) else None
         graph = kind is not None
         # Everything the step reads from the host goes to the device in one staged upload (one pinned copy per
-        # dtype on CUDA), here on the scheduler thread, not inside the device job.
-        host = [base, np.array([s.slot for s in seqs], dtype=np.int64), num_draft.astype(np.int64), grid]
-        host += SamplingTensors.host_arrays(params, [s.seed for s in seqs], self.vocab_size)
+        # dtype on CUDA), here on the scheduler thread, not inside the device job. Named groups of arrays:
+        host = {"inputs": [base, np.array([s.slot for s in seqs], dtype=np.int64), num_draft.astype(np.int64), grid],
+                "sampling": SamplingTensors.host_arrays(params, [s.seed for s in seqs], self.vocab_size)}
         if graph:
             # Fixed shapes: q = k + 1 for every lane, page tables at the captured width. The step function
             # derives its layouts on device from the page table alone, so that is all this step uploads.
-            host.append(page_table_array(tables, width))
+            host["graph_table"] = [page_table_array(tables, width)]
         else:
-            verify, dense_v = layout_arrays(num_draft + 1, tables, self.page_size)
-            single, dense_s = layout_arrays(np.ones(b, np.int64), tables, self.page_size)
-            host += verify + single
+            host["verify"], dense_v = layout_arrays(num_draft + 1, tables, self.page_size)
+            host["single"], dense_s = layout_arrays(np.ones(b, np.int64), tables, self.page_size)
         if chain is not None:
-            host += [chain.src, chain.dst]
-        dev = self.staging.upload(host)
+            host["chain"] = [chain.src, chain.dst]
+        flat = self.staging.upload([a for group in host.values() for a in group])
+        dev, i = {}, 0
+        for name, group in host.items():
+            dev[name], i = flat[i: i + len(group)], i + len(group)
+        start, slots, num_draft_dev, grid_dev = dev["inputs"]
+        st = SamplingTensors.from_tensors(dev["sampling"], params, self.vocab_size)
         if chain is not None:
-            chain.src_dev, chain.dst_dev = dev[-2:]
-        start, slots, num_draft_dev, grid_dev = dev[:4]
-        st = SamplingTensors.from_tensors(dev[4:9], params, self.vocab_size)
-        graph_table = verify_layout = single_layout = None
-        if graph:
-            graph_table = dev[9]
-        else:
-            n = LAYOUT_ARRAYS
-            verify_layout = layout_from(dev[9: 9 + n], self.page_size, dense_v)
-            single_layout = layout_from(dev[9 + n: 9 + 2 * n], self.page_size, dense_s)
+            chain.src_dev, chain.dst_dev = dev["chain"]
+        graph_table = dev["graph_table"][0] if graph else None
+        verify_layout = None if graph else layout_from(dev["verify"], self.page_size, dense_v)
+        single_layout = None if graph else layout_from(dev["single"], self.page_size, dense_s)
         host_tables = page_table_array(tables, max(len(t) for t in tables)) if self.plans_attention else None
         return DecodeContext(
             seqs=seqs, k=k, num_draft=num_draft, base_pos=base, start=start, st=st, slots=slots,
@@ -284,7 +275,7 @@ class StepEngine:
                 out, accepted = self.decode_body(ctx, grid)
         return StepOutput(out_tokens=out, num_accepted=accepted, num_draft=ctx.num_draft, start=ctx.start)
 
-    def _flavour(self, st, refill: bool) -> str:
+    def _flavour(self, st: SamplingTensors | SamplingFlags, refill: bool) -> str:
         """The captured graph's name; without a draft model there is no refill to drop (only the refill
         flavours are captured then)."""
         return flavour(st, refill or not self.has_draft_model)

@@ -29,7 +29,7 @@ import torch
 from specstep.cuda_graphs.contract import BufferSpec, GraphKey, StepKind
 from specstep.cuda_graphs.steps import uniform_layout
 from specstep.engine.kv_cache import DUMMY_PAGE
-from specstep.engine.sampling_params import SamplingTensors
+from specstep.engine.sampling_params import SamplingFlags, SamplingTensors
 from specstep.engine.step_context import DecodeContext
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ SAMPLING = ("greedy", "sampled", "general")
 FLAVOURS = (*SAMPLING, *(f"{s}_norefill" for s in SAMPLING))
 
 
-def flavour(st: SamplingTensors, refill: bool) -> str:
+def flavour(st: SamplingTensors | SamplingFlags, refill: bool) -> str:
     kind = "greedy" if st.all_greedy else "general" if st.needs_filter else "sampled"
     return kind + ("" if refill else "_norefill")
 

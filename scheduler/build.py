@@ -88,6 +88,10 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
         raise ConfigError(f"--device {cfg.device} with --tensor-parallel-size {cfg.tensor_parallel_size}: rank r "
                           "uses cuda:r; give --device cuda (or auto) and choose GPUs with CUDA_VISIBLE_DEVICES")
     group = start_tp_group(cfg) if cfg.tensor_parallel_size > 1 else None
+    if group is not None:
+        # While building, a follower that fails normally fails the leader too (same code, or a gloo collective
+        # that raises); the grace period lets that error surface. NCCL would leave the leader waiting instead.
+        group.watch(grace_s=15.0)
     try:
         parts = build_step_engine(cfg, tracer, group.tp if group else SINGLE)
     except BaseException:
@@ -113,7 +117,7 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     engine = step_engine
     if group is not None:
         engine = LeaderEngine(step_engine, group.tp, group)
-        group.watch()  # built: from now on a follower's death ends this process (see TPGroupHandle.watch)
+        group.watch()  # built: from now on a follower's death ends this process at once (TPGroupHandle.watch)
     num_pages = parts.memory.num_pages
     core = EngineCore(engine, PageAllocator(num_pages, cfg.page_size), sched, eos, policy=policy,
                       stream=make_stream(step_engine.device, cfg.overlap), tracer=tracer)
@@ -193,7 +197,8 @@ def plan_memory(cfg: EngineConfig, engine: StepEngine, pools: list[KVPool], max_
             figures = measure_cuda(engine.target, shapes, roots, cfg.page_size, engine.device,
                                    cfg.gpu_memory_utilization, carry, graphs)
         else:
-            figures = measure_cpu(engine.target, shapes, roots, ram, cfg.gpu_memory_utilization, carry)
+            figures = measure_cpu(engine.target, shapes, roots, ram, cfg.gpu_memory_utilization, carry,
+                                  engine.tp.world_size)
     return plan_kv_cache(sum(p.page_bytes for p in pools), cfg.page_size, seq_tokens, cfg.max_batch_size, figures,
                          cfg.kv_cache_tokens, cfg.num_pages)
 

@@ -40,19 +40,30 @@ class TPGroupHandle:
     tp: TPGroup | None
     procs: list[subprocess.Popen] = field(default_factory=list)
     _watching: threading.Event = field(default_factory=threading.Event)
+    _grace_s: float = 0.0
 
-    def watch(self, interval_s: float = 0.5) -> None:
-        """From now on a follower that exits ends this process (status 70), whatever it is doing: on NCCL a
-        dead peer inside one machine is not reported, so the leader would wait in its next step for good. The
-        scheduler process's death is what the frontend and supervisor act on (ENGINE_DIED, a new group)."""
+    def watch(self, grace_s: float = 0.0, interval_s: float = 0.5) -> None:
+        """From now on a follower that exits ends this process (status 70), `grace_s` after it is seen gone
+        unless the watch was stopped meanwhile (`stop`, `kill`): on NCCL a dead peer inside one machine is not
+        reported, so the leader would wait in its next collective for good. The scheduler process's death is
+        what the frontend and supervisor act on (ENGINE_DIED, a new group). Calling it again changes the grace
+        period of the running watch."""
+        self._grace_s = grace_s
+        if self._watching.is_set():
+            return
         self._watching.set()
 
         def loop() -> None:
             while self._watching.is_set():
                 why = self.dead()
-                if why is not None and self._watching.is_set():
-                    log.error("tensor-parallel follower %s: exiting so the group restarts", why)
-                    os._exit(70)
+                if why is not None:
+                    deadline = time.monotonic() + self._grace_s
+                    while self._watching.is_set() and time.monotonic() < deadline:
+                        time.sleep(interval_s)
+                    if self._watching.is_set():
+                        log.error("tensor-parallel follower %s: exiting so the group restarts", why)
+                        os._exit(70)
+                    return
                 time.sleep(interval_s)
         threading.Thread(target=loop, name="tp-watchdog", daemon=True).start()
 
