@@ -34,6 +34,7 @@ from specstep.scheduler.page_allocator import PageAllocator
 from specstep.scheduler.request import FinishReason, Request, Status
 from specstep.scheduler.spec_decision import Decision
 from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig
+from specstep.scheduler.stopping import RequestOutput, Stopping
 from specstep.traces import ranges
 from specstep.traces.tracer import NULL_TRACER, Tracer
 
@@ -59,16 +60,7 @@ class InFlight:
     launched: float  # perf_counter before its batch was built
 
 
-@dataclass(slots=True)
-class RequestOutput:
-    request: Request
-    new_token_ids: list[int]
-    finished: bool
-    num_draft: int = 0  # drafts proposed for it in the step that produced these tokens
-    num_accepted: int = 0
-
-
-class EngineCore(ChunkedPrefill):
+class EngineCore(ChunkedPrefill, Stopping):
     def __init__(self, step_engine: StepEngine, allocator: PageAllocator, config: SchedulerConfig,
                  eos_token_ids: tuple[int, ...] = (), policy: AdaptivePolicy | None = None,
                  stream: DeviceStream | None = None, tracer: Tracer = NULL_TRACER,
@@ -391,33 +383,3 @@ class EngineCore(ChunkedPrefill):
         if req.slot >= 0:
             self._free_slots.append(req.slot)
             req.slot = -1
-
-    # ---- stopping --------------------------------------------------------------------------------------------
-    def _append(self, req: Request, new: list[int]) -> RequestOutput:
-        kept: list[int] = []
-        reason = None
-        for tok in new:
-            req.token_ids.append(tok)
-            kept.append(tok)
-            if (tok in self.eos_token_ids and not req.params.ignore_eos) or tok in req.params.stop_token_ids:
-                reason = FinishReason.STOP
-            elif req.num_output_tokens >= req.params.max_tokens or len(req.token_ids) >= self.config.max_model_len:
-                reason = FinishReason.LENGTH
-            if reason:
-                break
-        if reason:
-            self._finish(req, reason)
-        return RequestOutput(req, kept, req.finished)
-
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        if req.status == Status.RUNNING:
-            self.running.remove(req)
-        elif req.status == Status.PREFILLING:
-            self.prefilling.remove(req)
-        if id(req) in self._inflight_count:
-            self._pending_release.append(req)  # a step in flight still writes its pages and slot
-        else:
-            self._release(req)
-        req.status = Status.FINISHED
-        req.finish_reason = reason
-        self.requests.pop(req.request_id, None)
