@@ -59,10 +59,21 @@ class StepOutput:
     num_draft: np.ndarray  # [B] drafts actually proposed (host-known)
     start: torch.Tensor  # [B] position of each request's input token (device; chained steps read it)
 
+    rows: torch.Tensor | None = None  # [B, 1 + k + 1]: counts then tokens; the fields above are views of it
+
+    @classmethod
+    def packed(cls, out_tokens: torch.Tensor, num_accepted: torch.Tensor, num_draft: np.ndarray,
+               start: torch.Tensor) -> StepOutput:
+        """Counts and tokens copied into one tensor of the step's own (one kernel; it also frees a graph's static
+        outputs for the next replay), the two fields views of it, so `read` is a single transfer."""
+        rows = torch.cat([num_accepted.unsqueeze(1), out_tokens], dim=1)
+        return cls(out_tokens=rows[:, 1:], num_accepted=rows[:, 0], num_draft=num_draft, start=start, rows=rows)
+
     def read(self) -> tuple[list[int], list[list[int]]]:
         """The step's one host sync: accepted counts and tokens, read back in one transfer."""
-        rows = torch.cat([self.num_accepted.unsqueeze(1), self.out_tokens], dim=1).tolist()
-        return [r[0] for r in rows], [r[1:] for r in rows]
+        rows = self.rows if self.rows is not None else torch.cat([self.num_accepted.unsqueeze(1), self.out_tokens], 1)
+        host = rows.tolist()
+        return [r[0] for r in host], [r[1:] for r in host]
 
 
 class StepEngine:
@@ -269,11 +280,12 @@ class StepEngine:
                 self._patch(ctx, grid)
             if ctx.graph:
                 outs = self.graphs.run(ctx.graph_kind, k + 1, graph_inputs(ctx, grid, ctx.graph_page_table), b)
-                # Static outputs are rewritten by the next replay, which may run before the host reads these.
-                out, accepted = outs["out_tokens"].clone(), outs["num_accepted"].clone()
+                # Static outputs are rewritten by the next replay, which may run before the host reads these:
+                # packing them is the copy.
+                out, accepted = outs["out_tokens"], outs["num_accepted"]
             else:
                 out, accepted = self.decode_body(ctx, grid)
-        return StepOutput(out_tokens=out, num_accepted=accepted, num_draft=ctx.num_draft, start=ctx.start)
+            return StepOutput.packed(out, accepted, ctx.num_draft, ctx.start)
 
     def _flavour(self, st: SamplingTensors | SamplingFlags, refill: bool) -> str:
         """The captured graph's name; without a draft model there is no refill to drop (only the refill
