@@ -27,6 +27,8 @@ class ServerProcess:
         # What runs `specstep` (an installed console script, say); by default this interpreter, cwd-proof.
         self.launcher = list(launcher) if launcher else module_command("specstep.scheduler.cli")
         self.host = host
+        # A log of our own (no `log_path`) is removed when the server stops cleanly, kept when it did not.
+        self._own_log = log_path is None
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="specstep-serve-",
                                                                               suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
@@ -78,10 +80,13 @@ class ServerProcess:
             return None
         self.signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout_s)
+            code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait()
+            code = self.proc.wait()
+        if code == 0 and self._own_log:
+            self.log_path.unlink(missing_ok=True)
+        return code
 
     def __enter__(self) -> ServerProcess:
         self.start()

@@ -88,13 +88,14 @@ def test_greedy_tp2_equals_tp1(checkpoints, shape, spec):
     assert spec in ("none", "ngram") or drafted > 0  # the proposer really drafted (and verified) at TP = 2
 
 
-@pytest.mark.parametrize("spec", ["mtp", "ngram"])
+@pytest.mark.parametrize("spec", ["mtp", "ngram", "self"])
 def test_adaptive_policy_at_tp2(checkpoints, spec):
-    """The adaptive policy drops the MTP refill and catches up (catch-ups are replayed on every rank); the
-    policy's step costs are the leader's, i.e. the group's."""
+    """The adaptive policy drops the refill and catches up (an MTP catch-up is replayed on every rank, a draft
+    model's is the leader's alone); the policy's step costs are the leader's, i.e. the group's."""
     target, head = checkpoints[0]["gqa"]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    draft = str(head) if spec == "mtp" else None
+    draft = {"mtp": str(head), "self": str(target)}.get(spec)
+    spec = "draft_model" if spec == "self" else spec
     one = outputs(target, spec, draft, params, 1, spec_policy_override="adaptive")[0]
     assert outputs(target, spec, draft, params, 2, spec_policy_override="adaptive")[0] == one
 
