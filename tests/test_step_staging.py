@@ -99,8 +99,10 @@ def test_staging_alternates_sets_and_does_not_alias_host_arrays():
     t[1, 1] = -1
     assert t[0, 0] == 0 and a[1, 1] == 4  # neither side aliases the other (a chained step patches device starts)
     big = np.arange(10_000, dtype=np.int64)
-    (u,) = staging.upload([big])  # the other set, grown
-    (v,) = staging.upload([np.ones(3, np.int64)])  # back to the first set: earlier results stay intact
-    assert u.tolist() == big.tolist() and t[1, 2] == 5 and v.tolist() == [1, 1, 1]
+    (u,) = staging.upload([big])  # the next set, grown
+    later = [staging.upload([np.full(6, i, np.int64)])[0] for i in range(4)]  # round the sets, past the first
+    # Earlier results stay intact when their set's host buffer is rewritten (device copies are their own).
+    assert u.tolist() == big.tolist() and t.tolist() == [[0, 1, 2], [3, -1, 5]]
+    assert [x.tolist() for x in later] == [[i] * 6 for i in range(4)]
     with pytest.raises(TypeError):
         staging.upload([np.ones(2, np.int32)])
