@@ -15,7 +15,7 @@ and a captured graph can replay a layout with new starts.
     derived on device from start [B]:
         positions    = start[token_req] + token_offset
         slot_mapping = page_table[token_req, positions // page_size] * page_size + positions % page_size
-        mask[b,i,j]  = j <= start[b] + i  and  j < start[b] + q_len[b]  and  i < q_len[b]
+        mask[b,i,j]  = j <= start[b] + i  and  j < start[b] + q_len[b]  and  i < q_len[b]   (by block, on demand)
 """
 
 from __future__ import annotations
@@ -47,26 +47,53 @@ class BatchLayout:
 
 @dataclass(slots=True)
 class AttentionMetadata:
+    """What a paged-attention forward needs, derived on the device from `start` (see the module docstring).
+
+    The mask is not stored: for a long context it is the largest tensor of a step ([B, Q, K] booleans, times
+    the query group for grouped-query attention), so a backend asks for the block it attends at a time
+    (`mask_block`), and only a block that fits its workspace is ever materialised."""
+
     q_index: torch.Tensor  # [B, Q]
     out_index: torch.Tensor  # [T]
-    kv_slots: torch.Tensor  # [B, K]
-    mask: torch.Tensor  # [B, 1, Q, K] bool; padding query rows see key 0 only (never an all-masked row)
+    q_pos: torch.Tensor  # [B, Q] absolute position of each query row
+    kv_len: torch.Tensor  # [B] keys a lane may see: start + q_len
+    q_valid: torch.Tensor  # [B, Q] bool; padding query rows see key 0 only (never an all-masked row)
+    # [B, P] pages; a lane's keys are its pages' slots in order, P * page_size of them (`keys`).
+    page_table: torch.Tensor
+    page_size: int
     slot: str = ""  # which of the step's attention plans this forward uses (backends that plan: FlashInfer)
     dense: bool = False  # the flat tokens already form the [B, Q] grid: no gather in or out
-    # [B, P] pages behind kv_slots (kv_slots[b] = page_table[b, :, None] * page_size + arange(page_size)): a
-    # backend that gathers keys copies whole pages instead of one slot at a time.
-    page_table: torch.Tensor | None = None
-    page_size: int = 0
-    _grouped: dict[int, torch.Tensor] = field(default_factory=dict)  # per forward, shared by all layers
+    _blocks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # per forward, shared by all layers
 
-    def grouped_mask(self, group: int) -> torch.Tensor:
-        """The mask for queries laid out as [B, kv_heads, group * Q, K] (grouped-query attention)."""
-        if group == 1:
-            return self.mask
-        if group not in self._grouped:
-            b, _, q, k = self.mask.shape
-            self._grouped[group] = self.mask.unsqueeze(2).expand(b, 1, group, q, k).reshape(b, 1, group * q, k)
-        return self._grouped[group]
+    @property
+    def keys(self) -> int:
+        return self.page_table.shape[1] * self.page_size
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The whole [B, 1, Q, K] mask (tests, and backends that attend in one block)."""
+        return self.mask_block(0, self.q_index.shape[0], 0, self.q_index.shape[1], 0, self.keys, 1)
+
+    def mask_block(self, b0: int, b1: int, i0: int, i1: int, k0: int, k1: int, group: int,
+                   cache: bool = True) -> torch.Tensor:
+        """Lanes [b0, b1), query rows [i0, i1), keys [k0, k1) as [b1 - b0, 1, group * (i1 - i0), k1 - k0],
+        query heads grouped as [B, kv_heads, group * Q, K] lays them out (h = kv_head * group + g). `cache`:
+        keep it for the forward's other layers (a backend attending in one block); blocks of a workspace-bound
+        attention are not kept, or together they would be the whole mask again."""
+        key = (b0, b1, i0, i1, k0, k1, group)
+        if not cache or key not in self._blocks:
+            kpos = torch.arange(k0, k1, device=self.kv_len.device)
+            q_pos, q_valid = self.q_pos[b0:b1, i0:i1], self.q_valid[b0:b1, i0:i1]
+            m = (kpos <= q_pos.unsqueeze(-1)) & (kpos < self.kv_len[b0:b1].view(-1, 1, 1)) & q_valid.unsqueeze(-1)
+            if k0 == 0:
+                m[:, :, 0] |= ~q_valid
+            b, q, k = m.shape
+            if group > 1:
+                m = m.unsqueeze(1).expand(b, group, q, k).reshape(b, group * q, k)
+            if not cache:
+                return m.unsqueeze(1)
+            self._blocks[key] = m.unsqueeze(1)
+        return self._blocks[key]
 
 
 @dataclass(slots=True)
@@ -106,15 +133,8 @@ class ForwardBatch:
         slot_mapping = layout.page_table[layout.token_req, positions // ps] * ps + positions % ps
         if write is not None:
             slot_mapping = torch.where(write.index_select(0, layout.token_req), slot_mapping, DUMMY_PAGE * ps)
-        b, p = layout.page_table.shape
-        kpos = torch.arange(p * ps, device=start.device)
-        kv_slots = (layout.page_table.unsqueeze(-1) * ps + torch.arange(ps, device=start.device)).view(b, p * ps)
         qi = torch.arange(layout.q_index.shape[1], device=start.device)
         q_valid = qi.unsqueeze(0) < layout.q_lens.unsqueeze(1)  # [B, Q]
-        q_pos = start.unsqueeze(1) + qi  # [B, Q]
-        kv_len = start + layout.q_lens
-        mask = (kpos <= q_pos.unsqueeze(-1)) & (kpos < kv_len.view(b, 1, 1)) & q_valid.unsqueeze(-1)
-        mask[:, :, 0] |= ~q_valid
-        return cls(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-                   attn=AttentionMetadata(layout.q_index, layout.out_index, kv_slots, mask.unsqueeze(1), slot,
-                                              layout.dense, layout.page_table, ps))
+        attn = AttentionMetadata(layout.q_index, layout.out_index, start.unsqueeze(1) + qi, start + layout.q_lens,
+                                 q_valid, layout.page_table, ps, slot, layout.dense)
+        return cls(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, attn=attn)

@@ -33,6 +33,14 @@ def fmt_bytes(n: int) -> str:
     return f"{n / GiB:.1f} GiB" if abs(n) >= GiB else f"{n / MiB:.0f} MiB"
 
 
+class KVCacheTooSmall(ConfigError):
+    """Not even one longest sequence fits; `pages`: how many pages (the dummy page included) do fit."""
+
+    def __init__(self, message: str, pages: int) -> None:
+        super().__init__(message)
+        self.pages = pages
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryFigures:
     """What a plan is computed from, in bytes: measured at start-up (`engine.memory_probe`) or given by a test."""
@@ -124,11 +132,12 @@ def plan_kv_cache(bytes_per_page: int, page_size: int, seq_tokens: int, max_batc
     fit = max(0, free) // bytes_per_page
     if fit < least:
         need = least * bytes_per_page
-        raise ConfigError(
+        raise KVCacheTooSmall(
             f"KV cache: {fmt_bytes(max(0, free))} left after the weights and reserves within "
             f"{figures.utilization:.0%} of {fmt_bytes(figures.capacity)}, but one --max-model-len sequence "
             f"({seq_tokens:,} tokens) needs {fmt_bytes(need)}: {fmt_bytes(need - max(0, free))} missing. Raise "
-            f"--gpu-memory-utilization, lower --max-model-len or --max-batch-size, or set --kv-cache-tokens")
+            f"--gpu-memory-utilization, lower --max-model-len or --max-batch-size, or set --kv-cache-tokens",
+            fit)
     pages, limit = fit, ""
     if figures.kv_cap is not None and figures.kv_cap // bytes_per_page < pages:
         # The cap is a default, not a request: it never makes one longest sequence impossible.

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from specstep.cuda_graphs.buckets import default_buckets
-from specstep.engine.batch_builder import PAD_LIMIT, build_forward_batch
+from specstep.engine.attention.torch_backend import DEFAULT_WORKSPACE, attention_blocks
+from specstep.engine.batch_builder import build_forward_batch
 from specstep.engine.config import ModelConfig
 from specstep.engine.errors import ConfigError
 from specstep.engine.kv_cache import DUMMY_PAGE, KVPool
@@ -86,24 +87,24 @@ def largest_steps(max_batch_size: int, k_max: int, max_model_len: int, seq_token
     return decode, prefill
 
 
-def step_peak_bytes(cfg: ModelConfig, shape: StepShape, elem: int) -> int:
+def step_peak_bytes(cfg: ModelConfig, shape: StepShape, elem: int, workspace: int = DEFAULT_WORKSPACE) -> int:
     """An upper estimate of one eager target forward's transient memory with the torch attention backend.
 
-    Per layer: the residual stream, its norm and the attention output; q/k/v before and after rotation; the keys
-    and values gathered over the page table; the boolean mask and its grouped copy (SDPA's fused kernels, which
-    CPU takes with a boolean mask, do not materialise the scores: measured); the MLP's gate/up and product. Then
-    float32 logits at the sampled rows, the sampler's probabilities and its sort (values and int64 indices).
-    Ragged rows (a mixed step) are split into attention parts padded at most PAD_LIMIT-fold."""
-    t, rows = sum(shape.q_lens), len(shape.q_lens)
-    pad = 1.0 if len(set(shape.q_lens)) == 1 else PAD_LIMIT
+    Per layer: the residual stream, its norm and the attention output; q/k/v before and after rotation, and the
+    queries' [B, Q] grid and its output; the attention's largest block (`attention_blocks`: gathered keys and
+    values with their casts and the mask, at most the backend's `workspace` however long the context; SDPA's
+    fused CPU kernels do not materialise the scores: measured); the MLP's gate/up and product. Then float32
+    logits at the sampled rows, the sampler's probabilities and its sort (values and int64 indices)."""
+    t, rows, qn = sum(shape.q_lens), len(shape.q_lens), max(shape.q_lens)
     group = cfg.num_heads // cfg.num_kv_heads
     stream = t * (2 * cfg.hidden_size + cfg.q_size) * elem
     qkv = 2 * t * (cfg.q_size + 2 * cfg.kv_size) * elem
-    gather = 2 * rows * shape.width * cfg.kv_size * elem
-    mask = int(pad * t * shape.width * (1 + group))
+    grid = 2 * rows * qn * cfg.q_size * elem
+    attention = attention_blocks(rows, qn, shape.width, cfg.num_kv_heads, group, cfg.head_dim, elem, elem,
+                                 1, workspace).nbytes
     mlp = 3 * t * cfg.intermediate_size * elem
     logits = shape.logit_rows * cfg.vocab_size * (4 + 4 + 4 + 8)
-    return stream + qkv + gather + mask + mlp + logits
+    return stream + qkv + grid + attention + mlp + logits
 
 
 def draft_carry_bytes(max_batch_size: int, k_max: int, vocab_size: int) -> int:

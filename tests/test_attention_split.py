@@ -48,6 +48,6 @@ def test_split_attention_equals_one_padded_batch(page_size, monkeypatch):
     assert not isinstance(whole.attn, SplitAttention)
     torch.testing.assert_close(split.positions, whole.positions)
     torch.testing.assert_close(split.slot_mapping, whole.slot_mapping)
-    a = TorchAttention.forward(q, k_cache, v_cache, split.attn, heads, 0.3)
-    b = TorchAttention.forward(q, k_cache, v_cache, whole.attn, heads, 0.3)
+    a = TorchAttention().forward(q, k_cache, v_cache, split.attn, heads, 0.3)
+    b = TorchAttention().forward(q, k_cache, v_cache, whole.attn, heads, 0.3)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -31,9 +31,9 @@ def gathered_keys(monkeypatch):
     seen: list[int] = []
     real = torch_backend.paged_attention
 
-    def recording(q, k_cache, v_cache, meta, num_heads, scale):
-        seen.append(meta.kv_slots.shape[1])
-        return real(q, k_cache, v_cache, meta, num_heads, scale)
+    def recording(q, k_cache, v_cache, meta, num_heads, scale, *rest):
+        seen.append(meta.keys)
+        return real(q, k_cache, v_cache, meta, num_heads, scale, *rest)
     monkeypatch.setattr(torch_backend, "paged_attention", recording)
     return seen
 

@@ -11,6 +11,8 @@ layers; `AttentionMetadata.slot` names which plan a forward uses.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,95 @@ def store_kv(
     v_cache.index_copy_(0, slots, v.view(-1, *v_cache.shape[1:]).to(v_cache.dtype))
 
 
+# Bytes one layer's attention may hold at once beyond its queries and output (gathered keys and values, their
+# cast, the mask block, scores where it computes them): a step's transient memory then follows this, not
+# max_batch_size x max_model_len (at 64 lanes x 32k keys a single gather was 2 GiB a layer for a 0.5B model).
+# Steps that fit attend in one block, exactly as before; larger ones in lane, query-row and key blocks.
+DEFAULT_WORKSPACE = 128 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBlocks:
+    """How a [lanes, rows, keys] attention is cut to fit a workspace; `nbytes`: one block's transient memory.
+
+        lanes x rows x keys         when
+        B     x Q    x K            everything fits: one SDPA (the common case)
+        b<B   x Q    x K            one lane fits: SDPA per lane block
+        1     x r<Q  x K            a lane's keys fit, its mask does not: SDPA per query-row block
+        1     x r    x k<K          a lane's keys do not fit: online softmax over key blocks (log-sum-exp merge)
+    """
+
+    lanes: int
+    rows: int
+    keys: int  # a multiple of page_size unless it is K
+    nbytes: int
+
+    def whole(self, lanes: int, rows: int, keys: int) -> bool:
+        return self.lanes >= lanes and self.rows >= rows and self.keys >= keys
+
+
+def attention_blocks(lanes: int, rows: int, keys: int, kv_heads: int, group: int, head_dim: int, kv_elem: int,
+                     q_elem: int, page_size: int, workspace: int = DEFAULT_WORKSPACE) -> AttentionBlocks:
+    """The block shape `paged_attention` uses (and the memory plan counts: `engine.memory_probe`)."""
+    # A key costs its gathered K and V rows and one more copy of each (a cast to the query's dtype, or the
+    # contiguous copy SDPA may make of the transposed gather); the mask a boolean per query row, and its copy
+    # grouped for grouped-query attention.
+    per_key = 2 * kv_heads * head_dim * (kv_elem + q_elem)
+    mask_rows = rows * (1 + group) if group > 1 else rows
+    lane = keys * (per_key + mask_rows)
+    if lanes * lane <= workspace:
+        return AttentionBlocks(lanes, rows, keys, lanes * lane)
+    if lane <= workspace:
+        n = workspace // lane
+        return AttentionBlocks(n, rows, keys, n * lane)
+    if keys * per_key <= workspace // 2:
+        r = max(1, (workspace - keys * per_key) // ((1 + group) * keys))
+        return AttentionBlocks(1, r, keys, keys * (per_key + (1 + group) * r))
+    # Online softmax over key blocks: per key, its K and V with float32 copies, and per query row a mask byte
+    # (and its grouped copy) and float32 scores and probabilities for every head. Rows shrink until a page fits.
+    kv_part, row_part = 2 * kv_heads * head_dim * (kv_elem + 4), group * (2 + 8 * kv_heads)
+    r = max(1, min(rows, 256, (workspace // page_size - kv_part) // row_part))
+    per_key = kv_part + r * row_part
+    k = max(page_size, workspace // per_key // page_size * page_size)
+    return AttentionBlocks(1, r, k, k * per_key)
+
+
+def _gather(cache: torch.Tensor, page_table: torch.Tensor, page_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[b, P] pages -> [b, Hkv, P * page_size, D]. Whole pages (page_size x Hkv x D contiguous values each): 1.7x
+    faster than slot rows on CPU; index_select, since advanced indexing runs several times slower there."""
+    b, p = page_table.shape
+    _, hkv, d = cache.shape
+    rows = cache.view(-1, page_size, hkv, d).index_select(0, page_table.reshape(-1))
+    return rows.view(b, p * page_size, hkv, d).transpose(1, 2).to(dtype)
+
+
+def _online_attention(qb: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      b0: int, i0: int, i1: int, group: int, block_pages: int, scale: float) -> torch.Tensor:
+    """Lane b0's query rows [i0, i1) over its keys, `block_pages` pages at a time, in float32:
+        m = running row max, l = running sum of exp(s - m), acc = running sum of exp(s - m) v;
+        each block rescales them by exp(m_old - m_new). A row that has seen no key yet keeps m = -inf (its
+        exponentials are taken against 0 instead, so no NaN); every row sees key 0 at least (padding rows too)."""
+    ps, pages = meta.page_size, meta.page_table.shape[1]
+    qf = qb.float()
+    m = qf.new_full((*qf.shape[:-1], 1), float("-inf"))
+    lsum = qf.new_zeros(m.shape)
+    acc = torch.zeros_like(qf)
+    for p0 in range(0, pages, block_pages):
+        p1 = min(pages, p0 + block_pages)
+        table = meta.page_table[b0:b0 + 1, p0:p1]
+        kb, vb = _gather(k_cache, table, ps, torch.float32), _gather(v_cache, table, ps, torch.float32)
+        s = torch.matmul(qf, kb.transpose(-1, -2)).mul_(scale)
+        s.masked_fill_(~meta.mask_block(b0, b0 + 1, i0, i1, p0 * ps, p1 * ps, group, cache=False), float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        base = m_new.masked_fill(m_new == float("-inf"), 0.0)
+        s = s.sub_(base).exp_()
+        corr = (m - base).exp_()
+        lsum = lsum.mul_(corr).add_(s.sum(-1, keepdim=True))
+        acc = acc.mul_(corr).add_(torch.matmul(s, vb))
+        m = m_new
+    return acc.div_(lsum).to(qb.dtype)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H * D]
     k_cache: torch.Tensor,  # [slots, Hkv, D]
@@ -33,39 +124,54 @@ def paged_attention(
     meta: AttentionMetadata,
     num_heads: int,
     scale: float,
+    workspace: int = DEFAULT_WORKSPACE,
 ) -> torch.Tensor:
     t = q.shape[0]
     _, hkv, d = k_cache.shape
     group = num_heads // hkv
     b, qn = meta.q_index.shape
-    keys = meta.kv_slots.shape[1]
-    # Gathers are index_select over whole rows: advanced indexing (k_cache[kv_slots]) runs several times slower
-    # on CPU, and was a quarter of a batch-32 decode step.
+    keys, ps = meta.keys, meta.page_size
     qp = q.view(t, hkv, group, d)
     if not meta.dense:
         qp = qp.index_select(0, meta.q_index.view(-1))
     # Query heads h = kv_head * group + g (the layout Hugging Face's repeat_kv implies).
-    qp = qp.view(b, qn, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * qn, d)
-    if meta.page_table is not None:
-        # Whole pages (page_size x Hkv x D contiguous values each): measured 1.7x faster than slot rows on CPU.
-        pages, ps = meta.page_table.view(-1), meta.page_size
-        kp = k_cache.view(-1, ps, hkv, d).index_select(0, pages).view(b, keys, hkv, d).transpose(1, 2)
-        vp = v_cache.view(-1, ps, hkv, d).index_select(0, pages).view(b, keys, hkv, d).transpose(1, 2)
+    qp = qp.view(b, qn, hkv, group, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Q, D]
+    blk = attention_blocks(b, qn, keys, hkv, group, d, k_cache.element_size(), q.element_size(), ps, workspace)
+    if blk.whole(b, qn, keys):
+        o = F.scaled_dot_product_attention(qp.reshape(b, hkv, group * qn, d), _gather(k_cache, meta.page_table, ps,
+                                           q.dtype), _gather(v_cache, meta.page_table, ps, q.dtype),
+                                           attn_mask=meta.mask_block(0, b, 0, qn, 0, keys, group), scale=scale)
+        o = o.view(b, hkv, group, qn, d)
     else:
-        slots = meta.kv_slots.view(-1)
-        kp = k_cache.index_select(0, slots).view(b, keys, hkv, d).transpose(1, 2)  # [B, Hkv, K, D]
-        vp = v_cache.index_select(0, slots).view(b, keys, hkv, d).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qp, kp.to(q.dtype), vp.to(q.dtype), attn_mask=meta.grouped_mask(group),
-                                       scale=scale)
-    o = o.view(b, hkv, group, qn, d).permute(0, 3, 1, 2, 4).reshape(b * qn, num_heads * d)
+        o = qp.new_empty(b, hkv, group, qn, d)
+        for b0 in range(0, b, blk.lanes):
+            b1 = min(b, b0 + blk.lanes)
+            kb = vb = None
+            for i0 in range(0, qn, blk.rows):
+                i1 = min(qn, i0 + blk.rows)
+                qb = qp[b0:b1, :, :, i0:i1].reshape(b1 - b0, hkv, group * (i1 - i0), d)
+                if blk.keys < keys:
+                    ob = _online_attention(qb, k_cache, v_cache, meta, b0, i0, i1, group, blk.keys // ps, scale)
+                else:
+                    if kb is None:  # a lane block's keys serve all its query-row blocks
+                        kb = _gather(k_cache, meta.page_table[b0:b1], ps, q.dtype)
+                        vb = _gather(v_cache, meta.page_table[b0:b1], ps, q.dtype)
+                    mask = meta.mask_block(b0, b1, i0, i1, 0, keys, group, cache=False)
+                    ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+                o[b0:b1, :, :, i0:i1] = ob.view(b1 - b0, hkv, group, i1 - i0, d)
+    o = o.permute(0, 3, 1, 2, 4).reshape(b * qn, num_heads * d)
     return o if meta.dense else o.index_select(0, meta.out_index)
 
 
 class TorchAttention:
-    """The reference backend (CPU and CUDA): nothing to plan; every length comes from the device metadata."""
+    """The reference backend (CPU and CUDA): nothing to plan; every length comes from the device metadata.
+    `workspace`: bytes a layer's attention may hold at once (see `DEFAULT_WORKSPACE`)."""
 
     name = "torch"
     needs_plan = False
+
+    def __init__(self, workspace: int = DEFAULT_WORKSPACE) -> None:
+        self.workspace = workspace
 
     def plan(self, slot: str, q_lens: np.ndarray, kv_lens: np.ndarray, page_tables: np.ndarray,
              lanes: int | None = None, stream: torch.cuda.Stream | None = None) -> None:
@@ -74,15 +180,14 @@ class TorchAttention:
     def plan_padding(self, slot: str, lanes: int, q: int, stream: torch.cuda.Stream | None = None) -> None:
         pass
 
-    @staticmethod
-    def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata | SplitAttention, num_heads: int, scale: float) -> torch.Tensor:
         if isinstance(meta, SplitAttention):
             out = q.new_empty(q.shape[0], num_heads * k_cache.shape[-1])
             for t0, t1, part in meta.parts:
-                out[t0:t1] = paged_attention(q[t0:t1], k_cache, v_cache, part, num_heads, scale)
+                out[t0:t1] = paged_attention(q[t0:t1], k_cache, v_cache, part, num_heads, scale, self.workspace)
             return out
-        return paged_attention(q, k_cache, v_cache, meta, num_heads, scale)
+        return paged_attention(q, k_cache, v_cache, meta, num_heads, scale, self.workspace)
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
