@@ -3,8 +3,9 @@ folders behind.
 
 The server is started through the installed `specstep` console script from a directory holding decoy
 `scheduler/`, `engine/` and `specstep/` packages that leave a marker file when imported: none may be imported,
-by the server or by the scheduler process it starts (before the fix, that child ran `python -m
-scheduler.scheduler_process`, and the current directory came first on its `sys.path`)."""
+by the server, by the scheduler process it starts (before the fix, that child ran `python -m
+scheduler.scheduler_process`, and the current directory came first on its `sys.path`), or, at TP = 2, by the
+tensor-parallel follower that the scheduler process starts in turn (in the same directory)."""
 
 from __future__ import annotations
 
@@ -33,39 +34,58 @@ def plant_decoys(root: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         marker = f"(__import__('pathlib').Path({str(root)!r}) / 'imported-{pkg.replace('/', '.')}').touch()\n"
         (folder / "__init__.py").write_text(marker)
-        for mod in ("scheduler_process", "cli", "serve_cmd"):
+        for mod in ("scheduler_process", "cli", "serve_cmd", "tp_follower"):
             (folder / f"{mod}.py").write_text(marker)
+
+
+def imported(root: Path) -> list[str]:
+    return sorted(p.name for p in root.glob("imported-*"))
 
 
 def socket_folders(tmp: Path) -> list[Path]:
     return sorted(tmp.glob("specstep-*"))
 
 
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
 @pytest.mark.skipif(not CONSOLE_SCRIPT.exists(), reason="specstep is not installed in this environment")
+@pytest.mark.parametrize("tp", [1, 2])
 async def test_serve_from_a_decoy_directory_runs_the_installed_code_and_kill9_leaves_no_sockets(tiny_target,
-                                                                                            tmp_path):
+                                                                                            tmp_path, tp):
     cwd, tmp = tmp_path / "checkout", tmp_path / "tmp"
     tmp.mkdir()
     plant_decoys(cwd)
     srv = ServerProcess(["--model", str(tiny_target), "--spec", "none", "--device", "cpu", "--kv-cache-tokens",
-                         "1024"], cwd=cwd, env={"TMPDIR": str(tmp)}, launcher=[str(CONSOLE_SCRIPT)])
-    srv.start()
+                         "1024", "--tensor-parallel-size", str(tp)],
+                        cwd=cwd, env={"TMPDIR": str(tmp)}, launcher=[str(CONSOLE_SCRIPT)])
+    try:
+        srv.start()
+    finally:  # a child that imported a decoy may fail start-up instead (the follower's decoy joins no group)
+        assert imported(cwd) == []
     c = Client(srv.address)
     try:
         final = await c.complete(GenerateRequest("r", prompt_token_ids=[3, 1, 4, 1, 5], max_tokens=8,
                                                  temperature=0.0, ignore_eos=True), 60)
         assert len(final.token_ids) == 8
-        scheduler_pid = (await c.stats()).engine.pid
+        engine = (await c.stats()).engine
+        scheduler_pid, followers = engine.pid, children(engine.pid)
+        assert engine.tensor_parallel_size == tp and len(followers) == tp - 1, followers
         assert socket_folders(tmp), "the scheduler's ipc sockets should live under TMPDIR while serving"
     finally:
         c.close()
-    assert sorted(p.name for p in cwd.glob("imported-*")) == []
+    assert imported(cwd) == []
     os.kill(srv.pid, signal.SIGKILL)
     srv.wait(10)
     deadline = time.monotonic() + 20
     while pid_alive(scheduler_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not pid_alive(scheduler_pid), "the scheduler process outlived its killed frontend"
+    while any(pid_alive(p) for p in followers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in followers), "a tensor-parallel follower outlived its leader"
     assert socket_folders(tmp) == []
 
 
