@@ -69,7 +69,8 @@ def fresh_venv(tmp: Path, wheel: Path) -> Path:
     python = venv / "bin" / "python"
     links = tmp / "deps"
     links.mkdir()
-    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+    paths = sysconfig.get_paths()
+    for entry in {e for key in ("purelib", "platlib") for e in Path(paths[key]).iterdir()}:
         if not entry.name.startswith(("specstep", "__editable__")) and entry.suffix != ".pth":
             (links / entry.name).symlink_to(entry)
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
