@@ -62,6 +62,11 @@ class Proposer(ABC):
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
         """Consume token_ids[draft_len:] (known on the host) and carry state from the last one."""
 
+    def carried_state(self) -> dict[str, torch.Tensor]:
+        """The device tensors kept across steps, by name (carried logits and hidden states, rings of target hidden
+        states). Hidden states are in the model's dtype; logits are float32, as `compute_logits` returns them."""
+        return {}
+
 
 def draw(logits: torch.Tensor, st: SamplingTensors,
          positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

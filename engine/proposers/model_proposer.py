@@ -30,12 +30,16 @@ class ModelProposer(Proposer):
     shift: int = 0
 
     def __init__(self, pool: KVPool, vocab_size: int, hidden_size: int, max_slots: int,
-                 device: torch.device) -> None:
+                 device: torch.device, dtype: torch.dtype) -> None:
         self.pool = pool
         self.device = device
         self.staging = Staging(device)  # its host -> device inputs (pinned, double-buffered on CUDA)
-        self.carried_logits = torch.zeros(max_slots, vocab_size, device=device)
-        self.carried_hidden = torch.zeros(max_slots, hidden_size, device=device)
+        # Logits stay float32, as `compute_logits` returns them (sampling and acceptance work in float32 on every
+        # path, so draft 1, drawn from these, is drawn exactly as drafts 2..k are). The hidden state is the
+        # network's own output and feeds it again (an MTP head's next draft): in the network's dtype, since a
+        # float32 copy would promote the head's input concatenation and break its half-precision linears.
+        self.carried_logits = torch.zeros(max_slots, vocab_size, device=device, dtype=torch.float32)
+        self.carried_hidden = torch.zeros(max_slots, hidden_size, device=device, dtype=dtype)
 
     @abstractmethod
     def forward(self, fb: ForwardBatch, hidden_in: torch.Tensor | None) -> torch.Tensor:
@@ -70,9 +74,14 @@ class ModelProposer(Proposer):
         if refill:
             self.attention.plan_padding("refill", lanes, k + 1)
 
+    def carried_state(self) -> dict[str, torch.Tensor]:
+        return {"carried_logits": self.carried_logits, "carried_hidden": self.carried_hidden}
+
     def _carry(self, hidden: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        # No cast: indexed assignment refuses a dtype mismatch, so a network whose output is not in the carried
+        # dtype fails here, loudly, instead of being rounded into place.
         h = hidden[rows]
-        self.carried_hidden[slots] = h.to(self.carried_hidden.dtype)
+        self.carried_hidden[slots] = h
         self.carried_logits[slots] = self.compute_logits(h)
 
     def prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray, final: np.ndarray,

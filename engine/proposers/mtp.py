@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specstep.engine.errors import CheckpointError
 from specstep.engine.forward_batch import ForwardBatch
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.models.llama import LlamaForCausalLM
@@ -31,16 +32,24 @@ class MTPProposer(ModelProposer):
 
     def __init__(self, head: MTPHead, target: LlamaForCausalLM, pool: KVPool, max_slots: int,
                  device: torch.device, reduced_head: ReducedLMHead | None = None) -> None:
-        super().__init__(pool, target.cfg.vocab_size, target.cfg.hidden_size, max_slots, device)
+        # The head concatenates the target's hidden states (and embeddings) with its own: one dtype for all, or
+        # the concatenation promotes and the head's linears see a dtype their weights are not in.
+        dtype = target.embed_tokens.weight.dtype
+        if head.fc.weight.dtype != dtype:
+            raise CheckpointError(f"the MTP head is in {head.fc.weight.dtype}, the target in {dtype}: load both "
+                                  "in one dtype")
+        super().__init__(pool, target.cfg.vocab_size, target.cfg.hidden_size, max_slots, device, dtype)
         self.head = head
         self.target = target
         self.reduced_head = reduced_head  # the target's lm_head rows for the head's draft vocabulary
-        self.history = torch.zeros(max_slots, HISTORY, target.cfg.hidden_size, device=device,
-                                   dtype=target.embed_tokens.weight.dtype)
+        self.history = torch.zeros(max_slots, HISTORY, target.cfg.hidden_size, device=device, dtype=dtype)
 
     @property
     def network(self) -> torch.nn.Module:
         return self.head
+
+    def carried_state(self) -> dict[str, torch.Tensor]:
+        return {**super().carried_state(), "history": self.history}
 
     def forward(self, fb: ForwardBatch, hidden_in: torch.Tensor | None) -> torch.Tensor:
         assert hidden_in is not None, "the MTP head always needs a hidden state per token"
@@ -54,7 +63,7 @@ class MTPProposer(ModelProposer):
     def keep(self, ctx: DecodeContext, target_hidden: torch.Tensor) -> None:
         # Without refill nobody drafted (k = 0): one verify row per request, the target's hidden state at `start`.
         rows = ctx.verify_layout.q_index[:, 0]
-        self.history[ctx.slots, ctx.start % HISTORY] = target_hidden[rows].to(self.history.dtype)
+        self.history[ctx.slots, ctx.start % HISTORY] = target_hidden[rows]  # same dtype (no cast: see _carry)
 
     def keep_prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray,
                      target_hidden: torch.Tensor) -> None:
@@ -70,7 +79,7 @@ class MTPProposer(ModelProposer):
         slot_t, pos_t, row_t = self.staging.upload([np.array(slots, dtype=np.int64),
                                                     np.array(positions, dtype=np.int64) % HISTORY,
                                                     np.array(rows, dtype=np.int64)])
-        self.history[slot_t, pos_t] = target_hidden[row_t].to(self.history.dtype)
+        self.history[slot_t, pos_t] = target_hidden[row_t]
 
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
         # Token t[p] is consumed at position p - 1 with h[p - 1]; only the last HISTORY hidden states exist.
