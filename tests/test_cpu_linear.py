@@ -7,7 +7,15 @@ import pytest
 import torch
 from torch import nn
 
-from specstep.engine.models.cpu_linear import PROBE_ROWS, CpuLinear, LinearPlan, onednn_available, plan_linears
+from specstep.engine.errors import ConfigError
+from specstep.engine.models.cpu_linear import (
+    PROBE_ROWS,
+    CpuLinear,
+    LinearPlan,
+    onednn_available,
+    onednn_supports,
+    plan_linears,
+)
 from specstep.engine.sampling_params import SamplingParams
 from tests.helpers import make_checkpoint, make_core, run_to_completion
 
@@ -53,13 +61,34 @@ def test_tied_lm_head_gets_its_own_fast_storage():
     assert head._mm.t().is_contiguous()  # the [in, out] buffer MKL reads fast
     assert emb.weight.is_contiguous()  # the lookup keeps its row-major table
     x = torch.randn(3, 16)
-    assert torch.allclose(head(x), x @ emb.weight.t())
+    torch.testing.assert_close(head(x), x @ emb.weight.t())  # the copy sums in another order: not bit-equal
 
 
 def test_measured_plan_covers_every_probe():
     model = nn.Sequential(nn.Linear(64, 128, bias=False))
     plans = plan_linears(model, "auto")
     assert len(plans["0"].onednn) == len(PROBE_ROWS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_plans_only_kernels_this_cpu_runs(dtype):
+    """oneDNN's half-precision linears need AVX-512 or AVX-NE-CONVERT (an AVX2-only host's reorder raises): `auto`
+    packs only where they run, and a forced `onednn` where they do not is a ConfigError at load, not a crash."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 64, dtype=dtype)
+    auto = nn.Sequential(nn.Linear(64, 128, bias=False)).to(dtype)
+    want = auto(x)
+    plans = plan_linears(auto, "auto")
+    assert onednn_supports(dtype) or not plans["0"].needs_pack
+    with torch.inference_mode():
+        torch.testing.assert_close(auto(x), want)
+    forced = nn.Sequential(nn.Linear(64, 128, bias=False)).to(dtype)
+    if onednn_supports(dtype):
+        plan_linears(forced, "onednn")
+        assert isinstance(forced[0], CpuLinear) and forced[0].plan.needs_pack
+    else:
+        with pytest.raises(ConfigError, match="--cpu-linear onednn"):
+            plan_linears(forced, "onednn")
 
 
 @pytest.mark.parametrize("mode", ["onednn", "matmul"])

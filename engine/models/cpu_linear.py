@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specstep.engine.errors import ConfigError
 from specstep.engine.model_source import cache_root
 
 MODES = ("auto", "matmul", "onednn")
@@ -39,6 +40,18 @@ MAX_COPIES = 64  # ... but no more copies than this (tiny weights are dispatch-b
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear runs in `dtype` on this CPU. Its half-precision kernels need AVX-512
+    (BF16 / FP16) or AVX-NE-CONVERT: on an AVX2-only host `_reorder_linear_weight` refuses bf16 and fp16 weights."""
+    if not onednn_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +156,13 @@ def _plan_cache() -> Path:
 
 
 def plan_for(out_features: int, in_features: int, dtype: torch.dtype, mode: str) -> LinearPlan:
-    if mode == "matmul" or not onednn_available() or dtype != torch.float32:
+    """`auto` measures where oneDNN supports the dtype and takes matmul elsewhere (F.linear runs every dtype);
+    `onednn` where it does not is an error at load, not a crash at the first pack."""
+    if mode == "onednn" and not onednn_supports(dtype):
+        what = "is not built into this torch" if not onednn_available() else f"has no {dtype} linear on this CPU"
+        raise ConfigError(f"--cpu-linear onednn: oneDNN {what} (half precision needs AVX-512 BF16/FP16 or "
+                          "AVX-NE-CONVERT); use --cpu-linear auto or matmul")
+    if mode == "matmul" or not onednn_supports(dtype):
         return LinearPlan((False,) * len(PROBE_ROWS))
     if mode == "onednn":
         return LinearPlan((True,) * len(PROBE_ROWS))
