@@ -7,7 +7,9 @@ Per shape: a bf16 target built directly from a ModelConfig (random init, no chec
 head. Measured per step kind and batch bucket, with graphs on and off:
     decode  target, 1 token per request          verify  target, k + 1 = 5 tokens per request
     draft   MTP head, k = 4 greedy steps (1 graph)  refill  MTP head over 5 tokens per request
-and, when flashinfer imports, decode/verify again with FlashInfer attention ("fi_decode", "fi_verify").
+and, when flashinfer imports, decode/verify again with FlashInfer attention ("fi_decode", "fi_verify"): after
+the torch figures are written, captured in a GraphRunner of their own (its own memory pool), so a FlashInfer
+failure is recorded in the output (`results[shape]["flashinfer"]`, `errors`) and loses nothing else.
 Also: device copy bandwidth, the decode memory-bandwidth floor (weight bytes / copy bandwidth), and the goals
 (graph >= 2x eager for decode at batch 1 on 1B; decode <= 1.3x floor on 8B at batch 1; verify(5) <= 1.15x
 decode at batch 1). Writes JSON to --out and prints a short table last.
@@ -163,7 +165,9 @@ class FlashInferRoute:
         return StepKind(f"fi_{name}", fn, inputs, (q,), prepare=lambda key: self.fi.plan_padding(name, key.batch, q))
 
 
-def bench_shape(bench: Bench, name: str, buckets: list[int], fi_enabled: bool) -> dict:
+def bench_shape(bench: Bench, name: str, buckets: list[int], fi_enabled: bool, result: dict, save) -> None:
+    """Measure `name` into `result` (the caller's, already in the saved results): the torch backend's kinds,
+    `save()`, then FlashInfer's in a runner of their own."""
     import dataclasses
 
     torch = bench.torch
@@ -182,9 +186,9 @@ def bench_shape(bench: Bench, name: str, buckets: list[int], fi_enabled: bool) -
     pages = max(buckets) * max_pages + 1
     pool = KVPool(cfg, cfg.num_layers, pages, PAGE, bench.dtype, bench.device)
     head_pool = KVPool(head_cfg, 1, pages, PAGE, bench.dtype, bench.device)
-    result = {"config": dataclasses.asdict(cfg), "weight_bytes": weight_bytes(target),
-              "decode_read_bytes": decode_read_bytes(target), "head_weight_bytes": weight_bytes(head),
-              "build_s": time.perf_counter() - t}
+    result.update({"config": dataclasses.asdict(cfg), "weight_bytes": weight_bytes(target),
+                   "decode_read_bytes": decode_read_bytes(target), "head_weight_bytes": weight_bytes(head),
+                   "build_s": time.perf_counter() - t, "flashinfer": "off"})
 
     kinds = [StepKind("decode", target_step(target, pool), target_inputs(max_pages), (1,)),
              StepKind("verify", target_step(target, pool), target_inputs(max_pages), (K + 1,)),
@@ -192,27 +196,42 @@ def bench_shape(bench: Bench, name: str, buckets: list[int], fi_enabled: bool) -
                       mtp_inputs(max_pages, cfg.hidden_size, bench.dtype), (1,)),
              StepKind("refill", mtp_refill_step(head, target, head_pool),
                       mtp_inputs(max_pages, cfg.hidden_size, bench.dtype), (K + 1,))]
-    from specstep.engine.errors import ConfigError
-
-    route = None
-    result["flashinfer"] = "off"
-    if fi_enabled:
-        try:
-            route = FlashInferRoute(bench, cfg, target, max_pages)
-            result["flashinfer"] = "on"
-        except ConfigError as e:  # not installed, or no CUDA device
-            result["flashinfer"] = f"skipped: {e}"
-    if route is not None:
-        kinds += [route.kind("decode", pool, target_inputs(max_pages), 1),
-                  route.kind("verify", pool, target_inputs(max_pages), K + 1)]
-    _measure(bench, name, kinds, buckets, max_pages, cfg, route, result)
+    result["capture"], result["steps"] = _measure(bench, name, kinds, buckets, max_pages, cfg)
+    save()  # the torch figures are on disk before FlashInfer runs
+    if fi_enabled and not bench.over_budget(f"{name} flashinfer"):
+        _measure_flashinfer(bench, name, cfg, target, pool, buckets, max_pages, result)
     del target, head, pool, head_pool
     if bench.cuda:
         torch.cuda.empty_cache()
-    return result
 
 
-def _measure(bench: Bench, name, kinds, buckets, max_pages, cfg, route, result) -> None:
+def _measure_flashinfer(bench: Bench, name, cfg, target, pool, buckets, max_pages, result) -> None:
+    """fi_decode / fi_verify in a GraphRunner of their own: a failure (not installed, a kernel that would need
+    compiling, a capture error) is recorded, and the torch figures already measured stay."""
+    from specstep.cuda_graphs.steps import target_inputs
+    from specstep.engine.errors import ConfigError
+
+    try:
+        route = FlashInferRoute(bench, cfg, target, max_pages)
+    except ConfigError as e:  # not installed, or no CUDA device
+        result["flashinfer"] = f"skipped: {e}"
+        return
+    kinds = [route.kind("decode", pool, target_inputs(max_pages), 1),
+             route.kind("verify", pool, target_inputs(max_pages), K + 1)]
+    try:
+        result["flashinfer_capture"], rows = _measure(bench, name, kinds, buckets, max_pages, cfg, route)
+    except Exception as e:  # noqa: BLE001 (recorded: the check's first run on real hardware reads it here)
+        result["flashinfer"] = f"failed: {type(e).__name__}: {e}"
+        return
+    finally:
+        result["flashinfer_calls"] = route.calls
+    result["flashinfer"] = "on"
+    result["steps"] = result["steps"] + rows
+
+
+def _measure(bench: Bench, name, kinds, buckets, max_pages, cfg, route=None) -> tuple[dict, list[dict]]:
+    """Capture `kinds` in a GraphRunner of their own (its own memory pool on CUDA), then time each kind and
+    bucket replayed and eager. Rows join `bench.rows` only once all are measured."""
     import numpy as np
 
     torch, args = bench.torch, bench.args
@@ -224,7 +243,6 @@ def _measure(bench: Bench, name, kinds, buckets, max_pages, cfg, route, result) 
         on.register(k)
         off.register(k)
     info = on.capture()
-    result["capture"] = info.to_dict()
 
     rows = []
     for kind in kinds:
@@ -242,10 +260,8 @@ def _measure(bench: Bench, name, kinds, buckets, max_pages, cfg, route, result) 
             for graphs, runner in (("on", on), ("off", off)):
                 ms = bench.time_ms(lambda r=runner, n=kind.name, q=q, i=inp, b=b: r.run(n, q, i, b), args.iters)
                 rows.append({"shape": name, "kind": kind.name, "batch": b, "q": q, "graphs": graphs, "ms": ms})
-    if route is not None:
-        result["flashinfer_calls"] = route.calls
-    result["steps"] = rows
     bench.rows.extend(rows)
+    return info.to_dict(), rows
 
 
 def step_ms(rows, shape, kind, batch, graphs="on"):
@@ -258,6 +274,8 @@ def goals(rows, results, bandwidth) -> dict:
     best = lambda shape, kind: min((v for v in (step_ms(rows, shape, kind, 1), step_ms(rows, shape, "fi_" + kind, 1))
                                     if v is not None), default=None)
     for shape, res in results.items():
+        if "decode_read_bytes" not in res:  # failed while building
+            continue
         floor_ms = res["decode_read_bytes"] / bandwidth * 1e3
         res["floor_ms"] = floor_ms
         dec, ver = best(shape, "decode"), best(shape, "verify")
@@ -327,11 +345,15 @@ def main(argv=None) -> int:
         for shape in args.shapes.split(","):
             if bench.over_budget(shape):
                 continue
+            results[shape] = {}
             try:
-                results[shape] = bench_shape(bench, shape, buckets, not args.no_flashinfer)
+                bench_shape(bench, shape, buckets, not args.no_flashinfer, results[shape], save)
             except Exception as e:  # noqa: BLE001 (record it, keep measuring the other shapes)
                 errors[shape] = f"{type(e).__name__}: {e}"
                 print(f"gpu_bench: {shape} failed: {errors[shape]}", file=sys.stderr)
+            if results[shape].get("flashinfer", "").startswith("failed"):
+                errors[f"{shape} flashinfer"] = results[shape]["flashinfer"]
+                print(f"gpu_bench: {shape} FlashInfer {results[shape]['flashinfer']}", file=sys.stderr)
             save()  # after every shape: a timeout keeps what was measured
     summary = save()
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; results in {args.out}; "

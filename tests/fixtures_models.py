@@ -15,6 +15,14 @@ from safetensors.torch import load_file, save_file
 from specstep.engine.config import ModelConfig
 from specstep.engine.loader import local_to_hf, save_checkpoint
 from specstep.engine.models.mtp_head import MTPHead
+from tests.helpers import make_checkpoint
+
+# head_dim values FlashInfer ships prebuilt kernels for (flashinfer-cubin / flashinfer-jit-cache). Any other
+# head_dim is compiled on first use, which takes minutes: longer than scripts/gpu_check.sh's test stage.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+# A tiny checkpoint shape with head_dim 64 (hidden 256 over 4 heads, 2 KV heads): what GPU tests that run the real
+# FlashInfer use. make_checkpoint's default (hidden 64, 4 heads) has head_dim 16.
+FLASHINFER_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 
 
 def hf_model(folder: Path, dtype: torch.dtype = torch.float32):
@@ -56,6 +64,11 @@ def make_mtp_head(folder: Path, target: Path, seed: int = 0, std: float = 0.1) -
                 p.copy_(std * torch.randn(p.shape, generator=gen))
     save_checkpoint(local_to_hf(head.state_dict(), cfg), config, folder)
     return folder
+
+
+def make_flashinfer_checkpoint(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A random-init Llama of `FLASHINFER_SHAPE` (head_dim 64: FlashInfer's prebuilt kernels cover it)."""
+    return make_checkpoint(folder, seed=seed, **{**FLASHINFER_SHAPE, **overrides})
 
 
 def _copy_with(folder: Path, source: Path, edit) -> Path:

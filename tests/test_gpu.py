@@ -15,13 +15,13 @@ import torch  # noqa: E402
 
 from specstep.engine.attention import flashinfer_backend as fib  # noqa: E402
 from specstep.engine.attention.torch_backend import paged_attention  # noqa: E402
-from specstep.engine.batch_builder import build_layout  # noqa: E402
+from specstep.engine.batch_builder import build_forward_batch, build_layout  # noqa: E402
 from specstep.engine.config import ModelConfig  # noqa: E402
 from specstep.engine.forward_batch import ForwardBatch  # noqa: E402
 from specstep.engine.kv_cache import KVPool  # noqa: E402
 from specstep.engine.model_loader import load_model  # noqa: E402
 from specstep.engine.sampling_params import SamplingParams  # noqa: E402
-from tests.fixtures_models import make_mtp_head  # noqa: E402
+from tests.fixtures_models import make_flashinfer_checkpoint, make_mtp_head  # noqa: E402
 from tests.helpers import make_checkpoint, make_core, run_to_completion  # noqa: E402
 from tests.test_cuda_graphs import (  # noqa: E402
     BUCKETS,
@@ -92,10 +92,11 @@ def test_cuda_engine_speculative_greedy_equality(tiny_target, tiny_draft, spec):
     """Through the engine (StepEngine picks up graphs once the GraphRunner is wired in)."""
     prompts = [[5, 17, 42, 7, 5, 17], [9, 3], [100, 200, 50, 25, 60, 1, 100, 200]]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    plain = run_to_completion(make_core(tiny_target, device=CUDA, dtype="float32"), prompts, params)
+    common = dict(device=CUDA, dtype="float32", max_batch_size=4)  # 3 graph buckets, not 8: start-up time
+    plain = run_to_completion(make_core(tiny_target, **common), prompts, params)
     extra = {"draft": str(tiny_draft)} if spec == "draft_model" else {}
-    fast = run_to_completion(make_core(tiny_target, device=CUDA, dtype="float32", spec=spec, num_spec_tokens=3,
-                                       **extra), prompts, params)
+    fast = run_to_completion(make_core(tiny_target, spec=spec, num_spec_tokens=3, **common, **extra), prompts,
+                             params)
     assert [r.output_token_ids for r in fast] == [r.output_token_ids for r in plain]
 
 
@@ -131,6 +132,57 @@ def test_cuda_steady_state_decode_syncs_only_in_its_readback(tiny_target, tmp_pa
     finally:
         torch.cuda.set_sync_debug_mode(0)
     core.stream.close()
+
+
+# ---- bf16 speculation -----------------------------------------------------------------------------------------
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _greedy_logits(model, ids: list[int]) -> torch.Tensor:
+    """The target's next-token logits after `ids`, one eager prefill in the model's own dtype."""
+    pages = -(-len(ids) // PAGE)
+    pool = KVPool(model.cfg, model.cfg.num_layers, pages + 1, PAGE, model.embed_tokens.weight.dtype, CUDA)
+    fb = build_forward_batch([ids], [0], [list(range(1, pages + 1))], PAGE, CUDA)
+    with torch.inference_mode():
+        return model.compute_logits(model(fb, pool)[-1:])[0]
+
+
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_cuda_bf16_mtp_greedy_equals_plain(graphs):
+    """MTP speculation in bfloat16 (torch attention, graphs on and off) emits plain bf16 greedy decoding's tokens.
+    The embedded target with its trained head, so drafts are often accepted (partial and full acceptance, the
+    bonus token). Verify runs k + 1 rows where plain decoding runs one, and bf16 GEMMs of other shapes may round
+    differently: where the outputs part, both tokens must be near-tied maxima of the target's logits there (a
+    wrong acceptance emits a token far from the argmax)."""
+    from specstep.engine.model_source import EMBEDDED_TARGET
+
+    prompts = [[5, 17, 42, 7, 5, 17], [9, 3], [100, 200, 50, 25, 60, 1, 100, 200], [3, 1, 4, 1, 5, 9, 2, 6] * 3]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    common = dict(device=CUDA, dtype="bfloat16", attention="torch", graphs=graphs, max_batch_size=4,
+                  max_model_len=256)
+    outs = {}
+    for spec in ("none", "mtp"):
+        core = make_core(EMBEDDED_TARGET, spec=spec, num_spec_tokens=3, spec_policy="fixed", **common)
+        reqs = run_to_completion(core, prompts, params)
+        outs[spec] = [r.output_token_ids for r in reqs]
+        if spec == "mtp":
+            assert sum(r.stats.accepted for r in reqs) > 0, "the trained head should get drafts accepted"
+            assert graphs == "off" or core.engine.graphs.replays > 0
+        core.stream.close()
+    if outs["mtp"] == outs["none"]:
+        return
+    target = load_model(EMBEDDED_TARGET, CUDA, "bfloat16")
+    for prompt, plain, fast in zip(prompts, outs["none"], outs["mtp"]):
+        i = _common_prefix(plain, fast)
+        if i == len(plain):
+            continue
+        logits = _greedy_logits(target, prompt + plain[:i])
+        top, spread = logits.max().item(), (logits.max() - logits.min()).item()
+        gaps = top - logits[plain[i]].item(), top - logits[fast[i]].item()
+        assert max(gaps) <= 0.02 * spread, (f"token {i} of prompt {prompt}: plain {plain[i]}, speculative "
+                                             f"{fast[i]}, below the max logit by {gaps} (spread {spread:.2f})")
 
 
 # ---- FlashInfer vs torch -------------------------------------------------------------------------------------
@@ -211,10 +263,6 @@ def test_flashinfer_under_cuda_graph_with_padding(slot, q):
         torch.testing.assert_close(out[: 3 * q].float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 @needs_flashinfer
 @pytest.mark.parametrize("graphs", ["off", "on"])
 @pytest.mark.parametrize("spec", ["none", "draft_model", "mtp"])
@@ -222,9 +270,10 @@ def test_flashinfer_engine_follows_torch_engine(tmp_path, spec, graphs):
     """The whole engine (prefill, chained verify/draft/refill plans, graph replays) with FlashInfer against the
     torch backend, both fp16. Different kernels round differently, so a random-init model's near-tied logits
     may eventually pick another token: most of each output must agree before the first difference (a wrong
-    plan changes tokens at once). tests/test_flashinfer_engine.py checks exact equality on CPU over a fake."""
-    target = make_checkpoint(tmp_path / "t", seed=3)
-    draft = {"draft_model": str(make_checkpoint(tmp_path / "d", seed=1, num_hidden_layers=1)),
+    plan changes tokens at once). tests/test_flashinfer_engine.py checks exact equality on CPU over a fake.
+    head_dim 64 (target, draft and head): FlashInfer's prebuilt kernels, no JIT compile inside the check."""
+    target = make_flashinfer_checkpoint(tmp_path / "t", seed=3)
+    draft = {"draft_model": str(make_flashinfer_checkpoint(tmp_path / "d", seed=1, num_hidden_layers=1)),
              "mtp": str(make_mtp_head(tmp_path / "head", target))}.get(spec)
     prompts = [[5, 9, 11, 3, 7], [4, 2], [8] * 11, [17, 4, 9, 21, 5, 6, 7], [3, 1, 4, 1, 5, 9, 2, 6] * 5]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
