@@ -7,6 +7,7 @@ Start-up (after the KV pools are sized, so graph memory comes out of what is lef
     runner.register(StepKind("verify", verify_fn, verify_inputs, q_values=(k + 1,)))
     ...
     info = runner.capture()          # -> CaptureInfo (buckets, graph count, seconds, bytes) for the ready message
+                                     #    (`describe_capture(info.to_dict())`: the ready line's words)
 
 Each step:   outputs = runner.run("verify", q=k + 1, inputs={...live tensors...}, batch=len(seqs))
 
@@ -73,6 +74,14 @@ class CaptureInfo:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def describe_capture(graphs: Mapping | None) -> str:
+    """The ready line's account of start-up capture (`CaptureInfo.to_dict()`; None: graphs off, ''): how many
+    graphs and how long they took, the part of start-up that grows with buckets, widths and k values."""
+    if graphs is None:
+        return ""
+    return f"{graphs['graphs']} graphs captured in {graphs['seconds']:.1f} s ({graphs['backend']})"
 
 
 class GraphRunner:

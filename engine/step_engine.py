@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specstep.cuda_graphs.buckets import kv_page_buckets, width_for
+from specstep.cuda_graphs.buckets import kv_page_buckets
 from specstep.engine.batch_builder import (
     build_forward_batch,
     layout_arrays,
@@ -41,7 +41,7 @@ from specstep.engine.sampler import sample
 from specstep.engine.sampling_params import SamplingFlags, SamplingTensors
 from specstep.engine.staging import Staging
 from specstep.engine.step_context import Chain, DecodeContext, SeqState
-from specstep.engine.step_graphs import flavour, graph_inputs, graph_kind, register_decode_graphs
+from specstep.engine.step_graphs import graph_for, graph_inputs, register_decode_graphs
 from specstep.traces import ranges
 from specstep.traces.ranges import DEVICE_TRACK
 from specstep.traces.tracer import NULL_TRACER, Tracer
@@ -86,6 +86,7 @@ class StepEngine:
         self.leader_drafts = tp.world_size > 1 and proposer is not None and proposer.kind == "draft_model"
         self.graphs: GraphRunner | None = None  # set by `use_graphs` after the KV pools are sized
         self.graph_widths: tuple[int, ...] = ()  # captured page-table widths, ascending
+        self.graph_ks: tuple[int, ...] = ()  # k values graphs were registered for, ascending
         self.target = target
         self.pool = pool
         self.proposer = proposer
@@ -93,12 +94,16 @@ class StepEngine:
         self.vocab_size = target.cfg.vocab_size
         self.staging = Staging(device)  # every per-step host -> device copy (pinned, double-buffered on CUDA)
 
-    def use_graphs(self, runner: GraphRunner, ks: tuple[int, ...], max_model_len: int, scratch_slot: int):
-        """Register the decode step for every k in `ks` and capture (largest bucket first)."""
+    def use_graphs(self, runner: GraphRunner, ks: tuple[int, ...], max_model_len: int, scratch_slot: int,
+                   drops_refill: bool = True):
+        """Register the decode step for the k values in `ks` that steps replay and capture (largest bucket
+        first). `drops_refill`: whether the policy ever drops the proposer's refill (`PolicyConfig.drops_refill`;
+        True captures for both)."""
         # Every lane of a graph writes k + 1 verify positions (and the proposer's look-ahead), even a request
         # one token short of max_model_len that drafts nothing: the page table's width covers them.
         self.graph_widths = self.kv_widths(self.max_kv_len(max_model_len, max(ks)))
-        register_decode_graphs(runner, self, ks, self.graph_widths, scratch_slot)
+        self.graph_ks = tuple(sorted(ks))
+        register_decode_graphs(runner, self, ks, self.graph_widths, scratch_slot, drops_refill)
         self.graphs = runner
         return runner.capture(self.tracer)
 
@@ -196,19 +201,16 @@ class StepEngine:
         k = int(num_draft.max(initial=0))
         base = np.array([s.num_computed for s in seqs], dtype=np.int64)
         tables = [s.page_table for s in seqs]
+        params = [s.params for s in seqs]
+        kind = width = None
+        if self.graphs is not None:
+            kind, k, width = graph_for(self, SamplingFlags.of(params, self.vocab_size), refill, tables, k)
+        graph = kind is not None
         grid = np.zeros((b, k + 1), dtype=np.int64)
         grid[:, 0] = [s.token_ids[-1] for s in seqs]
         if host_drafts is not None and k > 0:
             for i, d in enumerate(host_drafts):
                 grid[i, 1: 1 + num_draft[i]] = d[: num_draft[i]]
-        params = [s.params for s in seqs]
-        kind = width = None
-        if self.graphs is not None:
-            width = self._graph_width(tables, k)
-            kind = graph_kind(self._flavour(SamplingFlags.of(params, self.vocab_size), refill), width,
-                              self.graph_widths)
-            kind = kind if self.graphs.has_graph(kind, k + 1, b) else None
-        graph = kind is not None
         # Everything the step reads from the host goes to the device in one staged upload (one pinned copy per
         # dtype on CUDA), here on the scheduler thread, not inside the device job. Named groups of arrays:
         host = {"inputs": [base, np.array([s.slot for s in seqs], dtype=np.int64), num_draft.astype(np.int64), grid],
@@ -240,15 +242,6 @@ class StepEngine:
             num_draft_dev=num_draft_dev, chain=chain, refill=refill, graph=graph, page_tables=host_tables,
             graph_kind=kind, graph_page_table=graph_table, input_grid_dev=grid_dev,
         )
-
-    def _graph_width(self, tables: list[list[int]], k: int) -> int:
-        """The narrowest captured page-table width for these lanes. A uniform lane writes k + 1 verify
-        positions and the proposer's look-ahead from its start even where it drafts fewer (and reserved fewer
-        pages): those land past its own pages, on the table's dummy-page padding, which must exist. Positions
-        never pass max_model_len's width, the widest."""
-        lookahead = self.proposer.kv_lookahead if self.proposer else 0
-        need = max(len(t) for t in tables) + -(-(k + 1 + lookahead) // self.page_size)
-        return width_for(self.graph_widths, min(need, self.graph_widths[-1]))
 
     def plan_decode(self, seqs: list[SeqState], num_draft: np.ndarray, chain: Chain | None = None,
                     refill: bool = True) -> DecodeContext:
@@ -286,11 +279,6 @@ class StepEngine:
             else:
                 out, accepted = self.decode_body(ctx, grid)
             return StepOutput.packed(out, accepted, ctx.num_draft, ctx.start)
-
-    def _flavour(self, st: SamplingTensors | SamplingFlags, refill: bool) -> str:
-        """The captured graph's name; without a draft model there is no refill to drop (only the refill
-        flavours are captured then)."""
-        return flavour(st, refill or not self.has_draft_model)
 
     @staticmethod
     def _patch(ctx: DecodeContext, grid: torch.Tensor) -> None:

@@ -16,7 +16,9 @@ key of that width, each flavour is captured at a few widths (`cuda_graphs.bucket
 tokens x 4^i up to max_model_len) and a step replays the narrowest that holds its lanes, so its attention work
 follows the batch's lengths, not max_model_len; the widest keeps the flavour's plain name, a narrower one is
 `{flavour}.kv{pages}`. Padding lanes point at the dummy page and at a scratch row of the proposer's carried
-state.
+state. A step replays the graph of the smallest captured k at or above its own (`graph_for`), so start-up
+captures only the (flavour, k) pairs steps form (`decode_graph_ids`) and every decode step that fits a bucket
+replays one.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specstep.cuda_graphs.buckets import width_for
 from specstep.cuda_graphs.contract import BufferSpec, GraphKey, StepKind
 from specstep.cuda_graphs.steps import uniform_layout
 from specstep.engine.kv_cache import DUMMY_PAGE
@@ -37,7 +40,6 @@ if TYPE_CHECKING:
     from specstep.engine.step_engine import StepEngine
 
 SAMPLING = ("greedy", "sampled", "general")
-FLAVOURS = (*SAMPLING, *(f"{s}_norefill" for s in SAMPLING))
 
 
 def flavour(st: SamplingTensors | SamplingFlags, refill: bool) -> str:
@@ -48,6 +50,33 @@ def flavour(st: SamplingTensors | SamplingFlags, refill: bool) -> str:
 def graph_kind(flavour_name: str, width: int, widths: tuple[int, ...]) -> str:
     """The registered name of a flavour's graphs at page-table width `width` (one of `widths`)."""
     return flavour_name if width == widths[-1] else f"{flavour_name}.kv{width}"
+
+
+def graph_for(engine: StepEngine, flags: SamplingFlags, refill: bool, tables: list[list[int]], k: int
+              ) -> tuple[str | None, int, int | None]:
+    """(graph kind, k, width) of the captured graph a decode step of k drafts replays, else (None, k, None):
+    eager. It is the graph of the smallest captured k at or above the step's own, so a step whose drafts were
+    cut (to the room left in its requests, or to nothing for want of pages) still replays one: lanes past their
+    num_draft are masked, as is any lane drafting fewer than its batch's k. Without a draft model there is no
+    refill to drop (only the refill flavours are captured then)."""
+    name = flavour(flags, refill or not engine.has_draft_model)
+    for kg in (kg for kg in engine.graph_ks if kg >= k):
+        width = graph_width(engine, tables, kg)
+        kind = graph_kind(name, width, engine.graph_widths)
+        if engine.graphs.has_graph(kind, kg + 1, len(tables)):
+            return kind, kg, width
+    return None, k, None
+
+
+def graph_width(engine: StepEngine, tables: list[list[int]], k: int) -> int:
+    """The narrowest captured page-table width for these lanes at k. A uniform lane writes k + 1 verify
+    positions and the proposer's look-ahead from its start even where it drafts fewer (and reserved fewer
+    pages): those land past its own pages, on the table's dummy-page padding, which must exist. Positions
+    never pass max_model_len's width, the widest."""
+    lookahead = engine.proposer.kv_lookahead if engine.proposer else 0
+    widths = engine.graph_widths
+    need = max(len(t) for t in tables) + -(-(k + 1 + lookahead) // engine.page_size)
+    return width_for(widths, min(need, widths[-1]))
 
 
 def decode_inputs(max_pages: int, vocab_size: int, scratch_slot: int):
@@ -94,17 +123,32 @@ def decode_step_fn(engine: StepEngine):
     return step
 
 
+def decode_graph_ids(ks: tuple[int, ...], has_draft_model: bool, drops_refill: bool
+                     ) -> list[tuple[str, tuple[int, ...]]]:
+    """(flavour, q values) to capture at each width and bucket: what decode steps form, given that a step
+    replays the graph of the smallest captured k at or above its own (`graph_for`; lanes drafting fewer than
+    the graph's k are masked by num_draft, as in any batch):
+
+        refill flavours   q = k + 1 for k in ks; without k = 0 when the policy drops refills (a step then
+                          refills only where someone drafts; one whose drafts were cut for want of pages
+                          keeps its refill and rounds up to the smallest k, nobody drafting)
+        _norefill         only when the policy drops refills (`PolicyConfig.drops_refill`; the fixed policy
+                          never does), and only at q = 1: the refill is dropped only where nobody drafts
+    Without a draft model there is no refill to drop: the sampling flavours at every k."""
+    if not has_draft_model:
+        return [(name, tuple(k + 1 for k in ks)) for name in SAMPLING]
+    refill_ks = tuple(k for k in ks if k > 0) if drops_refill and max(ks) > 0 else ks
+    ids = [(name, tuple(k + 1 for k in refill_ks)) for name in SAMPLING]
+    return ids + ([(f"{name}_norefill", (1,)) for name in SAMPLING] if drops_refill else [])
+
+
 def register_decode_graphs(runner: GraphRunner, engine: StepEngine, ks: tuple[int, ...],
-                           widths: tuple[int, ...], scratch_slot: int) -> None:
-    """Every flavour at every page-table width in `widths` (ascending; the last covers max_model_len)."""
-    flavours = FLAVOURS if engine.has_draft_model else SAMPLING
+                           widths: tuple[int, ...], scratch_slot: int, drops_refill: bool) -> None:
+    """`decode_graph_ids` at every page-table width in `widths` (ascending; the last covers max_model_len)."""
     for width in widths:
         specs = decode_inputs(width, engine.vocab_size, scratch_slot)
-        for name in flavours:
+        for name, q_values in decode_graph_ids(ks, engine.has_draft_model, drops_refill):
             refill = not name.endswith("norefill")
             prepare = (lambda key, refill=refill: engine.plan_graph_padding(key.q - 1, key.batch, refill))
-            # The refill is dropped only in steps where nobody drafts (`AdaptivePolicy._refill`), and a stale
-            # draft cannot propose: a _norefill graph only ever replays with q = 1.
-            q_values = tuple(k + 1 for k in ks) if refill else (1,)
             runner.register(StepKind(graph_kind(name, width, widths), decode_step_fn(engine), specs,
                                      q_values=q_values, prepare=prepare if engine.plans_attention else None))

@@ -174,7 +174,8 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
         from specstep.cuda_graphs.runner import GraphConfig, GraphRunner
 
         runner = GraphRunner(device, GraphConfig(max_batch=cfg.max_batch_size))
-        capture = step_engine.use_graphs(runner, ks, max_len, scratch_slot=cfg.max_batch_size)
+        capture = step_engine.use_graphs(runner, ks, max_len, scratch_slot=cfg.max_batch_size,
+                                         drops_refill=policy_config(cfg, k_max, ks).drops_refill)
     return StepEngineParts(step_engine, memory, capture, attention, max_len, ks)
 
 

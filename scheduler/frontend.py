@@ -121,6 +121,7 @@ class Frontend:
         else:
             ready = self.supervisor.ready
             kv = f"; {ready.kv_cache}" if ready.kv_cache else ""
+            kv += f"; {ready.graphs}" if ready.graphs else ""
             if ready.tensor_parallel_size > 1:
                 kv += f"; tensor-parallel {ready.tensor_parallel_size} ranks"
             on_listening(f"specstep serve: ready ({self.cfg.model_origin or self.cfg.model_name}; spec {ready.spec}, "

@@ -260,8 +260,13 @@ def _run(args: argparse.Namespace) -> int:
 
 def ready_text(info) -> str:
     """`spec X, N KV pages; kv cache ... (how it was sized)`: the start-up facts a user checks first."""
+    # Imported here: `serve` imports this module in its frontend process, which never imports torch.
+    from specstep.cuda_graphs.runner import describe_capture
+
     text = f"spec {info.spec}, {info.num_pages} KV pages"
-    return f"{text}; {info.memory.describe()}" if info.memory is not None else text
+    text = f"{text}; {info.memory.describe()}" if info.memory is not None else text
+    graphs = describe_capture(info.graphs)
+    return f"{text}; {graphs}" if graphs else text
 
 
 def make_tracer(path: str | None):

@@ -28,6 +28,7 @@ import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
+from specstep.cuda_graphs.runner import describe_capture  # noqa: E402
 from specstep.engine.engine_config import EngineConfig  # noqa: E402
 from specstep.engine.errors import InvalidRequestError  # noqa: E402
 from specstep.engine.sampling_params import SamplingParams  # noqa: E402
@@ -259,6 +260,7 @@ def ready_message(core: EngineCore, info, max_prompt_len: int | None) -> Ready:
                  dtype=info.dtype, spec=info.spec, num_spec_tokens=core.config.num_spec_tokens,
                  eos_token_ids=list(info.eos_token_ids),
                  kv_cache=info.memory.describe() if info.memory is not None else "",
+                 graphs=describe_capture(info.graphs),
                  tensor_parallel_size=info.tensor_parallel_size)
 
 

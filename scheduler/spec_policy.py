@@ -91,6 +91,12 @@ class PolicyConfig:
         self.governor.validate()
 
     @property
+    def drops_refill(self) -> bool:
+        """Whether a step may skip the proposer's refill (`AdaptivePolicy._refill`: only when nobody drafts); the
+        fixed policy always refills a model proposer. Graph capture follows this (`engine.step_graphs`)."""
+        return self.kind != "fixed" and self.keeps_draft_kv and self.can_drop_refill
+
+    @property
     def ks(self) -> tuple[int, ...]:
         if self.candidates is not None:
             return tuple(sorted({0, *(k for k in self.candidates if k <= self.k_max)}))

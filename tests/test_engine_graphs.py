@@ -98,16 +98,20 @@ def test_a_draft_with_a_shorter_context_stops_drafting_past_it(tmp_path):
     assert all(n == 0 for length, n in decisions if length + n + 1 > 32)  # ... and never past it
 
 
-def test_norefill_graphs_are_captured_only_where_they_replay(tiny_target, tmp_path):
-    """The refill is dropped only when nobody drafts, so a _norefill graph replays only with one token a lane:
-    capturing it for every k would double the MTP graphs for nothing."""
+@pytest.mark.parametrize("policy", ["adaptive", "fixed"])
+def test_graphs_are_captured_only_where_they_replay(tiny_target, tmp_path, policy):
+    """The adaptive policy drops the refill only when nobody drafts, so a _norefill graph replays only with one
+    token a lane, and a refill graph never at q = 1 (a step whose drafts were cut for want of pages rounds up
+    to q = 2). The fixed policy never drops the refill: no _norefill graphs at all."""
     core = make_core(tiny_target, spec="mtp", draft=str(make_mtp_head(tmp_path / "head", tiny_target)),
-                     num_spec_tokens=4, graphs="on", max_batch_size=4)
-    graphs = core.engine.graphs
-    assert graphs.has_graph("greedy_norefill", 1, 1) and graphs.has_graph("general_norefill", 1, 4)
-    assert not any(graphs.has_graph(f, q, b) for f in ("greedy_norefill", "general_norefill") for q in (2, 3, 5)
-                   for b in (1, 2, 4))
-    assert all(graphs.has_graph("greedy", q, 1) for q in (1, 2, 3, 5))
+                     num_spec_tokens=4, graphs="on", max_batch_size=4, spec_policy=policy)
+    graphs, adaptive = core.engine.graphs, policy == "adaptive"
+    norefill = [graphs.has_graph(f, q, b) for f in ("greedy_norefill", "general_norefill") for b in (1, 2, 4)
+                for q in (1, 2, 3, 5)]
+    assert norefill == [adaptive and q == 1 for _ in range(2) for _ in range(3) for q in (1, 2, 3, 5)]
+    assert all(graphs.has_graph("greedy", q, 1) for q in (2, 3, 5))
+    assert graphs.has_graph("greedy", 1, 1) == (not adaptive)
+    core.stream.close()
 
 
 @pytest.mark.parametrize(("params", "flavour", "sorts"), [
