@@ -3,19 +3,36 @@
 Every speculative step in which policy-chosen (auto) requests drafted by the policy's choice or as a probe
 (not exploration or re-measurement, which run k values on purpose) reports what it produced, T tokens (the
 accepted drafts plus one per lane), and what plain decoding would have produced in the same device time,
-P = B * seconds / t_plain(B) (the step's catch-up of a stale draft included in its seconds). Over a window of
-such steps the realised ratio is R = sum(T) / sum(P), with the delta-method standard error
+P = B * seconds / t_plain(B). t_plain is the governor's own baseline, the median of its latest `plain_window`
+plain steps in the batch bucket (the policy measures plain three times per bucket first, then re-measures it on
+a schedule), not the cost model's estimate: one noisy plain step used to mislead both together. While on, the
+step's catch-up of a stale draft is in its seconds; a probe's is not (it asks what speculating gives from now
+on; its catch-up is the price of asking, paid by the probe budget below). Over a window of such steps the
+realised ratio is R = sum(T) / sum(P), with the delta-method standard error
     se(R) = sqrt(var(T_i - R * P_i) / n) / mean(P).
 
     on   -> off   when R + z * se(R) < 1 - delta   (confident that speculating loses more than delta)
     off  -> on    when R - z' * se(R) > 1          over the latest probes (likely that it wins again; z' < z
                                                    since a wrong "on" costs at most min_samples steps)
 
-While off, every step is plain except probes, at most one in every ceil(1 / epsilon) steps. So the loss
-against plain decoding is bounded by about
-    delta                                   while on (beyond the window it takes to become confident), plus
-    epsilon * (probe cost / plain cost - 1) while off, where a probe that accepts nothing costs its full price.
-With the defaults (delta = 0.02, epsilon = 0.02, a probe below 1.5x plain) that is about 3%.
+While on, samples older than `max_age` steps run (judged or not) drop out. While off, every step is plain
+except probes: at most one in every ceil(1 / epsilon) steps, and never before epsilon of the off device time
+since the last probe has paid for that probe's overhead (its catch-up plus its time beyond the plain time of the
+tokens it emitted: a probe that paid owes nothing). A probe decided for a step that does not run as decided
+(a chained step that must drain first) is given back (`snapshot`/`restore`), so it is not lost.
+
+The bound. The loss against plain decoding is about
+    delta      while on, beyond the one-off exploration and the min_samples..window steps it takes to be confident,
+    epsilon    while off (probe overhead, catch-up included, is at most epsilon of the off device time),
+plus the overhead of the first probe after each switch off (it is paid before the budget can defer the next).
+With the defaults (delta = epsilon = 0.02) that is about 2-4%. It assumes:
+  - plain cost stationary over the governor's last few plain steps per bucket (they are re-measured one step in
+    `remeasure_every` while speculating; a load change between them biases P until the next ones);
+  - acceptance stationary over the window while on, and over the latest `resume_window` probes while off;
+  - a probe's catch-up small against epsilon x the off time before it: it grows with the tokens skipped (batch x
+    off steps), so with a draft-model catch-up at a large batch the first probe alone can exceed the budget
+    (probing a subset of lanes would bound it; not done);
+  - on the overlap path, the probe clock given back whenever a chained decision is dropped (above).
 """
 
 from __future__ import annotations
@@ -23,6 +40,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from statistics import median
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +53,8 @@ class GovernorConfig:
     resume_window: int = 3  # while off, only the latest probes count (the workload may have changed since)
     z: float = 1.64  # one-sided 95% bound for switching off
     z_resume: float = 1.0  # one-sided 84% for switching back on: a wrong "on" costs min_samples steps at most
+    plain_window: int = 3  # its own plain baseline: the median of the latest plain steps per batch bucket
+    max_age: int = 1024  # while on, samples older than this many steps run (judged or not) no longer count
     enabled: bool = True
 
     def validate(self) -> None:
@@ -58,6 +78,9 @@ class Governor:
         self.switches = 0  # on <-> off transitions
         self.probes = 0  # probe steps taken while off
         self.off_steps = 0  # steps taken while off (probes included)
+        self._plain: dict[int, deque[float]] = {}  # batch bucket -> seconds of its latest plain steps
+        self._debt = 0.0  # probe overhead (catch-up, excess over a plain step) not yet amortised by off time
+        self._ran = 0  # steps run: the on window's samples age by these, not only by judged steps
 
     @staticmethod
     def bounds(samples, z: float) -> tuple[float, float, float] | None:
@@ -70,7 +93,7 @@ class Governor:
         if p <= 0:
             return None
         r = t / p
-        resid = [ti - r * pi for ti, pi in samples]
+        resid = [s[0] - r * s[1] for s in samples]
         mean = sum(resid) / n
         var = sum((x - mean) ** 2 for x in resid) / max(n - 1, 1)
         se = math.sqrt(var / n) / (p / n)
@@ -85,17 +108,48 @@ class Governor:
             return False
         self.off_steps += 1
         self._since_probe += 1
-        if self._since_probe >= self.cfg.probe_every:
+        if self._since_probe >= self.cfg.probe_every and self._debt <= 0.0:
             self._since_probe = 0
             self.probes += 1
             return True
         return False
 
+    def snapshot(self) -> tuple[int, int, int]:
+        """The probe clock, so a decision that never runs can give back what `tick` spent on it."""
+        return self._since_probe, self.probes, self.off_steps
+
+    def restore(self, snap: tuple[int, int, int]) -> None:
+        self._since_probe, self.probes, self.off_steps = snap
+
+    def observe_plain(self, bucket: int, seconds: float) -> None:
+        """A step in which nobody drafted: the governor's own plain baseline, apart from the cost model's."""
+        self._plain.setdefault(bucket, deque(maxlen=self.cfg.plain_window)).append(seconds)
+
+    def plain(self, bucket: int) -> float | None:
+        """Median of the latest plain steps in the bucket: one noisy step does not move it."""
+        xs = self._plain.get(bucket)
+        return float(median(xs)) if xs else None
+
+    def ran(self, seconds: float) -> None:
+        """Every step that ran, judged or not: while off, its time amortises the probes' overhead (a fraction
+        epsilon of it may go to probing); while on, it ages the window."""
+        self._ran += 1
+        if not self.on:
+            self._debt = max(0.0, self._debt - self.cfg.epsilon * seconds)
+
+    def owe(self, seconds: float) -> None:
+        """A probe's overhead over the plain step it replaced (its catch-up included): the next probe waits
+        until epsilon of the off time since has paid for it, so probing costs at most epsilon in time."""
+        self._debt += max(0.0, seconds)
+
     def observe(self, tokens: float, plain_tokens: float) -> None:
         """A speculative step with auto requests drafting: tokens it emitted, tokens plain would have."""
         if not self.cfg.enabled or plain_tokens <= 0:
             return
-        self._samples.append((tokens, plain_tokens))
+        if self.on:  # a verdict about now, even when few steps are judged: drop samples too old in steps run
+            while self._samples and self._samples[0][2] <= self._ran - self.cfg.max_age:
+                self._samples.popleft()
+        self._samples.append((tokens, plain_tokens, self._ran))
         if len(self._samples) < (self.cfg.min_samples if self.on else self.cfg.resume_samples):
             return
         if self.on:
@@ -111,5 +165,6 @@ class Governor:
         self.on = on
         self.switches += 1
         self._since_probe = 0
+        self._debt = 0.0
         # A fresh verdict in the new state: the old one was about the other regime.
         self._samples = deque(maxlen=self.cfg.window if on else self.cfg.resume_window)

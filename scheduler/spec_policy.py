@@ -16,14 +16,15 @@ the draft model (or MTP head, from the target hidden states it kept) catches up 
 the step that resumes speculating; that catch-up is charged to the step that pays it.
 
 Measurements that stay true: each step's cost is recorded under the k it actually drafted; before the cost
-model is trusted each runnable k is measured `explore_samples` times; after that, in every bucket, one step in
-`remeasure_every` re-measures the stalest other candidate (plain decoding included), so costs follow context
-length and machine load.
+model is trusted each runnable k is measured `explore_samples` times (plain: `plain_samples` times per
+bucket); after that, in every bucket, one step in `remeasure_every` re-measures the stalest other candidate
+(plain decoding included), so costs follow context length and machine load.
 
 The floor: `spec_governor.Governor` watches the realised throughput of speculative steps against plain
 decoding and switches speculation off when it is confidently below (1 - delta) of plain; while off, only
-probes (at most a fraction epsilon of steps) speculate. The loss against plain is bounded by about
-    delta + epsilon * (probe cost / plain cost - 1)        (defaults: delta = epsilon = 0.02, about 3%).
+probes (at most a fraction epsilon of steps, and of the off time) speculate. The loss against plain is bounded by
+about delta while on plus epsilon while off (defaults 0.02 each), under the assumptions the governor's docstring
+states (stationary plain cost and acceptance over its windows, a probe's catch-up small against its budget).
 
 Objectives: `throughput` maximises tokens per second; `latency` only allows speculative steps expected to take
 at most `itl_budget` times a plain step (a step's duration is the gap between a stream's messages, so this
@@ -75,6 +76,7 @@ class PolicyConfig:
     keeps_draft_kv: bool = True  # model proposers refill a KV cache; n-gram has none
     can_drop_refill: bool = True  # the proposer catches up after steps without refill (every model proposer)
     explore_samples: int = 2  # measurements of each k (across buckets) before the cost model is trusted
+    plain_samples: int = 3  # measurements of plain decoding per bucket first: one noisy sample misled it
     min_gain: float = 0.3  # expected extra tokens per step below which a request is not worth a draft
     remeasure_every: int = 32  # per bucket: one step in this many re-measures the stalest other candidate
     governor: GovernorConfig = GovernorConfig()
@@ -116,6 +118,7 @@ class AdaptivePolicy:
         self._since_probe = 0  # steps since auto requests last drafted (the global probe clock)
         self.reasons: Counter[str] = Counter()  # decisions by reason, for metrics
         self._explore_tries: Counter[int] = Counter()  # k > 0: tries of k; -bucket: tries of plain in it
+        self._undo = self.governor.snapshot()
 
     # ---- measurements (no extra syncs: the host already read these back) ---------------------------------------
     def observe_request(self, acc: RequestAcceptance, num_draft: int, num_accepted: int, probe: bool = False) -> None:
@@ -130,10 +133,22 @@ class AdaptivePolicy:
         num_draft = np.asarray(num_draft, dtype=np.int64)
         b = bucket(batch)
         self.costs.observe(batch, num_draft, refill, seconds, self.bucket_steps[b])
+        gov, plain_refill = self.governor, self._refill(np.zeros(1, np.int64))
+        if not num_draft.any() and refill == plain_refill:
+            gov.observe_plain(b, seconds)
         if auto_drafted and tokens is not None:
-            plain = self.costs.plain(batch, self._refill(np.zeros(1, np.int64)))
+            # Judged against the governor's own recent plain steps; the model's estimate only until there are some.
+            plain = gov.plain(b) or self.costs.plain(batch, plain_refill)
             if plain:
-                self.governor.observe(tokens, batch * (seconds + catch_up_s) / plain)
+                if gov.on:
+                    gov.observe(tokens, batch * (seconds + catch_up_s) / plain)
+                else:
+                    # A probe asks what speculating would give from now on: its catch-up is the price of asking
+                    # (the probe budget pays it), not a cost speculating would go on paying. It owes what it cost
+                    # beyond the plain time of the tokens it emitted: a probe that paid owes nothing.
+                    gov.owe(catch_up_s + seconds - plain * tokens / batch)
+                    gov.observe(tokens, batch * seconds / plain)
+        gov.ran(seconds + catch_up_s)
 
     def acceptance_estimate(self, acc: RequestAcceptance) -> float:
         """A request's per-position acceptance as the policy sees it (its own, pulled toward the global one)."""
@@ -168,6 +183,7 @@ class AdaptivePolicy:
     def choose(self, accs: list[RequestAcceptance], overrides: list[int | None], room: np.ndarray) -> Decision:
         """accs: per-request acceptance; overrides: per-request fixed k (None = auto); room: max drafts each."""
         self.steps += 1
+        self._undo = self.governor.snapshot()  # for `retract`: this decision may never run
         cfg, b = self.cfg, len(accs)
         room = np.asarray(room, dtype=np.int64).clip(0)
         auto = np.array([o is None for o in overrides], dtype=bool)
@@ -251,6 +267,14 @@ class AdaptivePolicy:
         reason = "probe" if probing.any() and not speculating else "model"
         return self._decision(nd, auto, reason, best.expected_tokens, best.expected_cost, probing)
 
+    def retract(self, decision: Decision) -> None:
+        """The latest decision will not run as decided (a chained step that must drain first): give back its
+        probe and its count, so the re-made decision probes instead (else, on the overlap path, every probe
+        is spent on a step that never runs, and speculation never comes back once off)."""
+        self.governor.restore(self._undo)
+        self.reasons[decision.reason] -= 1
+        self.steps -= 1
+
     def _budget_ok(self, b: int, nd: np.ndarray, refill: bool) -> bool:
         if self.cfg.objective != "latency" or not nd.any():
             return True
@@ -283,14 +307,16 @@ class AdaptivePolicy:
         return best
 
     def _unmeasured(self, b: int, forced: np.ndarray, room: np.ndarray, auto: np.ndarray) -> int | None:
-        """What to measure before trusting the cost model: plain decoding once in this bucket (when a fixed-k
+        """What to measure before trusting the cost model: plain decoding three times in this bucket (one noisy
+        sample misled both the model and the governor) (when a fixed-k
         request does not make it impossible), then each runnable k a few times in some bucket (cost ratios
         carry over between buckets). The latency objective stops at the first k over its budget."""
         n = self.cfg.explore_samples
         kf = int(forced.max(initial=0))
         plain_refill = self._refill(np.zeros(1, np.int64))
-        # (Once per bucket until it is measured: with overlap the next step is decided before this one ends.)
-        if kf == 0 and self.costs.samples(b, 0, plain_refill) < 1 and self._explore_tries[-bucket(b)] < 1:
+        # (Tries, not samples, bound it: with overlap the next step is decided before this one ends.)
+        n0 = self.cfg.plain_samples
+        if kf == 0 and self.costs.samples(b, 0, plain_refill) < n0 and self._explore_tries[-bucket(b)] < n0:
             self._explore_tries[-bucket(b)] += 1
             return 0
         if not (auto & (room > 0)).any():

@@ -4,6 +4,10 @@
 A scenario gives the cost of a step, cost(batch, num_draft, refill, tokens_so_far) in seconds, and each
 request's per-position acceptance, alpha(request_id, tokens_so_far). Catch-up after dropped refills costs
 `catch_up_per_token` per skipped token. Tokens are all 1 (no EOS): requests end at max_tokens.
+
+`overlap=True` runs the core on `SimStream`, a stream that is not an `InlineStream`, so the core takes the
+pipelined path a GPU runs (step N+1 decided and launched before step N is read back), yet runs each job at
+once on the virtual clock: deterministic, and its device seconds are simulated ones.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from specstep.engine.sampling_params import SamplingParams
 from specstep.engine.step_engine import StepOutput
+from specstep.engine.stream import DeviceStream, StepHandle
 from specstep.scheduler.engine_core import EngineCore, SchedulerConfig
 from specstep.scheduler.page_allocator import PageAllocator
 from specstep.scheduler.request import Request
@@ -28,6 +33,24 @@ class SimClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+class SimStream(DeviceStream):
+    """Synchronous, but not inline: the core chains steps as on CUDA; device time is the virtual clock's."""
+
+    def __init__(self, clock: SimClock) -> None:
+        self.clock = clock
+
+    def submit(self, name, fn):
+        handle = StepHandle(name)
+        handle.device_start = self.clock()
+        try:
+            handle._result = fn()
+        except BaseException as e:  # noqa: BLE001 (delivered to the waiter, as the real streams do)
+            handle._error = e
+        handle.device_end = self.clock()
+        handle._done.set()
+        return handle
 
 
 @dataclass
@@ -127,7 +150,8 @@ class SimResult:
 
 
 def simulate(scenario: Scenario, proposer: str | None, arrivals: list[tuple[int, str, int | None]],
-             max_tokens: int, policy: PolicyConfig | None = None, seed: int = 0) -> SimResult:
+             max_tokens: int, policy: PolicyConfig | None = None, seed: int = 0, overlap: bool = False,
+             prompt_len: int = 3) -> SimResult:
     """arrivals: (tokens emitted when it arrives, request id, fixed k or None) per request."""
     clock = SimClock()
     engine = SimStepEngine(scenario, clock, SimProposer(proposer) if proposer else None, seed=seed)
@@ -135,14 +159,14 @@ def simulate(scenario: Scenario, proposer: str | None, arrivals: list[tuple[int,
     pol = AdaptivePolicy(policy) if policy is not None else None
     core = EngineCore(engine, PageAllocator(8192, 16), SchedulerConfig(max_batch_size=64, num_spec_tokens=k_max,
                                                                         max_model_len=100_000),
-                      policy=pol, clock=clock)
+                      policy=pol, clock=clock, stream=SimStream(clock) if overlap else None)
     pending = sorted(arrivals, key=lambda a: a[0])
     reqs, chosen = [], []
     while pending or core.has_unfinished():
         while pending and pending[0][0] <= engine.tokens:
             _, rid, k = pending.pop(0)
-            reqs.append(Request(rid, [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True),
-                                seed=1, num_spec_tokens=k))
+            params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+            reqs.append(Request(rid, [1] * prompt_len, params, seed=1, num_spec_tokens=k))
             core.add_request(reqs[-1])
         if not core.has_unfinished():  # idle until the next arrival: jump there
             engine.tokens = pending[0][0]
@@ -150,4 +174,5 @@ def simulate(scenario: Scenario, proposer: str | None, arrivals: list[tuple[int,
         core.step()
         chosen.append(core.policy.current_k)
     core.check_integrity()
-    return SimResult(engine.tokens, clock.now, engine.steps, reqs, core, chosen)
+    # Tokens the requests received: with overlap, a lane of a request that finished one step earlier is wasted.
+    return SimResult(sum(r.num_output_tokens for r in reqs), clock.now, engine.steps, reqs, core, chosen)

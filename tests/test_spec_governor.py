@@ -29,6 +29,7 @@ def test_a_small_loss_within_delta_is_tolerated_and_a_win_is_kept():
     rng = np.random.default_rng(1)
     gov = Governor(GovernorConfig(delta=0.05))
     assert feed(gov, 0.99, 400, rng) == 400 and gov.on
+    assert feed(gov, 0.8, 400, rng) < 400 and not gov.on  # the same governor does switch off a real loss
     gov = Governor(GovernorConfig(delta=0.02))
     assert feed(gov, 1.4, 400, rng) == 400 and gov.on
 
@@ -51,3 +52,35 @@ def test_probes_are_rate_limited_and_bring_speculation_back():
         gov.observe(rng.normal(6.0, 0.3), 4.0)
         wins += 1
     assert gov.on and wins <= cfg.resume_samples + 2
+
+
+def test_one_slow_plain_step_does_not_move_the_baseline():
+    gov = Governor(GovernorConfig())
+    for x in (2.0, 1.0, 1.0):  # the first plain step 2x slow
+        gov.observe_plain(4, x)
+    assert gov.plain(4) == 1.0 and gov.plain(8) is None
+
+
+def test_a_probes_overhead_defers_the_next_probe_until_off_time_pays_for_it():
+    cfg = GovernorConfig(epsilon=0.02)
+    gov = Governor(cfg)
+    feed(gov, 0.5, 100, np.random.default_rng(3))
+    assert not gov.on
+    gov.owe(1.0)  # a probe that cost one second beyond plain (a large catch-up)
+    due = []
+    for _ in range(800):  # 0.1 s steps: 50 s of off time (500 steps) pay for it at epsilon = 0.02
+        due.append(gov.tick())
+        gov.ran(0.1)
+    assert not any(due[:450]), "probed before the last probe's overhead was paid for"
+    assert any(due[500:])
+
+
+def test_a_decision_that_never_runs_gives_its_probe_back():
+    gov = Governor(GovernorConfig(epsilon=0.02))
+    feed(gov, 0.5, 100, np.random.default_rng(4))
+    while True:
+        snap = gov.snapshot()
+        if gov.tick():
+            break
+    gov.restore(snap)  # the probe's chained step had to drain
+    assert gov.tick(), "the probe was lost"

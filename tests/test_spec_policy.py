@@ -13,7 +13,7 @@ def policy_with_costs(cost, batch: int, k_max: int = 6, candidates=None, plain_c
     """A policy whose cost table is filled with cost(k) for the batch's bucket (past exploration)."""
     pol = AdaptivePolicy(PolicyConfig(kind="adaptive", k_max=k_max, candidates=candidates, **kw))
     for k in pol.cfg.ks:
-        for _ in range(pol.cfg.explore_samples):
+        for _ in range(pol.cfg.plain_samples if k == 0 else pol.cfg.explore_samples):
             nd = np.full(batch, k)
             if k == 0:
                 pol.observe_step(batch, nd, False, plain_cost if plain_cost is not None else cost(0))
@@ -128,7 +128,7 @@ def test_hysteresis_on_a_noisy_acceptance_series():
 def test_exploration_measures_each_candidate_first():
     pol = AdaptivePolicy(PolicyConfig(kind="adaptive", k_max=2))
     seen = []
-    for _ in range(5):
+    for _ in range(pol.cfg.plain_samples + 2 * pol.cfg.explore_samples):
         d = choose(pol, requests_with_alpha([0.5]))
         assert d.explored
         seen.append(d.k)
