@@ -4,6 +4,7 @@ capture graphs, build the core."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from specstep.engine.attention import make_backend, resolve_backend  # noqa: E40
 from specstep.engine.engine_config import EngineConfig  # noqa: E402
 from specstep.engine.errors import CheckpointError, ConfigError  # noqa: E402
 from specstep.engine.kv_cache import KVPool  # noqa: E402
-from specstep.engine.memory_plan import MemoryPlan, plan_kv_cache  # noqa: E402
+from specstep.engine.memory_plan import KVCacheTooSmall, MemoryPlan, plan_kv_cache  # noqa: E402
 from specstep.engine.memory_probe import (  # noqa: E402
     draft_carry_bytes,
     graph_count_estimate,
@@ -41,6 +42,8 @@ from specstep.scheduler.spec_governor import GovernorConfig  # noqa: E402
 from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig  # noqa: E402
 from specstep.scheduler.tp_group import start_tp_group  # noqa: E402
 from specstep.traces.tracer import NULL_TRACER, Tracer  # noqa: E402
+
+log = logging.getLogger("specstep.build")
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +166,7 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
         raise ConfigError("--graphs on with --tensor-parallel-size > 1 needs CUDA (the CPU graph stand-in cannot "
                           "check steps with gloo collectives)")
     pools = [pool] + ([proposer.pool] if proposer is not None and getattr(proposer, "pool", None) else [])
-    memory = plan_memory(cfg, step_engine, pools, max_len, k_max, ram, ks if use_graphs else None)
+    memory, max_len = plan_memory_within(cfg, step_engine, pools, max_len, k_max, ram, ks if use_graphs else None)
     pages = tp.min(memory.num_pages)  # every rank addresses the same pages: the smallest plan wins
     if pages != memory.num_pages:
         memory = dataclasses.replace(memory, num_pages=pages, limit="the smallest tensor-parallel rank's plan")
@@ -202,6 +205,34 @@ def plan_memory(cfg: EngineConfig, engine: StepEngine, pools: list[KVPool], max_
                                   engine.tp.world_size)
     return plan_kv_cache(sum(p.page_bytes for p in pools), cfg.page_size, seq_tokens, cfg.max_batch_size, figures,
                          cfg.kv_cache_tokens, cfg.num_pages)
+
+
+def plan_memory_within(cfg: EngineConfig, engine: StepEngine, pools: list[KVPool], max_len: int, k_max: int,
+                       ram: int, capture_ks: tuple[int, ...] | None) -> tuple[MemoryPlan, int]:
+    """`plan_memory` at the longest length that fits, up to `max_len`. Where one sequence of the checkpoint's
+    own length cannot fit, the engine starts at the longest that does and says so in one warning (a user who only
+    wants the model to run should not need a second try); an explicit --max-model-len that does not fit is a
+    `ConfigError` naming the length that would. Each retry re-plans (activations shrink with the length too)."""
+    asked = max_len
+    while True:
+        try:
+            memory = plan_memory(cfg, engine, pools, max_len, k_max, ram, capture_ks)
+            break
+        except KVCacheTooSmall as e:
+            lookahead = engine.max_kv_len(max_len, k_max) - max_len
+            fits = (e.pages - 1) * cfg.page_size - lookahead  # what the memory left over by this plan holds
+            shorter = fits if fits >= cfg.page_size else max_len // 2  # nothing left: the activations must shrink
+            if shorter < cfg.page_size or shorter >= max_len:
+                raise
+            max_len = shorter
+    if max_len < asked:
+        if cfg.max_model_len is not None:
+            raise ConfigError(f"--max-model-len {asked:,} does not fit in the memory planned for the KV cache: "
+                              f"{max_len:,} would (or raise --gpu-memory-utilization, lower --max-batch-size)")
+        log.warning("max_model_len %s (the checkpoint's) does not fit in the memory planned for the KV cache: "
+                    "starting with %s, the longest that fits (--max-model-len sets it; --gpu-memory-utilization "
+                    "gives the plan more memory)", f"{asked:,}", f"{max_len:,}")
+    return memory, max_len
 
 
 def policy_config(cfg: EngineConfig, k_max: int, candidates: tuple[int, ...] | None) -> PolicyConfig:

@@ -337,9 +337,12 @@ class EngineCore(ChunkedPrefill, Stopping):
             row = {id(r): i for i, r in enumerate(cur.batch)}
             pending = np.array([int(cur.decision.num_draft[row[id(r)]]) + 1 for r in batch], dtype=np.int64)
             decision = self._decide(batch, pending)
+            # Cannot run as decided: un-count it (a probe stays due) and drain; `step` decides it again.
             if decision.refill and (not cur.decision.refill or self._stale(batch)):
+                self.policy.retract(decision)
                 return None  # the draft must catch up on host tokens first: drain
             if not self._reserve_pages(batch, decision.num_draft, pending):
+                self.policy.retract(decision)
                 return None
         chain = Chain(prev=cur.handle, src=np.array([row[id(r)] for r in batch], dtype=np.int64),
                       dst=np.arange(len(batch), dtype=np.int64))
