@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from specstep.cuda_graphs.buckets import default_buckets
-from specstep.engine.attention.torch_backend import DEFAULT_WORKSPACE, attention_blocks
+from specstep.engine.attention.torch_backend import DEFAULT_WORKSPACE, TorchAttention, attention_blocks
 from specstep.engine.batch_builder import build_forward_batch
 from specstep.engine.config import ModelConfig
 from specstep.engine.errors import ConfigError
@@ -87,21 +87,23 @@ def largest_steps(max_batch_size: int, k_max: int, max_model_len: int, seq_token
     return decode, prefill
 
 
-def step_peak_bytes(cfg: ModelConfig, shape: StepShape, elem: int, workspace: int = DEFAULT_WORKSPACE) -> int:
+def step_peak_bytes(cfg: ModelConfig, shape: StepShape, elem: int, workspace: int = DEFAULT_WORKSPACE,
+                    min_rows: int | None = None) -> int:
     """An upper estimate of one eager target forward's transient memory with the torch attention backend.
 
     Per layer: the residual stream, its norm and the attention output; q/k/v before and after rotation, and the
     queries' [B, Q] grid and its output; the attention's largest block (`attention_blocks`: gathered keys and
     values with their casts and the mask, at most the backend's `workspace` however long the context; SDPA's
-    fused CPU kernels do not materialise the scores: measured); the MLP's gate/up and product. Then float32
-    logits at the sampled rows, the sampler's probabilities and its sort (values and int64 indices)."""
+    fused CPU kernels do not materialise the scores: measured; the batch-invariant path's scores, with its row
+    padding `min_rows`, are counted); the MLP's gate/up and product. Then float32 logits at the sampled rows,
+    the sampler's probabilities and its sort (values and int64 indices)."""
     t, rows, qn = sum(shape.q_lens), len(shape.q_lens), max(shape.q_lens)
     group = cfg.num_heads // cfg.num_kv_heads
     stream = t * (2 * cfg.hidden_size + cfg.q_size) * elem
     qkv = 2 * t * (cfg.q_size + 2 * cfg.kv_size) * elem
     grid = 2 * rows * qn * cfg.q_size * elem
     attention = attention_blocks(rows, qn, shape.width, cfg.num_kv_heads, group, cfg.head_dim, elem, elem,
-                                 1, workspace).nbytes
+                                 1, workspace, min_rows).nbytes
     mlp = 3 * t * cfg.intermediate_size * elem
     logits = shape.logit_rows * cfg.vocab_size * (4 + 4 + 4 + 8)
     return stream + qkv + grid + attention + mlp + logits
@@ -168,7 +170,13 @@ def measure_cpu(target: nn.Module, shapes: Sequence[StepShape], roots: Sequence[
     `ranks`: tensor-parallel ranks sharing the host (the default KV cap is the server's, split between them)."""
     elem = target.embed_tokens.weight.element_size()
     weights = resident_bytes(*roots)
-    activations = max(step_peak_bytes(target.rank_cfg, s, elem) for s in shapes) + carry  # this rank's share
+    cfg, att = target.rank_cfg, target.attention
+    workspace, rows = DEFAULT_WORKSPACE, None
+    if isinstance(att, TorchAttention):  # its batch-invariant path's row padding is measured for this CPU
+        workspace = att.workspace
+        rows = att.min_rows(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, target.embed_tokens.weight.dtype,
+                            torch.device("cpu"))
+    activations = max(step_peak_bytes(cfg, s, elem, workspace, rows) for s in shapes) + carry  # this rank's share
     return MemoryFigures("cpu", available, utilization or CPU_DEFAULT_UTILIZATION, weights, weights, activations,
                          0, CPU_DEFAULT_KV_CAP // ranks if utilization is None else None, "activations estimated")
 

@@ -2,6 +2,9 @@
 
 One code path serves prefill (q = prompt), decode (q = 1) and verify (q = k + 1): they differ only in the
 metadata (see `AttentionMetadata`). It is the numerical reference every other backend is checked against.
+With `batch_invariant`, CPU steps of at most MAX_QUERY_ROWS positions (decode, verify, draft, refill) attend
+batch-invariantly instead (`invariant_attention`: a row's bits do not depend on what shares its step, so
+speculative greedy output is plain greedy output bitwise); prompts always take SDPA.
 
 Every backend has the shape of `TorchAttention`: `plan(...)` takes a forward's host-known lengths before the
 forward runs (this one needs none: its mask is derived on the device from the starts), and `forward(...)`
@@ -17,6 +20,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specstep.engine.attention.invariant_attention import (
+    KEY_BLOCK,
+    MAX_QUERY_ROWS,
+    invariant_attention,
+    invariant_bytes_per_key,
+    measure_min_rows,
+    padded_keys,
+    padded_rows,
+)
 from specstep.engine.forward_batch import AttentionMetadata, SplitAttention
 
 
@@ -56,8 +68,12 @@ class AttentionBlocks:
 
 
 def attention_blocks(lanes: int, rows: int, keys: int, kv_heads: int, group: int, head_dim: int, kv_elem: int,
-                     q_elem: int, page_size: int, workspace: int = DEFAULT_WORKSPACE) -> AttentionBlocks:
-    """The block shape `paged_attention` uses (and the memory plan counts: `engine.memory_probe`)."""
+                     q_elem: int, page_size: int, workspace: int = DEFAULT_WORKSPACE,
+                     min_rows: int | None = None) -> AttentionBlocks:
+    """The block shape `paged_attention` uses (and the memory plan counts: `engine.memory_probe`). `min_rows`:
+    the batch-invariant path's row padding (None: SDPA only), which steps of few positions take."""
+    if min_rows is not None and rows <= MAX_QUERY_ROWS:
+        return invariant_blocks(lanes, rows, keys, kv_heads, group, head_dim, kv_elem, q_elem, workspace, min_rows)
     # A key costs its gathered K and V rows and one more copy of each (a cast to the query's dtype, or the
     # contiguous copy SDPA may make of the transposed gather); the mask a boolean per query row, and its copy
     # grouped for grouped-query attention.
@@ -79,6 +95,18 @@ def attention_blocks(lanes: int, rows: int, keys: int, kv_heads: int, group: int
     per_key = kv_part + r * row_part
     k = max(page_size, workspace // per_key // page_size * page_size)
     return AttentionBlocks(1, r, k, k * per_key)
+
+
+def invariant_blocks(lanes: int, rows: int, keys: int, kv_heads: int, group: int, head_dim: int, kv_elem: int,
+                     q_elem: int, workspace: int, min_rows: int) -> AttentionBlocks:
+    """Lanes a block and keys a chunk of the batch-invariant path. The chunk is sized for the most rows a step
+    can have, so it is the same for every step of a model (where chunks merge must not follow the step)."""
+    most = invariant_bytes_per_key(kv_heads, padded_rows(group * MAX_QUERY_ROWS, min_rows), head_dim, kv_elem, q_elem)
+    chunk = max(KEY_BLOCK, workspace // most // KEY_BLOCK * KEY_BLOCK)
+    keys = min(padded_keys(keys), chunk)
+    lane = keys * invariant_bytes_per_key(kv_heads, padded_rows(group * rows, min_rows), head_dim, kv_elem, q_elem)
+    n = max(1, min(lanes, workspace // lane))
+    return AttentionBlocks(n, rows, keys, n * lane)
 
 
 def _gather(cache: torch.Tensor, page_table: torch.Tensor, page_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -125,7 +153,9 @@ def paged_attention(
     num_heads: int,
     scale: float,
     workspace: int = DEFAULT_WORKSPACE,
+    min_rows: int | None = None,
 ) -> torch.Tensor:
+    """`min_rows`: attend steps of few positions batch-invariantly with this row padding (None: SDPA)."""
     t = q.shape[0]
     _, hkv, d = k_cache.shape
     group = num_heads // hkv
@@ -136,8 +166,11 @@ def paged_attention(
         qp = qp.index_select(0, meta.q_index.view(-1))
     # Query heads h = kv_head * group + g (the layout Hugging Face's repeat_kv implies).
     qp = qp.view(b, qn, hkv, group, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Q, D]
-    blk = attention_blocks(b, qn, keys, hkv, group, d, k_cache.element_size(), q.element_size(), ps, workspace)
-    if blk.whole(b, qn, keys):
+    blk = attention_blocks(b, qn, keys, hkv, group, d, k_cache.element_size(), q.element_size(), ps, workspace,
+                           min_rows)
+    if min_rows is not None and qn <= MAX_QUERY_ROWS:
+        o = invariant_attention(qp, k_cache, v_cache, meta, scale, min_rows, blk.lanes, blk.keys)
+    elif blk.whole(b, qn, keys):
         o = F.scaled_dot_product_attention(qp.reshape(b, hkv, group * qn, d), _gather(k_cache, meta.page_table, ps,
                                            q.dtype), _gather(v_cache, meta.page_table, ps, q.dtype),
                                            attn_mask=meta.mask_block(0, b, 0, qn, 0, keys, group), scale=scale)
@@ -165,13 +198,39 @@ def paged_attention(
 
 class TorchAttention:
     """The reference backend (CPU and CUDA): nothing to plan; every length comes from the device metadata.
-    `workspace`: bytes a layer's attention may hold at once (see `DEFAULT_WORKSPACE`)."""
+    `workspace`: bytes a layer's attention may hold at once (see `DEFAULT_WORKSPACE`). `batch_invariant` (the
+    engine's CPU default, `engine.model_loader.use_cpu_kernels`): on CPU, attend steps of few positions so that a
+    row's bits do not depend on the step (`invariant_attention`); where this CPU's GEMMs allow no row padding
+    for it (`measure_min_rows`), SDPA, and `describe` says so."""
 
     name = "torch"
     needs_plan = False
 
-    def __init__(self, workspace: int = DEFAULT_WORKSPACE) -> None:
+    def __init__(self, workspace: int = DEFAULT_WORKSPACE, batch_invariant: bool = False) -> None:
         self.workspace = workspace
+        self.batch_invariant = batch_invariant
+        self._min_rows: dict[tuple, int | None] = {}  # measured once per (group, head_dim, dtype)
+
+    def min_rows(self, group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int | None:
+        """The invariant path's row padding for this shape, or None where it does not run (CUDA, off, or no
+        padding makes this CPU's GEMMs row-invariant)."""
+        if not self.batch_invariant or device.type != "cpu":
+            return None
+        key = (group, head_dim, dtype)
+        if key not in self._min_rows:
+            self._min_rows[key] = measure_min_rows(group, head_dim, dtype)
+        return self._min_rows[key]
+
+    def describe(self) -> str:
+        """For the ready line: how steps of few positions attend."""
+        if not self.batch_invariant:
+            return "attention: SDPA (batch invariance off)"
+        if not self._min_rows:
+            return "attention: batch-invariant on CPU"
+        found = sorted({r for r in self._min_rows.values() if r is not None})
+        if None in self._min_rows.values():
+            return "attention: SDPA, not batch-invariant (no row padding makes this CPU's GEMMs row-invariant)"
+        return f"attention: batch-invariant (GEMMs padded to >= {found[0]} rows, {KEY_BLOCK}-key blocks)"
 
     def plan(self, slot: str, q_lens: np.ndarray, kv_lens: np.ndarray, page_tables: np.ndarray,
              lanes: int | None = None, stream: torch.cuda.Stream | None = None) -> None:
@@ -182,12 +241,14 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata | SplitAttention, num_heads: int, scale: float) -> torch.Tensor:
+        rows = self.min_rows(num_heads // k_cache.shape[1], k_cache.shape[-1], q.dtype, q.device)
         if isinstance(meta, SplitAttention):
             out = q.new_empty(q.shape[0], num_heads * k_cache.shape[-1])
             for t0, t1, part in meta.parts:
-                out[t0:t1] = paged_attention(q[t0:t1], k_cache, v_cache, part, num_heads, scale, self.workspace)
+                out[t0:t1] = paged_attention(q[t0:t1], k_cache, v_cache, part, num_heads, scale, self.workspace,
+                                             rows)
             return out
-        return paged_attention(q, k_cache, v_cache, meta, num_heads, scale, self.workspace)
+        return paged_attention(q, k_cache, v_cache, meta, num_heads, scale, self.workspace, rows)
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
