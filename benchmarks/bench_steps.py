@@ -1,7 +1,10 @@
 """Step costs from the engine's own step functions: a verify step of k + 1 tokens per request against a plain
-decode step, per batch size and CPU linear kernel, side by side in one run (settings alternate every repetition).
+decode step, per batch size and CPU kernel setting, side by side in one run (settings alternate every repetition).
 
-    python -m benchmarks.bench_steps [--model M] [--batches 1,8] [--k 4] [--reps 30] [--modes matmul,auto]
+    python -m benchmarks.bench_steps [--model M] [--batches 1,8] [--k 4] [--reps 30] [--modes auto/off,auto/on]
+
+A mode is `--cpu-linear[/--batch-invariant]`: auto/off is the per-row kernel plan with SDPA attention, auto/on
+(the default) one oneDNN kernel for every row count with the batch-invariant attention.
 
 A step here is `StepEngine.decode_context` + `run_decode` + reading the outputs back: batch building, the target
 forward, logits, sampling / rejection sampling and the host sync, exactly what `EngineCore` runs per step.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -88,7 +92,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--modes", default="matmul,auto", help="--cpu-linear settings to compare")
+    ap.add_argument("--modes", default="auto/off,auto/on",
+                    help="--cpu-linear[/--batch-invariant on|off] settings to compare")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bandwidth", type=float, default=31.0, help="GB/s for the floor (CPU_NOTES.md: 2 threads)")
     ap.add_argument("--json", help="write the figures here")
@@ -98,14 +103,18 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     modes = args.modes.split(",")
     prompts = code_prompts(max(batches), args.prompt_tokens, seed=3, model=model)
-    results: dict = {"machine": machine(), "model": model, "k": args.k, "rows": {}}
+    # The host is shared: its load average before and after says how much the figures can be trusted.
+    results: dict = {"machine": machine(), "model": model, "k": args.k, "rows": {},
+                     "load_average": {"before": os.getloadavg()}}
     rows = []
     for b in batches:
         # Target steps through the n-gram proposer (host drafts: the step is the target's alone); the MTP head's
         # draft cost from an engine with the head, on the last mode's kernels.
         def timer(m: str, spec: str, b: int = b) -> StepTimer:
+            linear, _, invariant = m.partition("/")
             return StepTimer(EngineConfig(model=model, spec=spec, num_spec_tokens=args.k, overlap=False,
-                                          threads=args.threads, cpu_linear=m, max_batch_size=max(batches)),
+                                          threads=args.threads, cpu_linear=linear,
+                                          batch_invariant=invariant != "off", max_batch_size=max(batches)),
                              prompts[:b], args.k)
 
         timers = {m: timer(m, "ngram") for m in modes}
@@ -135,8 +144,11 @@ def main() -> None:
             t.close()
         if mtp is not None:
             mtp.close()
-    table(f"step costs, k={args.k} (verify = k + 1 tokens per request), medians of {args.reps} ({machine()})",
-          ["cpu linear", "batch", "decode ms", "verify ms", "verify/decode", "% of floor", "MTP draft/decode"],
+    results["load_average"]["after"] = os.getloadavg()
+    load = ", ".join(f"{k} {v[0]:.1f}" for k, v in results["load_average"].items())
+    table(f"step costs, k={args.k} (verify = k + 1 tokens per request), medians of {args.reps} ({machine()}; "
+          f"load average {load})",
+          ["kernels", "batch", "decode ms", "verify ms", "verify/decode", "% of floor", "MTP draft/decode"],
           rows)
     if args.json:
         with open(args.json, "w") as f:

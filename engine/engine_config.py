@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specstep.engine.cpu_kernels import CpuKernels
 from specstep.engine.errors import ConfigError
 from specstep.engine.model_source import EMBEDDED_TARGET as DEFAULT_TARGET
 from specstep.engine.model_source import default_draft, resolve_model
@@ -46,7 +47,10 @@ class EngineConfig:
     overlap: bool = True  # prepare step N+1 on the host while step N runs on the device stream
     graphs: str = "auto"  # auto (CUDA: on, CPU: off) | on (CPU: the contract-checking stand-in) | off
     attention: str = "auto"  # auto (torch until FlashInfer is GPU-validated) | torch | flashinfer (CUDA)
-    cpu_linear: str = "auto"  # CPU linears: auto (MKL or oneDNN per shape and rows, measured) | matmul | onednn
+    cpu_linear: str = "auto"  # CPU linears: auto (measured per host, see engine.cpu_kernels) | matmul | onednn
+    # CPU: every row of a step computes the bits it would alone, so greedy speculation is greedy decoding bitwise
+    # (engine.cpu_kernels). Off: faster plain decoding where oneDNN's 1-row linear is slower than MKL's (AVX2).
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if self.spec not in SPEC_KINDS:
@@ -85,6 +89,12 @@ class EngineConfig:
             # Every running request decodes one token in a mixed step: a smaller budget could starve prompts.
             raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
                              f"--max-batch-size ({self.max_batch_size})")
+
+    @property
+    def cpu_kernels(self) -> CpuKernels:
+        """What the CPU's linears and attention may run; `--dtype auto` lets linears take bf16 weights where this
+        CPU runs them faster, `--dtype float32` keeps them exact."""
+        return CpuKernels(self.cpu_linear, "auto" if self.dtype == "auto" else "off", self.batch_invariant)
 
     @property
     def draft_path(self) -> str | None:

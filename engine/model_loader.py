@@ -9,19 +9,23 @@ from pathlib import Path
 
 import torch
 
+from specstep.engine.attention.torch_backend import TorchAttention
 from specstep.engine.config import ModelConfig
+from specstep.engine.cpu_kernels import CpuKernels
 from specstep.engine.errors import CheckpointError
 from specstep.engine.loader import load_state_dict, resolve_dtype
 from specstep.engine.model_source import resolve_model
-from specstep.engine.models.cpu_linear import plan_linears
+from specstep.engine.models.cpu_linear import describe_linears, plan_linears
 from specstep.engine.models.llama import LlamaForCausalLM
 from specstep.engine.models.mtp_head import MTPHead
 from specstep.engine.parallel.group import SINGLE, TPGroup
 
 
 def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str = "auto",
-               cpu_linear: str = "auto", tp: TPGroup = SINGLE) -> LlamaForCausalLM:
-    """`model`: a Hugging Face-format folder or a GGUF file (converted once, see `engine.gguf_checkpoint`)."""
+               cpu_linear: str | CpuKernels = "auto", tp: TPGroup = SINGLE) -> LlamaForCausalLM:
+    """`model`: a Hugging Face-format folder or a GGUF file (converted once, see `engine.gguf_checkpoint`).
+    `cpu_linear`: the CPU kernels (`EngineConfig.cpu_kernels`), or a bare `--cpu-linear` mode (that linear plan,
+    batch invariance off: see `plan_linears`)."""
     folder = resolve_model(model)
     if not folder.is_dir():
         raise CheckpointError(f"model {str(folder)!r} is neither a model folder nor a GGUF file")
@@ -37,12 +41,30 @@ def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str
     model.rotary.build_tables()
     model = model.to(device).eval().requires_grad_(False)  # serving weights; training heads keep the target frozen
     if device.type == "cpu":
-        plan_linears(model, cpu_linear)  # per shape and row count: MKL or prepacked oneDNN (cpu_linear.py)
+        use_cpu_kernels(model, cpu_linear)
     return model
 
 
+def use_cpu_kernels(net: torch.nn.Module, kernels: str | CpuKernels) -> None:
+    """Plan a CPU model's linears (`plan_linears`: kernel and weight dtype per host) and give it the attention
+    that goes with them: batch-invariant or SDPA (`TorchAttention`)."""
+    plan_linears(net, kernels)
+    invariant = kernels.batch_invariant if isinstance(kernels, CpuKernels) else False
+    net.attention = TorchAttention(batch_invariant=invariant)
+
+
+def describe_cpu_kernels(net: torch.nn.Module) -> str:
+    """For the ready line: a CPU model's linears (dtype, kernel, why) and attention; "" elsewhere."""
+    linears = describe_linears(net)
+    if not linears:
+        return ""
+    att = net.attention
+    return f"{linears}; {att.describe()}" if isinstance(att, TorchAttention) else linears
+
+
 def load_mtp_head(folder: str | Path, target_cfg: ModelConfig, device: str | torch.device = "cpu",
-                  dtype: torch.dtype = torch.float32, cpu_linear: str = "auto", tp: TPGroup = SINGLE) -> MTPHead:
+                  dtype: torch.dtype = torch.float32, cpu_linear: str | CpuKernels = "auto",
+                  tp: TPGroup = SINGLE) -> MTPHead:
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"head folder {str(folder)!r} does not exist")
@@ -59,5 +81,5 @@ def load_mtp_head(folder: str | Path, target_cfg: ModelConfig, device: str | tor
     head.rotary.build_tables()
     head = head.to(device).eval()
     if torch.device(device).type == "cpu":
-        plan_linears(head, cpu_linear)
+        use_cpu_kernels(head, cpu_linear)
     return head

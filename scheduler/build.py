@@ -25,7 +25,7 @@ from specstep.engine.memory_probe import (  # noqa: E402
     measure_cpu,
     measure_cuda,
 )
-from specstep.engine.model_loader import load_model, load_mtp_head  # noqa: E402
+from specstep.engine.model_loader import describe_cpu_kernels, load_model, load_mtp_head  # noqa: E402
 from specstep.engine.parallel.group import SINGLE, TPGroup  # noqa: E402
 from specstep.engine.parallel.tp_engine import LeaderDraft, LeaderEngine  # noqa: E402
 from specstep.engine.proposers.base import Proposer  # noqa: E402
@@ -62,6 +62,7 @@ class EngineInfo:
     attention: str = "torch"
     memory: MemoryPlan | None = None  # how the KV cache was sized (`MemoryPlan.describe()` for the ready line)
     tensor_parallel_size: int = 1
+    kernels: str = ""  # CPU: the target's linears and attention, and why (`describe_cpu_kernels`)
 
 
 def resolve_device(name: str, rank: int = 0) -> torch.device:
@@ -130,7 +131,8 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
                       spec=cfg.spec, eos_token_ids=tuple(eos),
                       graphs=parts.capture.to_dict() if parts.capture is not None else None,
                       attention=parts.attention, memory=parts.memory,
-                      tensor_parallel_size=cfg.tensor_parallel_size)
+                      tensor_parallel_size=cfg.tensor_parallel_size,
+                      kernels=describe_cpu_kernels(target))
     return core, tokenizer, info
 
 
@@ -146,7 +148,7 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
     planned = cfg.num_pages is None and cfg.kv_cache_tokens is None
     # The CPU budget is a share of the RAM available before the weights load: they come out of it.
     ram = host_ram_available() // tp.world_size if planned and device.type == "cpu" else 0
-    target = load_model(cfg.model, device, cfg.dtype, cfg.cpu_linear, tp=tp)
+    target = load_model(cfg.model, device, cfg.dtype, cfg.cpu_kernels, tp=tp)
     dtype = target.embed_tokens.weight.dtype
     max_len = min(cfg.max_model_len or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)
     # Pools of the dummy page only until memory is planned: the proposer's state, the attention backends and a
@@ -278,16 +280,16 @@ def build_proposer(cfg: EngineConfig, target, num_pages: int, dtype: torch.dtype
     if cfg.spec == "draft_model":
         if tp.rank != 0:  # the draft runs on the leader only; followers receive its drafts
             return LeaderDraft(DraftModelProposer.kv_lookahead, device)
-        draft = load_model(path, device, str(dtype).replace("torch.", ""), cfg.cpu_linear)
+        draft = load_model(path, device, str(dtype).replace("torch.", ""), cfg.cpu_kernels)
         pool = KVPool(draft.cfg, draft.cfg.num_layers, num_pages, cfg.page_size, dtype, device)
         reduced = build_reduced_head(draft.lm_head.weight, path, draft.cfg.vocab_size, cfg.draft_vocab,
-                                     cfg.cpu_linear)
+                                     cfg.cpu_kernels)
         return DraftModelProposer(draft, target.cfg.vocab_size, pool, cfg.max_batch_size + 1, device, reduced)
-    head = load_mtp_head(path, target.cfg, device, dtype, cfg.cpu_linear, tp=tp)
+    head = load_mtp_head(path, target.cfg, device, dtype, cfg.cpu_kernels, tp=tp)
     pool = KVPool(head.rank_cfg, 1, num_pages, cfg.page_size, dtype, device)
     # A reduced draft vocabulary takes rows of the full lm_head, which a tensor-parallel rank does not hold: the
     # head drafts over the full (gathered) vocabulary there.
     reduced = None if tp.world_size > 1 else build_reduced_head(target.lm_head.weight, path, target.cfg.vocab_size,
-                                                                cfg.draft_vocab, cfg.cpu_linear)
+                                                                cfg.draft_vocab, cfg.cpu_kernels)
     # max_batch_size + 1: a scratch row for padding lanes
     return MTPProposer(head, target, pool, cfg.max_batch_size + 1, device, reduced)

@@ -63,8 +63,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="paged-attention backend (auto: torch; flashinfer: CUDA with the flashinfer package; default: "
                         "%(default)s)")
     p.add_argument("--cpu-linear", choices=["auto", "matmul", "onednn"], default="auto",
-                   help="CPU linear kernels (auto: MKL or prepacked oneDNN per weight shape and row count, timed at "
-                        "load; matmul / onednn: one kernel everywhere; default: %(default)s)")
+                   help="CPU linear kernels (auto: prepacked oneDNN at every row count with --batch-invariant on, "
+                        "else MKL or oneDNN per weight shape and row count, timed at load; matmul / onednn: one "
+                        "kernel everywhere, matmul only with --batch-invariant off; default: %(default)s)")
+    p.add_argument("--batch-invariant", choices=["on", "off"], default="on",
+                   help="CPU: every row of a step computes the bits it would alone (oneDNN linears at every row "
+                        "count, row-invariant attention), so speculative greedy output is plain greedy output "
+                        "bitwise; off: the fastest kernel per row count (on an AVX2 host a plain decode step "
+                        "measured 1.09-1.26x with it on: oneDNN's one-row linear is slower than MKL's and the "
+                        "invariant attention runs more ops; default: %(default)s)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the target (and its MTP head) over N ranks, one process and one device each "
@@ -90,8 +97,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence, prompt + output tokens (default: the model's own limit)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations (default: %(default)s: float32 on CPU; on CUDA the checkpoint's "
-                        "16-bit dtype, bfloat16 for a float32 checkpoint)")
+                   help="weights and activations (default: %(default)s: float32 on CPU, its linears reading bf16 "
+                        "weights where this CPU's oneDNN runs them measured faster (AVX512_BF16, AMX; numerics "
+                        "change, the ready line says; float32: exact); on CUDA the checkpoint's 16-bit dtype, "
+                        "bfloat16 for a float32 checkpoint)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s: cuda if "
                                                     "available)")
     p.add_argument("--threads", type=int, default=None,
@@ -123,7 +132,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         spec_objective=args.spec_objective, spec_itl_budget=args.spec_itl_budget,
                         spec_delta=args.spec_delta, spec_epsilon=args.spec_epsilon,
                         overlap=resolve_overlap(args.overlap, args.device), graphs=args.graphs,
-                        attention=args.attention, cpu_linear=args.cpu_linear)
+                        attention=args.attention, cpu_linear=args.cpu_linear,
+                        batch_invariant=args.batch_invariant == "on")
 
 
 def resolve_overlap(choice: str, device: str) -> bool:

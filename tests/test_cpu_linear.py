@@ -91,14 +91,17 @@ def test_half_precision_plans_only_kernels_this_cpu_runs(dtype):
             plan_linears(forced, "onednn")
 
 
-@pytest.mark.parametrize("mode", ["onednn", "matmul"])
-def test_greedy_speculation_equals_plain_with_either_kernel(mode, tmp_path):
+@pytest.mark.parametrize("mode,invariant", [("onednn", True), ("auto", True), ("matmul", False)])
+def test_greedy_speculation_equals_plain_with_either_kernel(mode, invariant, tmp_path):
+    """MKL (matmul) is not batch-invariant: it runs only with invariance off (equal here, with no near-ties)."""
     target = make_checkpoint(tmp_path / "t", seed=0, hidden_size=128, intermediate_size=256)
     prompts = [[5, 17, 99, 3, 5, 17, 99, 3], [7, 8, 9, 10, 7, 8, 9, 10]]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    plain = run_to_completion(make_core(target, cpu_linear=mode), prompts, params)
-    spec = run_to_completion(make_core(target, cpu_linear=mode, spec="ngram", spec_policy="fixed"), prompts, params)
+    cfg = dict(cpu_linear=mode, batch_invariant=invariant)
+    plain = run_to_completion(make_core(target, **cfg), prompts, params)
+    spec = run_to_completion(make_core(target, spec="ngram", spec_policy="fixed", **cfg), prompts, params)
     assert [r.output_token_ids for r in spec] == [r.output_token_ids for r in plain]
-    core = make_core(target, cpu_linear=mode)
+    core = make_core(target, **cfg)
     linears = [m for m in core.engine.target.modules() if isinstance(m, CpuLinear)]
-    assert linears and all(m.plan.needs_pack == (mode == "onednn") for m in linears)
+    assert linears and all(m.plan.needs_pack == (mode != "matmul") for m in linears)
+    assert all(m.plan.batch_invariant == invariant for m in linears)

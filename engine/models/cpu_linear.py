@@ -1,14 +1,11 @@
-"""CPU linears whose kernel is chosen per weight shape and row count, by measurement at load.
+"""CPU linears whose kernel and weight dtype are chosen per host by measurement at load (`cpu_linear_plans`).
 
-Two kernels compute the same `x @ W.T` (CPU_NOTES.md):
-  * `matmul`: MKL over a pre-transposed contiguous weight (`W` stored as the transpose of an [in, out] buffer).
-    Fastest at one row (a GEMV), but its cost grows with the rows: 5 rows of SmolLM2's lm_head cost ~3x one.
-  * `onednn`: torch's oneDNN linear over a weight reordered once into oneDNN's blocked layout. A fixed ~0.06 ms a
-    call, then rows are nearly free up to a few dozen: a verify step of k + 1 rows costs about a decode step.
-Which wins depends on the shape, the rows and the thread count, so `plan_linears` times both on each distinct
-(shape, rows) of the model (on cold weights, as a forward reads them; the plans are cached on disk per machine)
-and every linear then dispatches on its input's row count. The packing hint only
-matters as 1 vs more (oneDNN picks a GEMV-style layout for 1), so one packed copy serves every row count > 1.
+`plan_linears` swaps every `nn.Linear` of a model for a `CpuLinear` that dispatches on its input's row count
+(`LinearPlan`): with batch invariance on (`CpuKernels.batch_invariant`, the default) every row count runs the
+same row-invariant kernel (oneDNN's prepacked linear), so a row's bits never depend on the rows beside it; off,
+each row count takes whichever kernel was measured faster. Where this CPU's oneDNN runs bf16 faster (AVX512_BF16,
+AMX) and `--dtype auto` allows it, the linears read bf16 copies of the weights, activations cast to bf16 and back:
+numerics change (a dequantised Q4_1 weight needs more than bf16's 8 mantissa bits); `--dtype float32` is exact.
 
 Only the CPU uses this; CUDA keeps `nn.Linear`. The weight parameter stays (state dicts, autograd, a tied
 embedding); the packed copy is extra memory (a tied `lm_head` thereby stops reading the embedding's storage,
@@ -17,58 +14,29 @@ itself a 2x slowdown). Autograd always takes the matmul path: the oneDNN op has 
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import time
-from dataclasses import dataclass
-from pathlib import Path
+import dataclasses
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specstep.engine.errors import ConfigError
-from specstep.engine.model_source import cache_root
+from specstep.engine.cpu_kernels import CpuKernels, DtypeChoice, choose_linear_dtype, invariant_linear_mode
+from specstep.engine.models.cpu_linear_plans import (  # noqa: F401 (re-exported: the module's interface)
+    DTYPE_ROWS,
+    DTYPES,
+    PROBE_ROWS,
+    LinearPlan,
+    cpu_isa,
+    dtype_timings,
+    matmul_storage,
+    onednn_available,
+    onednn_supports,
+    pack,
+    plan_for,
+)
 
 MODES = ("auto", "matmul", "onednn")
-PROBE_ROWS = (1, 2, 5, 8, 16, 32)  # decode, small verify, verify at k=4, batches; beyond 32 the 32 choice holds
-PACK_HINT = 16
-COLD_BYTES = 64 << 20  # timing cycles through this many bytes of weight copies: more than a last-level cache
-MAX_COPIES = 64  # ... but no more copies than this (tiny weights are dispatch-bound, hot or cold)
-
-
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def onednn_supports(dtype: torch.dtype) -> bool:
-    """Whether oneDNN's prepacked linear runs in `dtype` on this CPU. Its half-precision kernels need AVX-512
-    (BF16 / FP16) or AVX-NE-CONVERT: on an AVX2-only host `_reorder_linear_weight` refuses bf16 and fp16 weights."""
-    if not onednn_available():
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if dtype == torch.float16:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return dtype == torch.float32
-
-
-@dataclass(frozen=True, slots=True)
-class LinearPlan:
-    """rows <= PROBE_ROWS[i] use `onednn[i]`; past the last probe, the last choice."""
-
-    onednn: tuple[bool, ...]
-
-    def use_onednn(self, rows: int) -> bool:
-        for bound, choice in zip(PROBE_ROWS, self.onednn):
-            if rows <= bound:
-                return choice
-        return self.onednn[-1]
-
-    @property
-    def needs_pack(self) -> bool:
-        return any(self.onednn)
 
 
 class CpuLinear(nn.Module):
@@ -85,7 +53,10 @@ class CpuLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         # Rows -> kernel, precomputed so the hot path is one tuple lookup.
         self._by_rows = tuple(plan.use_onednn(r) for r in range(PROBE_ROWS[-1] + 1))
-        self._packed = pack(weight.detach()) if plan.needs_pack else None
+        self._kdtype = DTYPES[plan.dtype]  # the packed weight's dtype (bf16: activations cast to it)
+        kernel_weight = weight.detach().to(self._kdtype)
+        self._packed = pack(kernel_weight) if plan.needs_pack else None
+        self._bias = bias.detach().to(self._kdtype) if bias is not None and self._kdtype != weight.dtype else bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:
@@ -93,119 +64,82 @@ class CpuLinear(nn.Module):
         rows = x.numel() // self.in_features
         onednn = self._by_rows[rows] if rows < len(self._by_rows) else self._by_rows[-1]
         if onednn and self._packed is not None:
+            if self._kdtype != x.dtype:
+                return torch.ops.mkldnn._linear_pointwise(x.to(self._kdtype), self._packed, self._bias, "none", [],
+                                                          "").to(x.dtype)
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self._mm, self.bias)
 
     def extra_repr(self) -> str:
         rows = [r for r in PROBE_ROWS if self.plan.use_onednn(r)]
-        return f"in={self.in_features}, out={self.out_features}, onednn_rows={rows}"
+        return f"in={self.in_features}, out={self.out_features}, onednn_rows={rows}, dtype={self.plan.dtype}"
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_HINT)
+def _linears(module: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    return [(f"{name}.{child_name}".lstrip("."), parent, child_name, child)
+            for name, parent in module.named_modules() for child_name, child in parent.named_children()
+            if type(child) is nn.Linear]
 
 
-def matmul_storage(weight: torch.Tensor) -> torch.Tensor:
-    """The same values, stored as the transpose of a contiguous [in, out] buffer: MKL's fast layout."""
-    return weight.t().contiguous().t()
+def linear_dtype(linears: list[nn.Linear], kernels: CpuKernels) -> DtypeChoice:
+    """fp32 or bf16 weights for a float32 model's linears, one choice for the model (`choose_linear_dtype`) from
+    each shape's measured times, summed over its linears. The fp32 side is the plan that would run: oneDNN with
+    batch invariance, else the faster kernel at each row count."""
+    if kernels.half == "off" or any(lin.weight.dtype != torch.float32 for lin in linears):
+        return choose_linear_dtype("off", False, "")
+    bf16_runs = onednn_supports(torch.bfloat16)
+    if not bf16_runs or kernels.linear == "matmul":
+        return choose_linear_dtype(kernels.half, False, cpu_isa() if not bf16_runs else "--cpu-linear matmul")
+    fp32, bf16 = [0.0] * len(DTYPE_ROWS), [0.0] * len(DTYPE_ROWS)
+    for (out_f, in_f), n in Counter((lin.out_features, lin.in_features) for lin in linears).items():
+        t = dtype_timings(out_f, in_f)
+        for i in range(len(DTYPE_ROWS)):
+            fp32[i] += n * (t["fp32_onednn"][i] if kernels.batch_invariant or kernels.linear == "onednn"
+                            else min(t["fp32_onednn"][i], t["fp32_matmul"][i]))
+            bf16[i] += n * t["bf16_onednn"][i]
+    return choose_linear_dtype(kernels.half, True, cpu_isa(), (fp32[0], fp32[1]), (bf16[0], bf16[1]))
 
 
-def _median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2] * 1e3
-
-
-def measure_plan(out_features: int, in_features: int, dtype: torch.dtype, budget_ms: float = 250.0) -> LinearPlan:
-    """Time both kernels on random data of this shape at each probe row count (alternating, median).
-
-    In a forward every weight is read once and is cold (a model's weights are many times the last-level cache),
-    so the timing cycles through enough copies of the weight to exceed the cache: timed on one hot copy, MKL looks
-    better than it is for small weights at several rows (it re-reads them), and the plan picks it wrongly."""
-    w = torch.randn(out_features, in_features, dtype=dtype)
-    copies = min(MAX_COPIES, max(1, -(-COLD_BYTES // (w.numel() * w.element_size()))))
-    w_mm = [matmul_storage(w) for _ in range(copies)]
-    w_dnn = [pack(w) for _ in range(copies)]
-    choices = []
-    with torch.inference_mode():
-        for rows in PROBE_ROWS:
-            x = torch.randn(rows, in_features, dtype=dtype)
-            mm = lambda x=x: [F.linear(x, m) for m in w_mm]  # noqa: E731
-            dnn = lambda x=x: [torch.ops.mkldnn._linear_pointwise(x, d, None, "none", [], "") for d in w_dnn]  # noqa: E731
-            one = _median_ms(mm, 1)
-            reps = max(1, min(15, int(budget_ms / len(PROBE_ROWS) / 6 / max(one, 1e-3))))
-            a, b = [], []
-            for _ in range(3):  # alternate so machine noise hits both alike
-                a.append(_median_ms(mm, reps))
-                b.append(_median_ms(dnn, reps))
-            choices.append(sorted(b)[1] < 0.97 * sorted(a)[1])  # onednn must clearly win
-    return LinearPlan(tuple(choices))
-
-
-_PLANS: dict[str, LinearPlan] = {}  # every layer of a model shares its shapes: measured once per process
-
-
-def _plan_cache() -> Path:
-    """Measured plans persist per machine (keyed by shape, threads, torch and CPU): only a first start pays."""
-    return cache_root() / f"linear_plans-{torch.__version__}-{platform.machine()}-{os.cpu_count()}.json"
-
-
-def plan_for(out_features: int, in_features: int, dtype: torch.dtype, mode: str) -> LinearPlan:
-    """`auto` measures where oneDNN supports the dtype and takes matmul elsewhere (F.linear runs every dtype);
-    `onednn` where it does not is an error at load, not a crash at the first pack."""
-    if mode == "onednn" and not onednn_supports(dtype):
-        what = "is not built into this torch" if not onednn_available() else f"has no {dtype} linear on this CPU"
-        raise ConfigError(f"--cpu-linear onednn: oneDNN {what} (half precision needs AVX-512 BF16/FP16 or "
-                          "AVX-NE-CONVERT); use --cpu-linear auto or matmul")
-    if mode == "matmul" or not onednn_supports(dtype):
-        return LinearPlan((False,) * len(PROBE_ROWS))
-    if mode == "onednn":
-        return LinearPlan((True,) * len(PROBE_ROWS))
-    key = f"{out_features}x{in_features}:{str(dtype)}:t{torch.get_num_threads()}:rows{','.join(map(str, PROBE_ROWS))}"
-    if key not in _PLANS:
-        path = _plan_cache()
-        try:
-            stored = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError):
-            stored = {}
-        if key in stored:
-            _PLANS[key] = LinearPlan(tuple(bool(c) for c in stored[key]))
-        else:
-            _PLANS[key] = measure_plan(out_features, in_features, dtype)
-            stored[key] = list(_PLANS[key].onednn)
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(stored, indent=1))
-                tmp.replace(path)  # atomic: concurrent starts never read half a file
-            except OSError:
-                pass  # a read-only home: measure again next time
-    return _PLANS[key]
-
-
-def plan_linears(module: nn.Module, mode: str = "auto") -> dict[str, LinearPlan]:
-    """Replace every `nn.Linear` of `module` by a `CpuLinear` with a measured plan; returns the plans by name.
+def plan_linears(module: nn.Module, kernels: CpuKernels | str = "auto") -> dict[str, LinearPlan]:
+    """Replace every `nn.Linear` of `module` by a `CpuLinear` with a measured plan; returns the plans by name
+    (`describe_linears` summarises them). `kernels`: a `CpuKernels`, or a bare `--cpu-linear` mode: that plan as
+    it ran before batch invariance existed (invariance off, fp32 weights).
 
     Weights shared with an embedding keep their storage (the lookup wants contiguous rows; the linear gets a copy);
     every other weight moves to the matmul layout in place, as the matmul path is what a plan falls back to.
     """
-    if mode not in MODES:
-        raise ValueError(f"cpu linear mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if isinstance(kernels, str):
+        if kernels not in MODES:
+            raise ValueError(f"cpu linear mode must be one of {', '.join(MODES)}, got {kernels!r}")
+        kernels = CpuKernels(kernels, batch_invariant=False)
     shared = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    found = _linears(module)
+    choice = linear_dtype([child for *_, child in found], kernels)
     plans: dict[str, LinearPlan] = {}
-    for name, parent in list(module.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
-                continue
-            weight = child.weight
-            if id(weight) not in shared:
-                weight.data = matmul_storage(weight.data)
-            plan = plan_for(child.out_features, child.in_features, weight.dtype, mode)
-            setattr(parent, child_name, CpuLinear(weight, child.bias, plan, shared=id(weight) in shared))
-            plans[f"{name}.{child_name}".lstrip(".")] = plan
+    for full, parent, child_name, child in found:
+        weight = child.weight
+        if id(weight) not in shared:
+            weight.data = matmul_storage(weight.data)
+        kernel_dtype = DTYPES[choice.dtype] if choice.dtype != "float32" else weight.dtype
+        mode = kernels.linear
+        if kernels.batch_invariant:  # refuses matmul; oneDNN where it runs in this dtype (plan_for checks)
+            mode = invariant_linear_mode(mode, onednn_supports(kernel_dtype))
+        plan = plan_for(child.out_features, child.in_features, weight.dtype, mode, kernels.batch_invariant,
+                        kernel_dtype)
+        plan = dataclasses.replace(plan, note=choice.reason)
+        setattr(parent, child_name, CpuLinear(weight, child.bias, plan, shared=id(weight) in shared))
+        plans[full] = plan
     return plans
+
+
+def describe_linears(module: nn.Module) -> str:
+    """For the ready line: the linears' dtype and why, and whether every row count runs one kernel."""
+    linears = [m for m in module.modules() if isinstance(m, CpuLinear)]
+    if not linears:
+        return ""
+    text = linears[0].plan.note or f"{linears[0].plan.dtype} linears"
+    if all(m.plan.batch_invariant for m in linears):
+        return f"{text}; oneDNN at every row count (batch-invariant)"
+    if not any(m.plan.needs_pack for m in linears):
+        return f"{text}; MKL (not batch-invariant)"
+    return f"{text}; MKL or oneDNN by row count (not batch-invariant)"

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specstep.engine.cpu_kernels import CpuKernels
 from specstep.engine.errors import CheckpointError
 
 FILE = "draft_vocab.json"  # not *.safetensors: the folder's weight files are every *.safetensors in it
@@ -65,8 +66,9 @@ def write_draft_vocab(folder: str | Path, counts: torch.Tensor, size: int, alway
 
 
 def build_reduced_head(weight: torch.Tensor, folder: str | Path, vocab_size: int, limit: int | None,
-                       cpu_linear: str | None) -> ReducedLMHead | None:
-    """The drafter's reduced head from its folder (None: full vocabulary), with CPU linears planned."""
+                       cpu_linear: str | CpuKernels | None) -> ReducedLMHead | None:
+    """The drafter's reduced head from its folder (None: full vocabulary), with CPU linears planned
+    (`cpu_linear`: see `plan_linears`)."""
     if limit == 0:
         return None
     ids = read_draft_vocab(folder, vocab_size, limit)

@@ -1,0 +1,166 @@
+"""Batch-invariant CPU steps: a verify step's rows are bitwise the plain decode steps at the same positions, for
+every network a proposer runs and every linear plan batch invariance can choose; through the engine, for each
+proposer; and on a checkpoint built full of near-ties, speculative greedy output is plain greedy output where
+the per-row kernel dispatch and SDPA flip it (checked by hand: `batch_invariant=False` fails these tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specstep.engine.batch_builder import build_forward_batch
+from specstep.engine.cpu_kernels import CpuKernels
+from specstep.engine.errors import ConfigError
+from specstep.engine.kv_cache import KVPool
+from specstep.engine.model_loader import describe_cpu_kernels, load_model, load_mtp_head
+from specstep.engine.models.cpu_linear import onednn_available
+from specstep.engine.sampling_params import SamplingParams
+from tests.fixtures_models import make_mtp_head
+from tests.helpers import make_core, run_to_completion
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+
+PAGE = 4
+PLANS = ["auto", "onednn"]  # what batch invariance can run (matmul is refused: see the test below)
+PROMPT = [5, 17, 99, 3, 41, 8, 230, 12, 77, 64, 1, 2, 3, 4, 150, 9, 30]
+NEXT = [11, 250, 7, 7, 199]  # a verify step's k + 1 = 5 tokens
+
+
+def forward(net, pool, lanes):
+    """One forward of `lanes` = [(tokens, start, pages)]; the final hidden states, flat."""
+    fb = build_forward_batch([t for t, _, _ in lanes], [s for _, s, _ in lanes], [p for _, _, p in lanes], PAGE,
+                             "cpu")
+    with torch.inference_mode():
+        return net(fb, pool)
+
+
+def decode_then_verify(net, step):
+    """Hidden states of NEXT decoded one token a step, then of NEXT as one verify step over the same cache
+    (its look-ahead pages in the table), beside a second lane of another length; `step(pool, lanes)`."""
+    pool = KVPool(net.rank_cfg, len(net.layers), 64, PAGE, torch.float32, "cpu")
+    pages, other = list(range(1, 21)), list(range(21, 60))
+    n = len(PROMPT)
+    step(pool, [(PROMPT, 0, pages[: -(-n // PAGE)]), (list(range(100, 140)), 0, other)])
+    single = [step(pool, [([t], n + i, pages[: -(-(n + i + 1) // PAGE)])])[0] for i, t in enumerate(NEXT)]
+    verify = step(pool, [(NEXT, n, pages), ([9], 140, other)])[: len(NEXT)]
+    return torch.stack(single), verify
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("network", ["target", "draft_model"])
+def test_verify_rows_are_the_decode_steps_bitwise(plan, network, tiny_target, tiny_draft):
+    net = load_model(tiny_target if network == "target" else tiny_draft, "cpu", "float32", CpuKernels(plan))
+    single, verify = decode_then_verify(net, lambda pool, lanes: forward(net, pool, lanes))
+    assert torch.equal(net.compute_logits(verify), net.compute_logits(single))
+    assert "batch-invariant" in describe_cpu_kernels(net) and "not batch-invariant" not in describe_cpu_kernels(net)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_mtp_head_rows_are_its_single_rows_bitwise(plan, tiny_target, tmp_path):
+    target = load_model(tiny_target, "cpu", "float32", CpuKernels(plan))
+    head = load_mtp_head(make_mtp_head(tmp_path / "head", tiny_target), target.cfg, "cpu", torch.float32,
+                         CpuKernels(plan))
+    g = torch.Generator().manual_seed(0)
+    carried = torch.randn(200, target.cfg.hidden_size, generator=g)  # the target's hidden states it is fed
+
+    def step(pool, lanes):
+        fb = build_forward_batch([t for t, _, _ in lanes], [s for _, s, _ in lanes], [p for _, _, p in lanes],
+                                 PAGE, "cpu")
+        rows = torch.cat([carried[s: s + len(t)] for t, s, _ in lanes])
+        with torch.inference_mode():
+            return head(fb, pool, target.embed_tokens(fb.input_ids), rows)
+
+    single, verify = decode_then_verify(head, step)
+    assert torch.equal(target.compute_logits(verify), target.compute_logits(single))
+
+
+def test_matmul_is_not_batch_invariant_and_refused(tiny_target):
+    with pytest.raises(ConfigError, match="not batch-invariant"):
+        load_model(tiny_target, "cpu", "float32", CpuKernels("matmul"))
+    off = load_model(tiny_target, "cpu", "float32", CpuKernels("matmul", batch_invariant=False))
+    assert "not batch-invariant" in describe_cpu_kernels(off) and "SDPA" in describe_cpu_kernels(off)
+
+
+def record_target_logits(core):
+    """position -> [(tokens at positions <= it in this step, logits row)] for every target forward whose logits
+    are taken at every row (decode and verify steps of a single request)."""
+    target, seen, pending = core.engine.target, {}, []
+    compute = target.compute_logits
+
+    def hook(_module, args, _out):
+        pending[:] = [args[0].positions.tolist(), args[0].input_ids.tolist()]
+
+    def logits(hidden):
+        out = compute(hidden)
+        if pending and len(pending[0]) == hidden.shape[0]:
+            positions, ids = pending
+            for j, p in enumerate(positions):
+                seen.setdefault(p, []).append((positions[0], ids[: j + 1], out[j].clone()))
+        pending.clear()
+        return out
+
+    target.register_forward_hook(hook)
+    target.compute_logits = logits
+    return seen
+
+
+@pytest.fixture(scope="module")
+def proposers(tiny_target, tmp_path_factory):
+    return {"ngram": dict(spec="ngram"), "draft_model": dict(spec="draft_model", draft=str(tiny_target)),
+            "mtp": dict(spec="mtp", draft=str(make_mtp_head(tmp_path_factory.mktemp("h") / "h", tiny_target)))}
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model", "mtp"])
+def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, tiny_target):
+    """Each verify row whose inputs are plain decoding's (every earlier draft of its step accepted) has plain
+    decoding's logits at that position, bitwise: the target's own draft accepts all (draft_model), n-gram
+    drafts from a repetitive prompt, the random MTP head mostly only the first row."""
+    prompt = [7, 8, 9, 10] * 3
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain_core = make_core(tiny_target, page_size=PAGE)
+    plain_logits = record_target_logits(plain_core)
+    (plain,) = run_to_completion(plain_core, [prompt], params)
+    core = make_core(tiny_target, page_size=PAGE, num_spec_tokens=4, spec_policy="fixed", **proposers[proposer])
+    spec_logits = record_target_logits(core)
+    (spec,) = run_to_completion(core, [prompt], params)
+    assert spec.output_token_ids == plain.output_token_ids
+    tokens = prompt + plain.output_token_ids
+    compared = 0
+    for p, rows in spec_logits.items():
+        for start, ids, row in rows:
+            if ids == tokens[start: p + 1] and p in plain_logits and p >= len(prompt) - 1:
+                assert torch.equal(row, plain_logits[p][0][2]), (proposer, p)
+                compared += 1
+    assert compared >= len(plain.output_token_ids) - 1
+    if proposer != "mtp":
+        assert max(len(ids) for rows in spec_logits.values() for _, ids, _ in rows) > 1  # real verify steps
+
+
+def make_near_ties(folder, seed: int = 0):
+    """A checkpoint whose lm_head rows come in pairs a relative 2^-22 apart: at every position the top two
+    logits nearly tie, so the last bit of a row's hidden state decides greedy output."""
+    import transformers
+
+    kw = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, eos_token_id=0, bos_token_id=0,
+              tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+    with torch.no_grad():
+        w = model.lm_head.weight
+        w[1::2] = w[0::2] * (1 + 2.0**-22)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_near_ties_speculative_greedy_is_plain_greedy(proposer, tmp_path):
+    target = make_near_ties(tmp_path / "ties")
+    spec = dict(spec="ngram") if proposer == "ngram" else dict(spec="draft_model", draft=str(target))
+    prompts = [[(13 * i + 7 * j) % 320 for j in range(8)] * 2 for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    # One request at a time: plain decoding's steps are then single rows, as far from a verify step as can be.
+    plain = run_to_completion(make_core(target, page_size=PAGE, max_batch_size=1), prompts, params)
+    reqs = run_to_completion(make_core(target, page_size=PAGE, max_batch_size=1, num_spec_tokens=4,
+                                       spec_policy="fixed", **spec), prompts, params)
+    assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in plain]
