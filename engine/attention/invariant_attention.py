@@ -129,6 +129,15 @@ def _masked_out(meta: AttentionMetadata, group: int, rows: int, b0: int, b1: int
     return (~see).view(b, rows, keys // KEY_BLOCK, KEY_BLOCK).transpose(1, 2).contiguous().unsqueeze(0)
 
 
+def _write(dst: torch.Tensor, op, a: torch.Tensor, b) -> None:
+    """dst = op(a, b) in one kernel (`out=`), or two where autograd records it (`out=` has no backward: a
+    tensor-parallel follower runs its MTP head outside inference mode)."""
+    if torch.is_grad_enabled() and a.requires_grad:
+        dst.copy_(op(a, b))
+    else:
+        op(a, b, out=dst)
+
+
 def _attend_chunk(qv: torch.Tensor, scale: float, r: int, k_flat: torch.Tensor, v_flat: torch.Tensor,
                   rows_idx: torch.Tensor, masked: torch.Tensor, several: bool):
     """One lane block (`qv` [Hkv, b, G, Q, D]) over one key chunk: (row max, softmax denominator, P @ V) at `r`
@@ -140,8 +149,8 @@ def _attend_chunk(qv: torch.Tensor, scale: float, r: int, k_flat: torch.Tensor, 
     vb = v_flat.index_select(0, rows_idx).view(hkv * b * nb, KEY_BLOCK, d).to(qv.dtype)
     # The scaled queries repeated for every key block, zero rows as padding, in one write.
     qb = (qv.new_zeros if r > group * qn else qv.new_empty)(hkv * b * nb, r, d)
-    torch.mul(qv.unsqueeze(2).expand(hkv, b, nb, group, qn, d), scale,
-              out=qb.view(hkv, b, nb, r, d)[:, :, :, : group * qn].view(hkv, b, nb, group, qn, d))
+    _write(qb.view(hkv, b, nb, r, d)[:, :, :, : group * qn].view(hkv, b, nb, group, qn, d), torch.mul,
+           qv.unsqueeze(2).expand(hkv, b, nb, group, qn, d), scale)
     s = _scores(qb, kb).view(hkv, b, nb, r, KEY_BLOCK).masked_fill_(masked, NEG_INF)
     m = s.amax(dim=(2, 4), keepdim=True)
     base = m.masked_fill(m == NEG_INF, 0.0) if several else m  # a row that sees nothing here: exp(-inf) = 0
@@ -190,6 +199,6 @@ def invariant_attention(qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             acc = (m_new, l_old * a + lsum * c, o_old * a.unsqueeze(-1) + o * c.unsqueeze(-1))
         _, lsum, o = acc
         bl = b1 - b0
-        torch.div(o[:, :, :rows].view(hkv, bl, group, qn, d), lsum[:, :, :rows].view(hkv, bl, group, qn, 1),
-                  out=out_v[:, b0:b1])
+        _write(out_v[:, b0:b1], torch.div, o[:, :, :rows].view(hkv, bl, group, qn, d),
+               lsum[:, :, :rows].view(hkv, bl, group, qn, 1))
     return out.permute(0, 2, 3, 1, 4)
