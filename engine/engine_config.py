@@ -31,10 +31,15 @@ class EngineConfig:
     # on the leader only; the MTP head is split with the target.
     tensor_parallel_size: int = 1
     max_batch_size: int = 64
-    max_prefill_tokens: int = 4096  # whole-prompt prefill steps (max_num_batched_tokens unset): their token cap
-    # Chunked prefill: each step's token budget (decode tokens first, then prompt chunks), as in vLLM. None: a
-    # prompt is prefilled whole in a step of its own while running requests wait.
+    max_prefill_tokens: int = 4096  # whole-prompt prefill steps' token cap, and a calibrated budget's ceiling
+    # Chunked prefill (`scheduler/prefill_budget.py`): every running request decodes one token in each step and
+    # prompt chunks fill the rest of its budget, as in vLLM. max_num_batched_tokens N: a fixed budget of N
+    # tokens a step (0: off). Unset: calibrated at start-up (and paced live, `scheduler/prefill_pacer.py`) so a
+    # mixed step costs at most max_step_latency of the running batch's plain decode steps, or off when that is
+    # unset too (the library's and `generate`'s default; `serve` sets it). Off: a prompt is prefilled whole in a
+    # step of its own while running requests wait.
     max_num_batched_tokens: int | None = None
+    max_step_latency: float | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     dtype: str = "auto"
     device: str = "auto"
@@ -85,10 +90,19 @@ class EngineConfig:
             raise ValueError("--draft-vocab must be >= 0 (0: the full vocabulary)")
         if self.num_spec_tokens < 0 or self.num_spec_tokens > 16:
             raise ValueError("num_spec_tokens must be in [0, 16]")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_batch_size:
-            # Every running request decodes one token in a mixed step: a smaller budget could starve prompts.
-            raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
-                             f"--max-batch-size ({self.max_batch_size})")
+        # A budget below the running batch is allowed: prompts still get a share of every step
+        # (`PrefillBudget.chunk`).
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 0:
+            raise ValueError(f"--max-num-batched-tokens must be >= 0 (0: off), got {self.max_num_batched_tokens}")
+        if self.max_step_latency is not None and self.max_step_latency <= 1.0:
+            raise ValueError(f"--max-step-latency must be > 1 (decode steps), got {self.max_step_latency}")
+
+    @property
+    def chunked_prefill(self) -> str:
+        """fixed | calibrated | off."""
+        if self.max_num_batched_tokens is not None:
+            return "fixed" if self.max_num_batched_tokens > 0 else "off"
+        return "off" if self.max_step_latency is None else "calibrated"
 
     @property
     def cpu_kernels(self) -> CpuKernels:

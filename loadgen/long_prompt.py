@@ -1,8 +1,9 @@
 """The `long-prompt` workload: steady decode streams, and long prompts arriving while they run.
 
-What it answers: how much does prefilling one long prompt stall everyone else? Without chunked prefill the
-whole prompt runs in a step of its own and every stream waits for it; with `--max-num-batched-tokens` the
-prompt is prefilled in chunks beside the streams' decode tokens. Reported per load point:
+What it answers: how much does prefilling one long prompt stall everyone else? Without chunked prefill
+(`--no-chunked-prefill`) the whole prompt runs in a step of its own and every stream waits for it; with it
+(serve's default, or `--max-num-batched-tokens`) the prompt is prefilled in chunks beside the streams' decode
+tokens. Reported per load point:
 
 - `stream_itl_p50_ms`: the streams' median inter-token gap over the whole point, and `stream_itl_quiet_p50_ms`
   over the gaps that overlap no long prompt's prefill (plain decoding, the reference);

@@ -38,6 +38,7 @@ from specstep.engine.stream import make_stream  # noqa: E402
 from specstep.engine.tokenizer import Tokenizer  # noqa: E402
 from specstep.scheduler.engine_core import EngineCore, SchedulerConfig  # noqa: E402
 from specstep.scheduler.page_allocator import PageAllocator  # noqa: E402
+from specstep.scheduler.prefill_budget import resolve_budget  # noqa: E402
 from specstep.scheduler.spec_governor import GovernorConfig  # noqa: E402
 from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig  # noqa: E402
 from specstep.scheduler.tp_group import start_tp_group  # noqa: E402
@@ -62,6 +63,7 @@ class EngineInfo:
     attention: str = "torch"
     memory: MemoryPlan | None = None  # how the KV cache was sized (`MemoryPlan.describe()` for the ready line)
     tensor_parallel_size: int = 1
+    prefill: str = ""  # chunked prefill's budget and how it was chosen (`PrefillBudget.describe()`)
     kernels: str = ""  # CPU: the target's linears and attention, and why (`describe_cpu_kernels`)
 
 
@@ -113,16 +115,17 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     # A draft with a shorter context than the target drafts only while a request fits its context.
     spec_max_len = proposer.network.cfg.max_position_embeddings if proposer is not None and proposer.has_model \
         else None
-    sched = SchedulerConfig(max_batch_size=cfg.max_batch_size, max_prefill_tokens=cfg.max_prefill_tokens,
-                            max_num_batched_tokens=cfg.max_num_batched_tokens,
-                            num_spec_tokens=cfg.num_spec_tokens if proposer else 0, max_model_len=max_len,
-                            spec_max_len=spec_max_len)
-    policy = AdaptivePolicy(policy_config(cfg, sched.num_spec_tokens, ks if parts.capture is not None else None))
     engine = step_engine
     if group is not None:
         engine = LeaderEngine(step_engine, group.tp, group)
         group.watch()  # built: from now on a follower's death ends this process at once (TPGroupHandle.watch)
     num_pages = parts.memory.num_pages
+    # Timed through `engine`: with tensor parallelism the followers run the same probe steps.
+    budget = resolve_budget(cfg, engine, num_pages, max_len)
+    sched = SchedulerConfig(max_batch_size=cfg.max_batch_size, max_prefill_tokens=cfg.max_prefill_tokens,
+                            prefill_budget=budget, num_spec_tokens=cfg.num_spec_tokens if proposer else 0,
+                            max_model_len=max_len, spec_max_len=spec_max_len)
+    policy = AdaptivePolicy(policy_config(cfg, sched.num_spec_tokens, ks if parts.capture is not None else None))
     core = EngineCore(engine, PageAllocator(num_pages, cfg.page_size), sched, eos, policy=policy,
                       stream=make_stream(step_engine.device, cfg.overlap), tracer=tracer)
     info = EngineInfo(num_pages=num_pages, page_size=cfg.page_size, max_model_len=max_len,
@@ -132,6 +135,7 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
                       graphs=parts.capture.to_dict() if parts.capture is not None else None,
                       attention=parts.attention, memory=parts.memory,
                       tensor_parallel_size=cfg.tensor_parallel_size,
+                      prefill=budget.describe() if budget else "whole-prompt prefill (chunked prefill off)",
                       kernels=describe_cpu_kernels(target))
     return core, tokenizer, info
 
@@ -193,7 +197,7 @@ def plan_memory(cfg: EngineConfig, engine: StepEngine, pools: list[KVPool], max_
     figures = None
     if cfg.num_pages is None and cfg.kv_cache_tokens is None:
         shapes = largest_steps(cfg.max_batch_size, k_max, max_len, seq_tokens, cfg.page_size, cfg.max_prefill_tokens,
-                               cfg.max_num_batched_tokens)
+                               cfg.max_num_batched_tokens or None)
         carry = draft_carry_bytes(cfg.max_batch_size, k_max, engine.vocab_size) if engine.has_draft_model else 0
         roots = (engine.target, engine.proposer)
         if engine.device.type == "cuda":

@@ -1,4 +1,4 @@
-"""Chunked prefill mixed with decoding (`max_num_batched_tokens`), the part of `EngineCore` that plans and
+"""Chunked prefill mixed with decoding (`scheduler/prefill_budget.py`), the part of `EngineCore` that plans and
 runs mixed steps: every running request decodes one token and prompt chunks fill the rest of the step's token
 budget. A prompt part-way through its chunks is `Status.PREFILLING` in `EngineCore.prefilling`: it holds a
 slot and the pages of the chunks run so far.
@@ -19,32 +19,44 @@ if TYPE_CHECKING:
 
 
 class ChunkedPrefill:
-    """Mixed into `EngineCore` (it reads the core's queues, allocator, policy, engine and stream)."""
+    """Mixed into `EngineCore` (it reads the core's queues, allocator, policy, pacer, engine and stream)."""
+
+    @property
+    def chunked(self) -> bool:
+        return self.config.prefill_budget is not None
 
     def _schedule_chunks(self) -> list[tuple[Request, int]]:
         """Prompt chunks for a mixed step: every running request decodes one token, and what is left of the
-        token budget goes to prompts, those part-way through first (oldest first), then new admissions. Pages are
-        reserved per chunk. A prompt is admitted only if all of it fits beside the other unfinished prefills, so
-        prefills never block each other; running requests that need pages preempt prefills first (`_reserve`)."""
-        budget = self.config.max_num_batched_tokens - len(self.running)
-        if budget <= 0 or not self._reserve_pages(self.running, np.zeros(len(self.running), np.int64)):
+        step's budget (`PrefillBudget`: tokens, or a cost `PrefillPacer` keeps true) goes to prompts, those
+        part-way through first (oldest first), then new admissions; the step's first chunk gets a floor even when
+        the decode rows take the whole budget, so prompts are never starved. Pages are reserved per chunk. A
+        prompt is admitted only if all of it fits beside the other unfinished prefills, so prefills never block
+        each other; running requests that need pages preempt prefills first (`_reserve`)."""
+        if not self._reserve_pages(self.running, np.zeros(len(self.running), np.int64)):
             return []  # decode alone (its own reservation preempts as needed)
+        budget = self.config.prefill_budget
+        left, floor = self.pacer.plan(len(self.running), self._plain_decode_s())
         chunks: list[tuple[Request, int]] = []
-        for req in self.prefilling:
-            q = min(len(req.token_ids) - req.num_computed, budget)
+        # A prompt with other prompts behind it (part-way through, or waiting for a slot) takes at most half of
+        # what is left: a short prompt arriving behind a long one is done within a few steps, not after all of
+        # the long one's chunks (as vLLM's long_prefill_token_threshold).
+        admitting = bool(self.waiting) and len(self.running) + len(self.prefilling) < self.config.max_batch_size
+        for i, req in enumerate(self.prefilling):
+            share = left / 2 if admitting or i + 1 < len(self.prefilling) else left
+            q = budget.chunk(share, req.num_computed, len(req.token_ids) - req.num_computed, None if chunks else floor)
             if q <= 0 or not self.allocator.can_fit(req.page_table, self._chunk_need(req, q)):
                 continue
             self.allocator.ensure(req.page_table, self._chunk_need(req, q))
             chunks.append((req, q))
-            budget -= q
+            left -= budget.chunk_cost(q, req.num_computed)
         owed = sum(max(0, self.allocator.pages_for(self._chunk_need(r, len(r.token_ids) - r.num_computed))
                        - len(r.page_table)) for r in self.prefilling)
-        while budget > 0 and self.waiting and len(self.running) + len(self.prefilling) < self.config.max_batch_size:
+        while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_batch_size:
             req = self.waiting[0]
+            q = budget.chunk(left, req.num_computed, len(req.token_ids) - req.num_computed, None if chunks else floor)
             whole = self.allocator.pages_for(self._chunk_need(req, len(req.token_ids)))
-            if whole - len(req.page_table) + owed > self.allocator.num_free:
+            if q <= 0 or whole - len(req.page_table) + owed > self.allocator.num_free:
                 break
-            q = min(len(req.token_ids), budget)
             self.waiting.popleft()
             self.allocator.ensure(req.page_table, self._chunk_need(req, q))
             owed += whole - len(req.page_table)
@@ -54,8 +66,14 @@ class ChunkedPrefill:
             req.prefill_with_proposer = self.policy.proposer_current
             self.prefilling.append(req)
             chunks.append((req, q))
-            budget -= q
+            left -= budget.chunk_cost(q, req.num_computed)
         return chunks
+
+    def _plain_decode_s(self) -> float | None:
+        """The running batch's plain decode step as the policy last timed it (None: not yet): what the streams'
+        gaps are measured against."""
+        b = len(self.running)
+        return (self.policy.costs.plain(b, False) or self.policy.costs.plain(b, True)) if b else None
 
     def _chunk_need(self, req: Request, q: int) -> int:
         """Positions written by a chunk of q tokens: the chunk itself, and after the last one the first decode
@@ -70,10 +88,15 @@ class ChunkedPrefill:
         seqs = decode + [r for r, _ in chunks]
         q_lens = [1] * len(decode) + [q for _, q in chunks]
         with_proposer = [False] * len(decode) + [r.prefill_with_proposer for r, _ in chunks]
+        budget = self.config.prefill_budget
+        modelled = sum(budget.chunk_cost(q, r.num_computed) for r, q in chunks)
+        decode_s = self._plain_decode_s()
+        start = self.clock()
         handle = self.stream.submit(ranges.PREFILL,
                                     lambda: self.engine.prefill(seqs, with_proposer, q_lens, len(decode)))
         with self.tracer.range(ranges.WAIT):
             tokens = handle.wait().tolist()
+        self.pacer.observe(modelled, self.clock() - start, decode_s)
         now = time.monotonic()
         outputs = []
         with self.tracer.range(ranges.PROCESS_OUTPUT):

@@ -31,6 +31,8 @@ from specstep.engine.step_engine import StepEngine, StepOutput
 from specstep.engine.stream import DeviceStream, InlineStream, StepHandle
 from specstep.scheduler.chunked_prefill import ChunkedPrefill
 from specstep.scheduler.page_allocator import PageAllocator
+from specstep.scheduler.prefill_budget import PrefillBudget
+from specstep.scheduler.prefill_pacer import PrefillPacer
 from specstep.scheduler.request import FinishReason, Request, Status
 from specstep.scheduler.spec_decision import Decision
 from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig
@@ -45,7 +47,7 @@ log = logging.getLogger("specstep.engine")
 class SchedulerConfig:
     max_batch_size: int = 64
     max_prefill_tokens: int = 4096
-    max_num_batched_tokens: int | None = None  # chunked prefill mixed with decoding (None: whole-prompt steps)
+    prefill_budget: PrefillBudget | None = None  # chunked prefill mixed with decoding (None: whole-prompt steps)
     num_spec_tokens: int = 0  # k for every request unless overridden (0 = speculation off)
     max_model_len: int = 2048
     spec_max_len: int | None = None  # the draft's own context limit: requests past it stop speculating
@@ -81,6 +83,7 @@ class EngineCore(ChunkedPrefill, Stopping):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.prefilling: list[Request] = []  # chunked prefill: admitted, prompt part-way through (oldest first)
+        self.pacer = PrefillPacer(config.prefill_budget) if config.prefill_budget else None
         self.requests: dict[str, Request] = {}
         self._free_slots = list(range(config.max_batch_size - 1, -1, -1))
         self.lookahead = step_engine.proposer.kv_lookahead if step_engine.proposer else 0
@@ -133,10 +136,6 @@ class EngineCore(ChunkedPrefill, Stopping):
 
     def page_tables(self) -> list[list[int]]:
         return [r.page_table for r in (*self.running, *self.prefilling, *self._pending_release)]
-
-    @property
-    def chunked(self) -> bool:
-        return self.config.max_num_batched_tokens is not None
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity(self.page_tables())

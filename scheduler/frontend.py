@@ -122,6 +122,7 @@ class Frontend:
             ready = self.supervisor.ready
             kv = f"; {ready.kv_cache}" if ready.kv_cache else ""
             kv += f"; {ready.graphs}" if ready.graphs else ""
+            kv += f"; {ready.prefill}" if ready.prefill else ""
             if ready.tensor_parallel_size > 1:
                 kv += f"; tensor-parallel {ready.tensor_parallel_size} ranks"
             on_listening(f"specstep serve: ready ({self.cfg.model_origin or self.cfg.model_name}; spec {ready.spec}, "

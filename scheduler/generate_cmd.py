@@ -22,8 +22,9 @@ from specstep.scheduler.spec_policy import OBJECTIVES
 PER_LINE_FIELDS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Engine options shared by `generate` and `serve`."""
+def add_engine_arguments(p: argparse.ArgumentParser, max_step_latency: float | None = None) -> None:
+    """Engine options shared by `generate` and `serve` (`max_step_latency`: the command's default; None: chunked
+    prefill off unless asked for)."""
     p.add_argument("--model", default=None,
                    help="target model: a Hugging Face folder or a GGUF file (converted once into "
                         f"~/.cache/specstep). Default: {default_target().origin}")
@@ -90,10 +91,23 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV pages (overrides --kv-cache-tokens and the plan; default: planned)")
     p.add_argument("--max-batch-size", type=int, default=64,
                    help="most requests decoding at once (default: %(default)s)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="chunked prefill: each step's token budget; running requests decode one token each and "
-                        "long prompts are prefilled in chunks beside them (default: off, a prompt is prefilled "
-                        "whole in a step of its own while running requests wait)")
+    chunking = (f"calibrated, --max-step-latency {max_step_latency:g}" if max_step_latency is not None else
+                "off, a prompt is prefilled whole in a step of its own while running requests wait")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="chunked prefill with a fixed budget of N tokens a step: running requests decode one token "
+                        "each and prompts are prefilled in chunks beside them; 0: off (default: "
+                        f"{chunking})")
+    p.add_argument("--no-chunked-prefill", dest="max_num_batched_tokens", action="store_const", const=0,
+                   help="same as --max-num-batched-tokens 0: whole-prompt prefill steps (default: "
+                        f"{'chunked' if max_step_latency is not None else 'off already'})")
+    latency = f"{max_step_latency:g}" if max_step_latency is not None else "unset: chunked prefill off"
+    p.add_argument("--max-step-latency", type=float, default=max_step_latency, metavar="X",
+                   help="chunked prefill with a budget calibrated at start-up (a few seconds on CPU) and kept true "
+                        "from the engine's own step times: a step mixing prompt chunks with decoding costs at most X "
+                        "of the running batch's plain decode steps, so running streams keep about X times their "
+                        "usual inter-token gap while a long prompt is prefilled; larger X: faster prefill, longer "
+                        f"gaps. --max-num-batched-tokens overrides it (default: {latency}). The ready line reports "
+                        "the budget")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence, prompt + output tokens (default: the model's own limit)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -127,6 +141,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         tensor_parallel_size=args.tensor_parallel_size,
                         max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_step_latency=args.max_step_latency,
                         max_model_len=args.max_model_len, dtype=args.dtype,
                         device=args.device, threads=args.threads, spec_policy=args.spec_policy,
                         spec_objective=args.spec_objective, spec_itl_budget=args.spec_itl_budget,
@@ -269,14 +284,16 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def ready_text(info) -> str:
-    """`spec X, N KV pages; kv cache ... (how it was sized)`: the start-up facts a user checks first."""
+    """`spec X, N KV pages; kv cache ... (how it was sized)[; graphs ...]; chunked prefill ...`: the start-up
+    facts a user checks first."""
     # Imported here: `serve` imports this module in its frontend process, which never imports torch.
     from specstep.cuda_graphs.runner import describe_capture
 
     text = f"spec {info.spec}, {info.num_pages} KV pages"
     text = f"{text}; {info.memory.describe()}" if info.memory is not None else text
     graphs = describe_capture(info.graphs)
-    return f"{text}; {graphs}" if graphs else text
+    text = f"{text}; {graphs}" if graphs else text
+    return f"{text}; {info.prefill}" if info.prefill else text
 
 
 def make_tracer(path: str | None):

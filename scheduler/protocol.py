@@ -257,6 +257,7 @@ class Ready(Wire):
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     kv_cache: str = ""  # how the KV cache was sized (`MemoryPlan.describe()`), for the ready line
     tensor_parallel_size: int = 1  # ranks of the engine's tensor-parallel group
+    prefill: str = ""  # chunked prefill's step budget and how it was chosen, for the ready line
     graphs: str = ""  # graph capture's count and seconds (`describe_capture`), for the ready line
 
 

@@ -261,7 +261,7 @@ def ready_message(core: EngineCore, info, max_prompt_len: int | None) -> Ready:
                  eos_token_ids=list(info.eos_token_ids),
                  kv_cache=info.memory.describe() if info.memory is not None else "",
                  graphs=describe_capture(info.graphs),
-                 tensor_parallel_size=info.tensor_parallel_size)
+                 tensor_parallel_size=info.tensor_parallel_size, prefill=info.prefill)
 
 
 def engine_config(cfg: SchedulerProcessConfig) -> EngineConfig:
@@ -280,8 +280,8 @@ def run(cfg: SchedulerProcessConfig) -> int:
     # SimpleQueue.put is reentrant (safe in a signal handler) and wakes the loop if it is blocked while idle.
     signal.signal(signal.SIGTERM, lambda *_: io.inbox.put(EngineShutdown(drain=True)))
     io.outbox.put(ready_message(core, info, cfg.max_prompt_len))
-    log.info("ready: %s, %d KV pages of %d tokens; %s", info.spec, core.allocator.num_pages, core.allocator.page_size,
-             info.memory.describe() if info.memory is not None else "")
+    log.info("ready: %s, %d KV pages of %d tokens; %s; %s", info.spec, core.allocator.num_pages,
+             core.allocator.page_size, info.memory.describe() if info.memory is not None else "", info.prefill)
     failed = True
     try:
         loop.run()

@@ -175,6 +175,47 @@ def plain_greedy(target, proposers, prompt: list[int]) -> list[int]:
     return r.output_token_ids
 
 
-def test_budget_below_the_batch_size_is_refused(tiny_target, proposers):
-    with pytest.raises(ValueError, match="max-num-batched-tokens"):
-        core_for(tiny_target, proposers, "none", 3, max_batch_size=4)
+@pytest.mark.parametrize("budget", [12, 3])
+def test_every_stream_gets_a_token_in_every_step_while_a_long_prompt_prefills(tiny_target, proposers, budget):
+    """Four streams decode while a 120-token prompt arrives: in every step until its first token each stream
+    emits a token (the prompt never stops them), and the prompt advances in every step, also with a budget below
+    the running count (3 < 4 streams: its chunk keeps a quarter of the budget)."""
+    core = core_for(tiny_target, proposers, "none", budget, max_batch_size=5)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    streams = [Request(f"s{i}", prompts()[i], params, seed=i) for i in range(4)]
+    for s in streams:
+        core.add_request(s)
+    for _ in range(100):  # bounded: a starved prompt would never start
+        if all(s.status == Status.RUNNING for s in streams):
+            break
+        core.step()
+    assert all(s.status == Status.RUNNING for s in streams), "a stream's prompt was starved"
+    long = Request("long", [random.Random(2).randrange(320) for _ in range(120)], GREEDY, seed=9)
+    core.add_request(long)
+    steps = 0
+    while long.num_output_tokens == 0:
+        tokens, computed = [s.num_output_tokens for s in streams], long.num_computed
+        core.step()
+        steps += 1
+        assert all(s.num_output_tokens > n for s, n in zip(streams, tokens)), f"step {steps}: a stream waited"
+        assert long.num_computed > computed or long.num_output_tokens, f"step {steps}: the prompt waited"
+    assert steps >= 120 // max(budget - 4, 1)  # chunks of what the 4 decode tokens leave, or a quarter of 3
+    assert all(not s.finished for s in streams)
+
+
+@pytest.mark.parametrize("short_len", [5, 30])
+def test_a_short_prompt_behind_a_long_one_is_done_before_the_long_one(tiny_target, proposers, short_len):
+    """A prompt with others behind it takes half of what is left: one that arrives behind a long prompt gets its
+    first token within a few steps (admitted in the first, then half of every step), not after the long
+    prompt's last chunk."""
+    core = core_for(tiny_target, proposers, "none", 12, max_batch_size=5)
+    long = Request("long", [random.Random(3).randrange(320) for _ in range(120)], GREEDY, seed=0)
+    core.add_request(long)
+    core.step()
+    short = Request("short", [random.Random(4).randrange(320) for _ in range(short_len)], GREEDY, seed=1)
+    core.add_request(short)
+    steps = 0
+    while short.num_output_tokens == 0:
+        core.step()
+        steps += 1
+    assert long.status == Status.PREFILLING and steps == -(-short_len // 6)  # 6 of the 12 tokens a step

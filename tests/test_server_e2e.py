@@ -48,6 +48,7 @@ async def test_health(server):
         assert h.address == server.address and not h.address.endswith(":0")  # started on port 0
         ready = next(line for line in server.log().splitlines() if line.startswith("specstep serve: ready"))
         assert ready.endswith(f" on {server.address}")
+        assert "; chunked prefill " in ready and "calibrated" in ready  # serve's default: a budget timed at start
     finally:
         c.close()
 

@@ -1,0 +1,179 @@
+"""Chunked prefill's step budget: how many prompt tokens a mixed step takes beside the running requests' decode
+tokens (`scheduler/chunked_prefill.py`).
+
+A fixed budget (`--max-num-batched-tokens N`) counts tokens, as vLLM's does. A calibrated one
+(`--max-step-latency X`) bounds a mixed step's cost at X of the running batch's decode steps, from costs timed
+at start-up and fitted as
+
+    cost(prefill step) = fixed + per_token * tokens + per_key * sum over prompt chunks of q * (ctx + q)
+
+and a mixed step is taken to cost its batch's decode step plus per_token * q + per_key * q * (ctx + q) for each
+prompt chunk of q tokens at context ctx (which attends to about q * (ctx + q) keys: with the torch backend on
+CPU a 64-token chunk at context 3,000 cost ~3x one at context 0, so a calibrated chunk shrinks late in a long
+prompt, where a token count alone would let the step grow). A fixed budget is the same arithmetic in token units
+(per_token 1, per_key 0: a chunk's "cost" is its token count).
+
+The arithmetic here is pure (unit-tested with injected costs); `measure_step_costs` does the timing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from specstep.engine.engine_config import EngineConfig
+from specstep.engine.sampling_params import SamplingParams
+from specstep.scheduler.request import Request
+
+MIN_BUDGET = 16  # a calibrated budget's floor, in tokens at context 0: smaller chunks pay the fixed cost per token
+
+
+@dataclass(frozen=True, slots=True)
+class StepCostModel:
+    fixed: float = 0.0
+    per_token: float = 0.0
+    per_key: float = 0.0
+
+    def chunk_cost(self, q: int, ctx: int) -> float:
+        return self.per_token * q + self.per_key * q * (ctx + q)
+
+    def tokens_within(self, left: float, ctx: int) -> int:
+        """The largest q with chunk_cost(q, ctx) <= left (0 when nothing fits; unbounded costs: a large q)."""
+        if left <= 0:
+            return 0
+        a, b = self.per_key, self.per_token + self.per_key * ctx
+        if a <= 0 and b <= 0:
+            return 1 << 30
+        q = int(left / b) if a <= 0 else int((-b + math.sqrt(b * b + 4 * a * left)) / (2 * a))
+        while q > 0 and self.chunk_cost(q, ctx) > left * (1 + 1e-12):  # float rounding at the boundary
+            q -= 1
+        return q
+
+
+def fit_costs(samples: list[tuple[int, int, float]]) -> StepCostModel:
+    """Least squares over (chunk tokens, context, seconds). Noise on a shared host can make a term negative:
+    it is dropped (0) and the rest refitted, so every term stays a cost."""
+    q, ctx, t = (np.array(col, dtype=np.float64) for col in zip(*samples))
+    columns = {"fixed": np.ones_like(q), "per_token": q, "per_key": q * (ctx + q)}
+    if len(set(ctx.tolist())) < 2:
+        del columns["per_key"]  # one context: the attention term cannot be told from per_token
+    if len(set(q.tolist())) < 2:
+        columns.pop("fixed")  # one size (a tiny KV pool): a cost per token only
+    while True:
+        x, *_ = np.linalg.lstsq(np.stack(list(columns.values()), axis=1), t, rcond=None)
+        coef = dict(zip(columns, x.tolist()))
+        negative = [name for name, v in coef.items() if v < 0]
+        if not negative or len(columns) == 1:
+            return StepCostModel(**{name: max(v, 0.0) for name, v in coef.items()})
+        del columns[negative[0]]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillBudget:
+    """What a mixed step may hold. A fixed budget counts the step's tokens, decode rows included (`tokens`).
+    A calibrated one bounds the step's cost at `multiple` x the running batch's decode step: the step costs that
+    decode step plus its prompt chunks' `chunk_cost` (`PrefillPacer` keeps both true while serving); `tokens`
+    is then what a step takes at context 0 beside one decoding request, for the ready line."""
+
+    tokens: int
+    model: StepCostModel
+    how: str  # for the ready line
+    max_tokens: int  # no chunk is larger
+    multiple: float | None = None  # calibrated: the bound, in decode steps; None: a fixed token budget
+    decode_s: float = 0.0  # calibrated: the decode step at batch 1 timed at start-up
+
+    @classmethod
+    def fixed_tokens(cls, tokens: int) -> PrefillBudget:
+        return cls(tokens, StepCostModel(per_token=1.0), f"{tokens} tokens a step (--max-num-batched-tokens)",
+                   max_tokens=tokens)
+
+    def describe(self) -> str:
+        return f"chunked prefill {self.how}"
+
+    def chunk(self, left: float, ctx: int, remaining: int, floor: float | None = None) -> int:
+        """A chunk of a prompt with `remaining` tokens to go at context `ctx` whose cost fits `left`, or `floor`
+        where that is more, and then at least one token. Every running request decodes in every mixed step, even
+        past the budget (a stream never waits for a prompt); the step's first chunk gets a floor
+        (`PrefillPacer.plan`: a quarter of an empty step's room), so prompts are never starved."""
+        q = self.model.tokens_within(max(left, floor or 0.0), ctx)
+        return min(max(q, 1 if floor is not None else 0), remaining, self.max_tokens)
+
+    def chunk_cost(self, q: int, ctx: int) -> float:
+        return self.model.chunk_cost(q, ctx)
+
+
+def choose_budget(model: StepCostModel, decode_s: float, multiple: float, max_tokens: int,
+                  measured_s: float = 0.0) -> PrefillBudget:
+    """A mixed step may cost `multiple` x a decode step: beside one decoding request at context 0 that leaves
+    (multiple - 1) decode steps for prompt tokens, at least MIN_BUDGET of them and at most `max_tokens`."""
+    tokens = max(min(MIN_BUDGET, max_tokens), min(model.tokens_within((multiple - 1) * decode_s, 0), max_tokens))
+    how = (f"{tokens} prompt tokens a step at context 0, calibrated: a mixed step <= {multiple:g} x the running "
+           f"batch's decode step ({decode_s * 1e3:.1f} ms at batch 1 at start-up), prompt chunks "
+           f"{model.per_token * 1e3:.2f} ms/token + {model.per_key * 1e6:.3f} us/token/key of context beyond it "
+           f"(measured in {measured_s:.1f} s)")
+    return PrefillBudget(tokens, model, how, max_tokens, multiple, decode_s)
+
+
+# ---- timing (the real step engine) -------------------------------------------------------------------------
+DECODE_CONTEXT = 128
+CHUNKS = ((8, 0), (32, 0), (32, 1024))  # (tokens, context): two sizes for fixed/per_token, one far in for per_key
+MARGIN = 8  # positions past a probe's tokens that a step may write (the proposer's look-ahead)
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    decode_s: float  # a plain decode step at batch 1 (median)
+    chunks: tuple[tuple[int, int, float], ...]  # (tokens, context, median seconds) of single prompt chunks
+    measured_s: float  # what timing them cost
+
+
+def measure_step_costs(engine, num_pages: int, page_size: int, max_len: int, repeats: int = 3,
+                       clock: Callable[[], float] = time.perf_counter) -> StepCosts:
+    """Time a plain decode step at batch 1 and prompt chunks of the real engine, each shape once per round so
+    that a noisy neighbour slows them alike; medians of `repeats` rounds (no warm-up round: the memory plan's
+    warm-up already ran these forwards, and on SmolLM2 on CPU a first round measured no slower; a median of
+    three outlasts one slow call). Runs before any request: it writes KV into pages 1.. and the proposer's slot
+    0, which the first requests overwrite."""
+    room = min((num_pages - 1) * page_size, max_len) - MARGIN  # pages 1.. (page 0 is the dummy page)
+    shapes = list(dict.fromkeys((q, max(0, min(ctx, room - q))) for q, ctx in CHUNKS if q <= room))
+    decode_ctx = max(1, min(DECODE_CONTEXT, room - 1))
+    pages = list(range(1, num_pages))
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def probe(q: int, ctx: int) -> Request:
+        req = Request("calibration", [0] * (ctx + q), params, seed=0)
+        req.num_computed, req.slot = ctx, 0
+        req.page_table = pages[: -(-(ctx + q + MARGIN) // page_size)]
+        return req
+
+    def decode() -> None:
+        req = probe(1, decode_ctx - 1)  # running: num_computed == len(token_ids) - 1
+        engine.run_decode(engine.plan_decode([req], np.zeros(1, np.int64), refill=False)).read()
+
+    def chunk(q: int, ctx: int) -> None:
+        engine.prefill([probe(q, ctx)], False, [q]).tolist()
+
+    start = clock()
+    times: dict[tuple, list[float]] = {("decode",): [], **{s: [] for s in shapes}}
+    for _ in range(repeats):
+        for key in times:
+            t0 = clock()
+            decode() if key == ("decode",) else chunk(*key)
+            times[key].append(clock() - t0)
+    med = {key: float(np.median(ts)) for key, ts in times.items()}
+    return StepCosts(med.pop(("decode",)), tuple((q, ctx, t) for (q, ctx), t in med.items()), clock() - start)
+
+
+def resolve_budget(cfg: EngineConfig, engine, num_pages: int, max_len: int) -> PrefillBudget | None:
+    """The engine's budget (None: chunked prefill off), once its KV pools exist (`scheduler.build`)."""
+    if cfg.chunked_prefill == "off":
+        return None
+    if cfg.chunked_prefill == "fixed":
+        return PrefillBudget.fixed_tokens(cfg.max_num_batched_tokens)
+    costs = measure_step_costs(engine, num_pages, cfg.page_size, max_len)
+    return choose_budget(fit_costs(list(costs.chunks)), costs.decode_s, cfg.max_step_latency,
+                         cfg.max_prefill_tokens, costs.measured_s)

@@ -1,0 +1,238 @@
+"""Chunked prefill's step budget (`scheduler/prefill_budget.py`, `prefill_pacer.py`): the cost model's fit and
+inverse, the budget a step-latency multiple chooses, the share a prompt keeps when decode rows fill the budget,
+the live pacing of mixed steps, the start-up timing driven with an injected clock (no wall time anywhere), and
+`serve`'s default of a calibrated budget."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from specstep.engine.sampling_params import SamplingParams
+from specstep.scheduler import generate_cmd, serve_cmd
+from specstep.scheduler.build import build_engine
+from specstep.scheduler.engine_core import EngineCore, SchedulerConfig
+from specstep.scheduler.page_allocator import PageAllocator
+from specstep.scheduler.prefill_budget import (
+    MIN_BUDGET,
+    PrefillBudget,
+    StepCostModel,
+    choose_budget,
+    fit_costs,
+    measure_step_costs,
+)
+from specstep.scheduler.prefill_pacer import WINDOW, PrefillPacer
+from specstep.scheduler.request import Request
+from tests.sim_engine import Scenario, SimClock, SimStepEngine
+
+MODEL = StepCostModel(fixed=0.05, per_token=0.006, per_key=4e-6)
+
+
+def test_fit_recovers_the_costs_it_was_given():
+    samples = [(q, ctx, MODEL.fixed + MODEL.chunk_cost(q, ctx)) for q, ctx in ((8, 0), (32, 0), (32, 1024), (4, 300))]
+    fit = fit_costs(samples)
+    assert fit.fixed == pytest.approx(MODEL.fixed) and fit.per_token == pytest.approx(MODEL.per_token)
+    assert fit.per_key == pytest.approx(MODEL.per_key)
+
+
+def test_fit_drops_a_term_noise_made_negative():
+    # Longer context measured *cheaper* (a noisy neighbour): no negative attention cost, the rest refitted.
+    fit = fit_costs([(8, 0, 0.10), (32, 0, 0.25), (32, 1024, 0.24)])
+    assert fit.per_key == 0.0 and fit.per_token > 0 and fit.fixed > 0
+    one_size = fit_costs([(8, 0, 0.1), (8, 0, 0.1)])  # a tiny KV cache: a cost per token only
+    assert one_size.fixed == one_size.per_key == 0.0 and one_size.per_token == pytest.approx(0.1 / 8)
+
+
+def test_tokens_within_is_the_largest_chunk_that_fits():
+    for ctx in (0, 1000, 4000):
+        for left in (0.01, 0.1, 0.5):
+            q = MODEL.tokens_within(left, ctx)
+            assert MODEL.chunk_cost(q, ctx) <= left < MODEL.chunk_cost(q + 1, ctx)
+    assert MODEL.tokens_within(-1.0, 0) == 0
+    # Later in a prompt a chunk's attention covers more keys: the same cost buys fewer tokens.
+    assert MODEL.tokens_within(0.2, 0) > MODEL.tokens_within(0.2, 2000) > MODEL.tokens_within(0.2, 4000) > 0
+
+
+def test_budget_fills_the_multiple_beside_one_decoding_request():
+    decode = 0.08
+    for multiple in (2.5, 4.0, 8.0):
+        b = choose_budget(MODEL, decode, multiple, max_tokens=4096)
+        room = (multiple - 1) * decode  # a mixed step costs the decode step plus its chunks
+        assert MODEL.chunk_cost(b.tokens, 0) <= room < MODEL.chunk_cost(b.tokens + 1, 0)
+        assert "calibrated" in b.describe() and f"{b.tokens} prompt tokens" in b.describe()
+    assert choose_budget(MODEL, decode, 1.1, max_tokens=4096).tokens == MIN_BUDGET  # the floor
+    assert choose_budget(MODEL, decode, 50.0, max_tokens=300).tokens == 300  # at most a whole-prefill step
+
+
+def test_a_calibrated_chunk_fills_the_room_at_every_context():
+    b = choose_budget(MODEL, 0.08, 2.5, max_tokens=4096)
+    for decode_s in (None, 0.2):
+        room = 1.5 * (decode_s or 0.08)
+        for decode_rows in (1, 4):
+            left, floor = PrefillPacer(b).plan(decode_rows, decode_s)
+            assert left == pytest.approx(room)  # the batch's own decode step already holds its rows
+            for ctx in (0, 500, 3000):
+                q = b.chunk(left, ctx, remaining=10_000, floor=floor)
+                assert q >= 1 and b.chunk_cost(q, ctx) <= room < b.chunk_cost(q + 1, ctx)
+
+
+def test_fixed_budget_counts_tokens():
+    b = PrefillBudget.fixed_tokens(20)
+    left, floor = PrefillPacer(b).plan(4, decode_s=0.3)  # 4 decode rows; step times do not move a token budget
+    assert b.chunk(left, ctx=3000, remaining=100, floor=floor) == 16  # no context discount: tokens are tokens
+    left -= b.chunk_cost(16, 3000)
+    assert b.chunk(left, ctx=0, remaining=100) == 0
+    assert b.chunk(20.0, ctx=0, remaining=7) == 7  # a prompt's last chunk
+
+
+def test_decode_rows_past_the_budget_leave_prompts_a_quarter():
+    """Every running request decodes in every mixed step; when they take a fixed budget the step's first prompt
+    chunk still gets a quarter of an empty step's room (later ones nothing): prompts are never starved."""
+    b = PrefillBudget.fixed_tokens(16)
+    left, floor = PrefillPacer(b).plan(40, None)
+    assert b.chunk(left, ctx=0, remaining=100, floor=floor) == 4
+    assert b.chunk(left, ctx=0, remaining=100) == 0
+    assert b.chunk(left, ctx=0, remaining=2, floor=floor) == 2
+
+
+def test_pacer_follows_the_batchs_decode_step_and_what_mixed_steps_really_cost():
+    b = choose_budget(MODEL, 0.08, 2.5, max_tokens=4096)
+    pacer = PrefillPacer(b)
+    assert pacer.room(4, None) == pytest.approx(1.5 * 0.08)  # before the engine timed a decode step: start-up's
+    assert pacer.room(4, 0.2) == pytest.approx(1.5 * 0.2)  # the running batch's own
+    for _ in range(WINDOW):  # chunks cost 3x what the fit says, beyond the decode step
+        pacer.observe(chunks_cost=0.1, seconds=0.2 + 0.3, decode_s=0.2)
+    assert pacer.scale == pytest.approx(3.0) and pacer.room(4, 0.2) == pytest.approx(1.5 * 0.2 / 3)
+    pacer.observe(0.1, 10.0, 0.2)  # one step slowed by a neighbour: the median does not move
+    assert pacer.scale == pytest.approx(3.0)
+    for _ in range(WINDOW):  # however slow the steps, a step keeps room for MIN_BUDGET tokens at context 0
+        pacer.observe(0.1, 1000.0, 0.2)
+    assert pacer.room(4, 0.2) == pytest.approx(MODEL.chunk_cost(MIN_BUDGET, 0))
+    fixed = PrefillPacer(PrefillBudget.fixed_tokens(20))
+    fixed.observe(0.1, 9.0, 0.2)
+    assert fixed.room(4, 0.5) == fixed.room(4, None) == 16
+
+
+class MixedSim(SimStepEngine):
+    """Mixed steps cost the batch's decode step plus 3 ms a prompt token (3x what the fit below says)."""
+
+    def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
+        self.clock.now += self.scenario.cost(num_decode, None, False, 0) + 3e-3 * (sum(q_lens) - num_decode)
+        return torch.ones(len(seqs), dtype=torch.long)
+
+
+def test_mixed_steps_cost_the_multiple_of_the_streams_decode_step_when_the_fit_is_off():
+    """The real `EngineCore` over a simulated engine (virtual clock): prompt tokens cost 3x what the start-up fit
+    says. Once the pacer has seen mixed steps (the streams' own prompts), every mixed step of a long prompt costs
+    what 2.5 of the streams' decode steps cost, not more and not much less (the budget is used)."""
+    clock = SimClock()
+    decode = lambda b, nd, refill, tokens: 0.05 + 0.001 * b  # noqa: E731
+    engine = MixedSim(Scenario(cost=decode, alpha=lambda rid, n: 0.0), clock, None)
+    budget = choose_budget(StepCostModel(fixed=0.02, per_token=1e-3), decode(1, None, False, 0), 2.5, 4096)
+    core = EngineCore(engine, PageAllocator(8192, 16), SchedulerConfig(max_batch_size=8, prefill_budget=budget,
+                                                                       max_model_len=100_000), clock=clock)
+    params = SamplingParams(temperature=1.0, max_tokens=10_000, ignore_eos=True)
+    for i in range(4):
+        core.add_request(Request(f"s{i}", [1] * 30, params, seed=i))
+    for _ in range(20):
+        core.step()
+    long = Request("long", [1] * 2000, SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True), seed=9)
+    core.add_request(long)
+    costs = []
+    while long.num_output_tokens == 0:
+        before = clock.now
+        core.step()
+        costs.append(clock.now - before)
+    target = 2.5 * decode(4, None, False, 0)
+    assert core.pacer.scale == pytest.approx(3.0, rel=0.01) and len(costs) > 20
+    assert all(0.95 * target <= c <= target * (1 + 1e-9) for c in costs[:-1]), costs  # the last: what was left
+
+
+class TimedEngine:
+    """A step engine whose steps advance a virtual clock by known costs (prefill: MODEL; decode: 0.08 s), the
+    first call of each shape paying extra (a cold start the medians must outlast); it records the shapes it
+    ran."""
+
+    def __init__(self) -> None:
+        self.now, self.shapes, self.seen = 0.0, [], set()
+
+    def clock(self) -> float:
+        return self.now
+
+    def _tick(self, key, cost: float) -> None:
+        self.now += cost + (1.0 if key not in self.seen else 0.0)
+        self.seen.add(key)
+
+    def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode=0):
+        (s,), (q,) = seqs, q_lens
+        assert s.num_computed + q == len(s.token_ids) and not with_proposer and num_decode == 0
+        assert len(s.page_table) * 16 >= len(s.token_ids) and 0 not in s.page_table  # never the dummy page
+        self.shapes.append((q, s.num_computed))
+        self._tick((q, s.num_computed), MODEL.fixed + MODEL.chunk_cost(q, s.num_computed))
+        return np.zeros(1)
+
+    def plan_decode(self, seqs, num_draft, chain=None, refill=True):
+        (s,) = seqs
+        assert s.num_computed == len(s.token_ids) - 1 and not refill and list(num_draft) == [0]
+        return s
+
+    def run_decode(self, ctx):
+        self._tick("decode", 0.08)
+        return type("Out", (), {"read": lambda self: None})()
+
+
+def test_measured_costs_give_the_budget_the_costs_imply():
+    eng = TimedEngine()
+    costs = measure_step_costs(eng, num_pages=400, page_size=16, max_len=2048, repeats=3, clock=eng.clock)
+    assert costs.decode_s == pytest.approx(0.08)  # medians: the slow first round is outvoted
+    assert len(costs.chunks) == 3 and all(eng.shapes.count(s) == 3 for s in set(eng.shapes))
+    b = choose_budget(fit_costs(list(costs.chunks)), costs.decode_s, 2.5, 4096)
+    assert b.tokens == choose_budget(MODEL, 0.08, 2.5, 4096).tokens
+
+
+def test_measuring_fits_a_small_kv_cache():
+    eng = TimedEngine()
+    costs = measure_step_costs(eng, num_pages=5, page_size=16, max_len=2048, repeats=1, clock=eng.clock)
+    assert all(q + ctx <= 4 * 16 for q, ctx in eng.shapes) and costs.chunks
+
+
+def cli_config(module, tiny_target, *argv: str):
+    p = argparse.ArgumentParser()
+    module.add_arguments(p)
+    args = p.parse_args(["--model", str(tiny_target), "--spec", "none", "--device", "cpu", *argv])
+    return generate_cmd.engine_config_from_args(args)
+
+
+def test_serve_calibrates_a_budget_by_default(tiny_target):
+    """`serve` chunks prompts with a budget timed on its own target at start-up; the ready line says so."""
+    cfg = cli_config(serve_cmd, tiny_target)
+    assert cfg.chunked_prefill == "calibrated" and cfg.max_step_latency == serve_cmd.MAX_STEP_LATENCY
+    core, _, info = build_engine(dataclasses.replace(cfg, kv_cache_tokens=4096))
+    budget = core.config.prefill_budget
+    assert budget is not None and MIN_BUDGET <= budget.tokens <= cfg.max_prefill_tokens
+    assert budget.multiple == serve_cmd.MAX_STEP_LATENCY and budget.decode_s > 0 and budget.model.fixed > 0
+    text = generate_cmd.ready_text(info)
+    assert f"chunked prefill {budget.tokens} prompt tokens a step" in text and "calibrated" in text
+    core.close()
+
+
+@pytest.mark.parametrize("argv, mode", [((), "calibrated"), (("--max-num-batched-tokens", "64"), "fixed"),
+                                        (("--max-num-batched-tokens", "0"), "off"), (("--no-chunked-prefill",), "off"),
+                                        (("--max-step-latency", "4", "--max-num-batched-tokens", "9"), "fixed")])
+def test_a_fixed_budget_or_off_overrides_the_calibration(tiny_target, argv, mode):
+    assert cli_config(serve_cmd, tiny_target, *argv).chunked_prefill == mode
+    assert cli_config(generate_cmd, tiny_target).chunked_prefill == "off"  # offline throughput: whole prompts
+
+
+def test_fixed_and_off_budgets_reach_the_core(tiny_target):
+    for argv, tokens in ((("--max-num-batched-tokens", "9"), 9), (("--no-chunked-prefill",), None)):
+        cfg = dataclasses.replace(cli_config(serve_cmd, tiny_target, *argv), kv_cache_tokens=1024)
+        core, _, info = build_engine(cfg)
+        budget = core.config.prefill_budget
+        assert (budget.tokens if budget else None) == tokens and core.chunked == (tokens is not None)
+        assert ("(--max-num-batched-tokens)" if tokens else "chunked prefill off") in info.prefill
+        core.close()
