@@ -6,6 +6,7 @@ of probability zero under top-k / top-p must never occur."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 
 from specstep.engine.proposers.draft_vocab import write_draft_vocab
 from specstep.engine.sampling_params import SamplingParams
+from specstep.scheduler import build
 from tests.fixtures_models import hf_model, make_mtp_head, make_perturbed_copy
 from tests.fixtures_stats import assert_distribution, chi2_gof, reference_probs
 from tests.helpers import ScriptedPolicy, make_checkpoint, make_core, run_to_completion
@@ -143,9 +145,13 @@ def test_tensor_parallel_keeps_the_distribution(models, exact, proposer):
 
 
 @pytest.mark.parametrize("proposer", ["perturbed", "mtp", "ngram"])
-def test_adaptive_policy_keeps_the_distribution(models, exact, proposer):
+def test_adaptive_policy_keeps_the_distribution(models, exact, proposer, monkeypatch):
     """Whatever the adaptive policy decides (exploring each k, dropping the refill, probing), the output
-    follows the target's distribution."""
+    follows the target's distribution. Plain is measured once per bucket here, not three times: each request
+    runs four tokens in one batch, and three plain samples would leave no step to speculate in."""
+    real = build.policy_config
+    monkeypatch.setattr(build, "policy_config",
+                        lambda *a, **kw: dataclasses.replace(real(*a, **kw), plain_samples=1))
     params = [SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)]
     outputs = generate(models, proposer, params * N, spec_policy="adaptive")
     joint = exact(1.0, 0, 1.0)
