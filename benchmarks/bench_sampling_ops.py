@@ -26,8 +26,9 @@ SETTINGS = {
 
 
 def ops_per_step(model: str, batch: int, k: int, graphs: str, params: SamplingParams) -> int:
-    core, _, _ = build_engine(EngineConfig(model=model, spec="mtp", num_spec_tokens=k, graphs=graphs, device="cpu",
-                                           max_batch_size=batch, kv_cache_tokens=4096, overlap=False, threads=2))
+    core, _, _ = build_engine(EngineConfig(model=model, spec="mtp", num_spec_tokens=k, spec_policy="fixed",
+                                           graphs=graphs, device="cpu", max_batch_size=batch, kv_cache_tokens=4096,
+                                           overlap=False, threads=2))
     for i in range(batch):
         core.add_request(Request(str(i), [3, 1, 4, 1, 5, 9, 2, 6], params, seed=i))
     core.step()  # prefill

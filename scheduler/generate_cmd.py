@@ -14,111 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-from specstep.engine.engine_config import SPEC_KINDS, EngineConfig
 from specstep.engine.errors import SpecstepError
 from specstep.engine.model_source import default_target, resolve_model
-from specstep.scheduler.spec_policy import OBJECTIVES
+from specstep.scheduler.engine_options import add_engine_arguments, engine_config_from_args
+
+__all__ = ["add_arguments", "engine_config_from_args", "ready_text", "resolve_model_arg", "run"]
 
 PER_LINE_FIELDS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
-
-
-def add_engine_arguments(p: argparse.ArgumentParser, max_step_latency: float | None = None) -> None:
-    """Engine options shared by `generate` and `serve` (`max_step_latency`: the command's default; None: chunked
-    prefill off unless asked for)."""
-    p.add_argument("--model", default=None,
-                   help="target model: a Hugging Face folder or a GGUF file (converted once into "
-                        f"~/.cache/specstep). Default: {default_target().origin}")
-    p.add_argument("--spec", choices=SPEC_KINDS, default="none", help="speculation proposer (default: %(default)s)")
-    p.add_argument("--draft", default=None,
-                   help="draft model or MTP head folder (default: the one shipped for the target, if any)")
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help="drafter vocabulary: the N most frequent tokens from its folder's draft_vocab.json "
-                        "(default: all of that list when present; 0: the full vocabulary). Lossless either way")
-    p.add_argument("--num-spec-tokens", type=int, default=4,
-                   help="draft tokens per step (k; the maximum if adaptive; default: %(default)s)")
-    p.add_argument("--spec-policy", choices=["fixed", "adaptive"], default="adaptive",
-                   help="fixed k, or choose k per step/request from measured acceptance and step costs, with a "
-                        "governor that turns speculation off where it loses more than --spec-delta "
-                        "(default: %(default)s)")
-    p.add_argument("--spec-objective", choices=OBJECTIVES, default="throughput",
-                   help="what the adaptive policy optimises: tokens per second, or tokens per second with no "
-                        "speculative step longer than --spec-itl-budget times a plain step (p99 inter-token latency; "
-                        "default: %(default)s)")
-    p.add_argument("--spec-itl-budget", type=float, default=1.1,
-                   help="latency objective: the longest speculative step, as a multiple of a plain step (default: "
-                        "%(default)s)")
-    p.add_argument("--spec-delta", type=float, default=0.02,
-                   help="adaptive: the governor switches speculation off when confident it runs below (1 - delta) "
-                        "of plain decoding's throughput (default: %(default)s)")
-    p.add_argument("--spec-epsilon", type=float, default=None,
-                   help="adaptive: the largest fraction of steps spent probing while speculation is off "
-                        "(default 0.02; 0.005 with the latency objective)")
-    p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
-                   help="prepare step N+1 on the host while step N runs (auto: on for CUDA; off on CPU, where the "
-                        "worker-thread stream shares the GIL and measured slower, see README; default: %(default)s)")
-    p.add_argument("--no-overlap", dest="overlap", action="store_const", const="off", help="same as --overlap off")
-    p.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
-                   help="captured step graphs (auto: on CUDA; on: the contract-checking CPU stand-in; default: "
-                        "%(default)s)")
-    p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], default="auto",
-                   help="paged-attention backend (auto: torch; flashinfer: CUDA with the flashinfer package; default: "
-                        "%(default)s)")
-    p.add_argument("--cpu-linear", choices=["auto", "matmul", "onednn"], default="auto",
-                   help="CPU linear kernels (auto: prepacked oneDNN at every row count with --batch-invariant on, "
-                        "else MKL or oneDNN per weight shape and row count, timed at load; matmul / onednn: one "
-                        "kernel everywhere, matmul only with --batch-invariant off; default: %(default)s)")
-    p.add_argument("--batch-invariant", choices=["on", "off"], default="on",
-                   help="CPU: every row of a step computes the bits it would alone (oneDNN linears at every row "
-                        "count, row-invariant attention), so speculative greedy output is plain greedy output "
-                        "bitwise; off: the fastest kernel per row count (on an AVX2 host a plain decode step "
-                        "measured 1.09-1.26x with it on: oneDNN's one-row linear is slower than MKL's and the "
-                        "invariant attention runs more ops; default: %(default)s)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="split the target (and its MTP head) over N ranks, one process and one device each "
-                        "(torch.distributed: NCCL on GPUs, gloo on CPU); a draft model runs on rank 0 only "
-                        "(default: %(default)s)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
-                   help="share of memory the engine may use, KV cache included: the KV cache gets F x the GPU's "
-                        "memory minus what is in use (weights, other processes), a warm-up's peak at the largest "
-                        "batch and a CUDA-graph reserve; on CPU F x the RAM available at start-up minus the "
-                        "weights and an activation estimate (default: 0.9 on CUDA, as vLLM; on CPU 0.5 with the KV "
-                        "cache capped at 4 GiB). The ready line reports the result")
-    p.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="KV capacity in tokens, overriding the memory plan (default: planned, see "
-                        "--gpu-memory-utilization)")
-    p.add_argument("--num-pages", type=int, default=None,
-                   help="KV pages (overrides --kv-cache-tokens and the plan; default: planned)")
-    p.add_argument("--max-batch-size", type=int, default=64,
-                   help="most requests decoding at once (default: %(default)s)")
-    chunking = (f"calibrated, --max-step-latency {max_step_latency:g}" if max_step_latency is not None else
-                "off, a prompt is prefilled whole in a step of its own while running requests wait")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help="chunked prefill with a fixed budget of N tokens a step: running requests decode one token "
-                        "each and prompts are prefilled in chunks beside them; 0: off (default: "
-                        f"{chunking})")
-    p.add_argument("--no-chunked-prefill", dest="max_num_batched_tokens", action="store_const", const=0,
-                   help="same as --max-num-batched-tokens 0: whole-prompt prefill steps (default: "
-                        f"{'chunked' if max_step_latency is not None else 'off already'})")
-    latency = f"{max_step_latency:g}" if max_step_latency is not None else "unset: chunked prefill off"
-    p.add_argument("--max-step-latency", type=float, default=max_step_latency, metavar="X",
-                   help="chunked prefill with a budget calibrated at start-up (a few seconds on CPU) and kept true "
-                        "from the engine's own step times: a step mixing prompt chunks with decoding costs at most X "
-                        "of the running batch's plain decode steps, so running streams keep about X times their "
-                        "usual inter-token gap while a long prompt is prefilled; larger X: faster prefill, longer "
-                        f"gaps. --max-num-batched-tokens overrides it (default: {latency}). The ready line reports "
-                        "the budget")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest sequence, prompt + output tokens (default: the model's own limit)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations (default: %(default)s: float32 on CPU, its linears reading bf16 "
-                        "weights where this CPU's oneDNN runs them measured faster (AVX512_BF16, AMX; numerics "
-                        "change, the ready line says; float32: exact); on CUDA the checkpoint's 16-bit dtype, "
-                        "bfloat16 for a float32 checkpoint)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s: cuda if "
-                                                    "available)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads on CPU (default: 1 with overlap, 2 without)")
 
 
 def resolve_model_arg(args: argparse.Namespace) -> tuple[str, str]:
@@ -134,35 +36,8 @@ def resolve_model_arg(args: argparse.Namespace) -> tuple[str, str]:
     return name, origin
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, spec=args.spec, draft=args.draft, num_spec_tokens=args.num_spec_tokens,
-                        draft_vocab=args.draft_vocab,
-                        page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens, num_pages=args.num_pages,
-                        gpu_memory_utilization=args.gpu_memory_utilization,
-                        tensor_parallel_size=args.tensor_parallel_size,
-                        max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_step_latency=args.max_step_latency,
-                        max_model_len=args.max_model_len, dtype=args.dtype,
-                        device=args.device, threads=args.threads, spec_policy=args.spec_policy,
-                        spec_objective=args.spec_objective, spec_itl_budget=args.spec_itl_budget,
-                        spec_delta=args.spec_delta, spec_epsilon=args.spec_epsilon,
-                        overlap=resolve_overlap(args.overlap, args.device), graphs=args.graphs,
-                        attention=args.attention, cpu_linear=args.cpu_linear,
-                        batch_invariant=args.batch_invariant == "on")
-
-
-def resolve_overlap(choice: str, device: str) -> bool:
-    if choice != "auto":
-        return choice == "on"
-    if device == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return device.startswith("cuda")
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_engine_arguments(p)
+    add_engine_arguments(p, "generate")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="a single prompt text (default, without --prompts: 'def fibonacci(n):\\n')")
     src.add_argument("--prompts", help="JSONL file: one {\"prompt\": ...} or {\"prompt_token_ids\": [...]} per line "

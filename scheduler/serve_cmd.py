@@ -12,27 +12,18 @@ import logging
 import sys
 from pathlib import Path
 
-from specstep.engine.engine_config import EngineConfig
+from specstep.engine.engine_config import SERVE_MAX_STEP_LATENCY, EngineConfig
 from specstep.engine.errors import CheckpointError, SpecstepError
 from specstep.engine.model_source import serve_default_spec
-from specstep.scheduler.generate_cmd import add_engine_arguments, engine_config_from_args, resolve_model_arg
+from specstep.scheduler.engine_options import add_engine_arguments, engine_config_from_args
+from specstep.scheduler.generate_cmd import resolve_model_arg
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
-# A mixed step may cost this many of the running batch's plain decode steps. A step costs its decode part plus
-# the chunk, so a long prompt's time to first token is at best 1 + 1/(X - 1) times a whole-prompt prefill's
-# (1.5 at 3) while the streams' gaps grow to about X times their median: 3 is where the issue's two goals (gaps
-# <= 3x, TTFT <= 1.5x) meet; 2.5 measured gaps 2.1x and TTFT 2.5x on a 2,000-token prompt on CPU, 3 gave 2.6x
-# and 1.7x (README, "Long prompts beside running streams").
-MAX_STEP_LATENCY = 3.0
+MAX_STEP_LATENCY = SERVE_MAX_STEP_LATENCY  # chunked prefill's default here (`EngineConfig.max_step_latency`)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_engine_arguments(p, max_step_latency=MAX_STEP_LATENCY)
-    p.set_defaults(spec=None)  # resolved by default_spec()
-    for action in p._actions:  # argparse has no public way to re-word an inherited option's help
-        if action.dest == "spec":
-            action.help = ("speculation proposer (default: the one shipped with the target, an MTP head or a draft "
-                           "model; else ngram)")
+    add_engine_arguments(p, "serve")
     s = p.add_argument_group("server")
     s.add_argument("--address", default=DEFAULT_ADDRESS,
                    help="ROUTER address to bind (default: %(default)s, loopback only; port 0 = any free port, "
