@@ -5,13 +5,17 @@ A fixed budget (`--max-num-batched-tokens N`) counts tokens, as vLLM's does. A c
 (`--max-step-latency X`) bounds a mixed step's cost at X of the running batch's decode steps, from costs timed
 at start-up and fitted as
 
-    cost(prefill step) = fixed + per_token * tokens + per_key * sum over prompt chunks of q * (ctx + q)
+    cost(prefill step) = fixed + sum over chunks of per_token * q + per_context * ctx + per_key * q * (ctx + q)
 
-and a mixed step is taken to cost its batch's decode step plus per_token * q + per_key * q * (ctx + q) for each
-prompt chunk of q tokens at context ctx (which attends to about q * (ctx + q) keys: with the torch backend on
-CPU a 64-token chunk at context 3,000 cost ~3x one at context 0, so a calibrated chunk shrinks late in a long
-prompt, where a token count alone would let the step grow). A fixed budget is the same arithmetic in token units
-(per_token 1, per_key 0: a chunk's "cost" is its token count).
+and a mixed step is taken to cost its batch's decode step plus that sum for its prompt chunks of q tokens at
+context ctx. A chunk attends to about q * (ctx + q) keys (per_key: with the torch backend on CPU a 64-token
+chunk at context 3,000 cost ~3x one at context 0), and it reads its whole context once whatever its size
+(per_context: gathering the pages, the attention kernel's pass over every key block; a 1-token chunk at context
+4,000 cost ~2x one at context 0 on SmolLM2). Without per_context the fit, made at context 0 and 1,024, took a
+late chunk of a long prompt for cheap and let its step run to ~3x the bound. So a calibrated chunk shrinks late
+in a long prompt, where a token count alone would let the step grow, down to one token where the context alone
+fills the room. A fixed budget is the same arithmetic in token units (per_token 1, the rest 0: a chunk's "cost"
+is its token count).
 
 The arithmetic here is pure (unit-tested with injected costs); `measure_step_costs` does the timing.
 """
@@ -37,18 +41,22 @@ class StepCostModel:
     fixed: float = 0.0
     per_token: float = 0.0
     per_key: float = 0.0
+    per_context: float = 0.0
 
     def chunk_cost(self, q: int, ctx: int) -> float:
-        return self.per_token * q + self.per_key * q * (ctx + q)
+        if q <= 0:
+            return 0.0
+        return self.per_token * q + self.per_context * ctx + self.per_key * q * (ctx + q)
 
     def tokens_within(self, left: float, ctx: int) -> int:
         """The largest q with chunk_cost(q, ctx) <= left (0 when nothing fits; unbounded costs: a large q)."""
-        if left <= 0:
+        rest = left - self.per_context * ctx  # what any chunk at this context pays before its first token
+        if rest <= 0:
             return 0
         a, b = self.per_key, self.per_token + self.per_key * ctx
         if a <= 0 and b <= 0:
             return 1 << 30
-        q = int(left / b) if a <= 0 else int((-b + math.sqrt(b * b + 4 * a * left)) / (2 * a))
+        q = int(rest / b) if a <= 0 else int((-b + math.sqrt(b * b + 4 * a * rest)) / (2 * a))
         while q > 0 and self.chunk_cost(q, ctx) > left * (1 + 1e-12):  # float rounding at the boundary
             q -= 1
         return q
@@ -58,9 +66,11 @@ def fit_costs(samples: list[tuple[int, int, float]]) -> StepCostModel:
     """Least squares over (chunk tokens, context, seconds). Noise on a shared host can make a term negative:
     it is dropped (0) and the rest refitted, so every term stays a cost."""
     q, ctx, t = (np.array(col, dtype=np.float64) for col in zip(*samples))
-    columns = {"fixed": np.ones_like(q), "per_token": q, "per_key": q * (ctx + q)}
+    columns = {"fixed": np.ones_like(q), "per_token": q, "per_key": q * (ctx + q), "per_context": ctx}
     if len(set(ctx.tolist())) < 2:
-        del columns["per_key"]  # one context: the attention term cannot be told from per_token
+        del columns["per_key"], columns["per_context"]  # one context: attention cannot be told from per_token
+    elif len({qi for qi, c in zip(q.tolist(), ctx.tolist()) if c > 0}) < 2:
+        del columns["per_context"]  # one size at a context: reading it cannot be told from attending to it
     if len(set(q.tolist())) < 2:
         columns.pop("fixed")  # one size (a tiny KV pool): a cost per token only
     while True:
@@ -95,12 +105,14 @@ class PrefillBudget:
         return f"chunked prefill {self.how}"
 
     def chunk(self, left: float, ctx: int, remaining: int, floor: float | None = None) -> int:
-        """A chunk of a prompt with `remaining` tokens to go at context `ctx` whose cost fits `left`, or `floor`
-        where that is more, and then at least one token. Every running request decodes in every mixed step, even
+        """A chunk of a prompt with `remaining` tokens to go at context `ctx` whose cost fits `left`, or whose cost
+        beyond reading the context fits `floor` where that is more, and then at least one token. Every running request decodes in every mixed step, even
         past the budget (a stream never waits for a prompt); the step's first chunk gets a floor
         (`PrefillPacer.plan`: a quarter of an empty step's room), so prompts are never starved."""
-        q = self.model.tokens_within(max(left, floor or 0.0), ctx)
-        return min(max(q, 1 if floor is not None else 0), remaining, self.max_tokens)
+        q = self.model.tokens_within(left, ctx)
+        if floor is not None:  # the floor buys tokens beyond the context's read, or late chunks shrink to one
+            q = max(q, self.model.tokens_within(floor + self.model.per_context * ctx, ctx), 1)
+        return min(q, remaining, self.max_tokens)
 
     def chunk_cost(self, q: int, ctx: int) -> float:
         return self.model.chunk_cost(q, ctx)
@@ -113,14 +125,17 @@ def choose_budget(model: StepCostModel, decode_s: float, multiple: float, max_to
     tokens = max(min(MIN_BUDGET, max_tokens), min(model.tokens_within((multiple - 1) * decode_s, 0), max_tokens))
     how = (f"{tokens} prompt tokens a step at context 0, calibrated: a mixed step <= {multiple:g} x the running "
            f"batch's decode step ({decode_s * 1e3:.1f} ms at batch 1 at start-up), prompt chunks "
-           f"{model.per_token * 1e3:.2f} ms/token + {model.per_key * 1e6:.3f} us/token/key of context beyond it "
+           f"{model.per_token * 1e3:.2f} ms/token + {model.per_key * 1e6:.3f} us/token/key + "
+           f"{model.per_context * 1e6:.1f} us/key of context beyond it "
            f"(measured in {measured_s:.1f} s)")
     return PrefillBudget(tokens, model, how, max_tokens, multiple, decode_s)
 
 
 # ---- timing (the real step engine) -------------------------------------------------------------------------
 DECODE_CONTEXT = 128
-CHUNKS = ((8, 0), (32, 0), (32, 1024))  # (tokens, context): two sizes for fixed/per_token, one far in for per_key
+# (tokens, context): two sizes at context 0 for fixed / per_token, and the same two far in, which tell per_key
+# (grows with the size) from per_context (does not)
+CHUNKS = ((8, 0), (32, 0), (8, 1024), (32, 1024))
 MARGIN = 8  # positions past a probe's tokens that a step may write (the proposer's look-ahead)
 
 

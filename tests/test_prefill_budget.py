@@ -29,14 +29,33 @@ from specstep.scheduler.prefill_pacer import WINDOW, PrefillPacer
 from specstep.scheduler.request import Request
 from tests.sim_engine import Scenario, SimClock, SimStepEngine
 
-MODEL = StepCostModel(fixed=0.05, per_token=0.006, per_key=4e-6)
+MODEL = StepCostModel(fixed=0.05, per_token=0.006, per_key=4e-6, per_context=2e-5)
 
 
 def test_fit_recovers_the_costs_it_was_given():
-    samples = [(q, ctx, MODEL.fixed + MODEL.chunk_cost(q, ctx)) for q, ctx in ((8, 0), (32, 0), (32, 1024), (4, 300))]
-    fit = fit_costs(samples)
+    shapes = (8, 0), (32, 0), (8, 1024), (32, 1024)  # the start-up shapes (`CHUNKS`)
+    fit = fit_costs([(q, ctx, MODEL.fixed + MODEL.chunk_cost(q, ctx)) for q, ctx in shapes])
     assert fit.fixed == pytest.approx(MODEL.fixed) and fit.per_token == pytest.approx(MODEL.per_token)
-    assert fit.per_key == pytest.approx(MODEL.per_key)
+    assert fit.per_key == pytest.approx(MODEL.per_key) and fit.per_context == pytest.approx(MODEL.per_context)
+    # one size far in: reading the context cannot be told from attending to it, so it is not fitted
+    old = fit_costs([(q, ctx, MODEL.fixed + MODEL.chunk_cost(q, ctx)) for q, ctx in ((8, 0), (32, 0), (32, 1024))])
+    assert old.per_context == 0.0 and old.per_key > 0
+
+
+def test_a_late_chunk_pays_for_its_context_whatever_its_size():
+    """A chunk reads its whole context once (the torch backend gathers every page): late in a long prompt the
+    context alone can fill the room, and a model without that term (what start-up fitted before) lets a step
+    run past its bound there."""
+    room = 0.1
+    q = MODEL.tokens_within(room, 4000)
+    assert MODEL.chunk_cost(q, 4000) <= room and q < StepCostModel(
+        MODEL.fixed, MODEL.per_token, MODEL.per_key).tokens_within(room, 4000)
+    assert MODEL.tokens_within(0.9 * MODEL.per_context * 4000, 4000) == 0
+    # the step's first chunk still advances: its floor buys tokens beyond the context's read
+    budget = PrefillBudget(64, MODEL, "test", max_tokens=4096, multiple=3.0, decode_s=0.05)
+    late = budget.chunk(0.0, 4000, remaining=1000, floor=0.05)
+    assert late == MODEL.tokens_within(0.05 + MODEL.per_context * 4000, 4000) and late > 1
+    assert budget.chunk(0.0, 4000, remaining=1000) == 0
 
 
 def test_fit_drops_a_term_noise_made_negative():
@@ -189,7 +208,7 @@ def test_measured_costs_give_the_budget_the_costs_imply():
     eng = TimedEngine()
     costs = measure_step_costs(eng, num_pages=400, page_size=16, max_len=2048, repeats=3, clock=eng.clock)
     assert costs.decode_s == pytest.approx(0.08)  # medians: the slow first round is outvoted
-    assert len(costs.chunks) == 3 and all(eng.shapes.count(s) == 3 for s in set(eng.shapes))
+    assert len(costs.chunks) == 4 and all(eng.shapes.count(s) == 3 for s in set(eng.shapes))
     b = choose_budget(fit_costs(list(costs.chunks)), costs.decode_s, 2.5, 4096)
     assert b.tokens == choose_budget(MODEL, 0.08, 2.5, 4096).tokens
 
