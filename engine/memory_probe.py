@@ -39,6 +39,7 @@ from specstep.engine.kv_cache import DUMMY_PAGE, KVPool
 from specstep.engine.memory_plan import GiB, MemoryFigures
 from specstep.engine.sampler import sample
 from specstep.engine.sampling_params import SamplingParams, SamplingTensors
+from specstep.engine.step_graphs import decode_graph_ids
 
 CUDA_DEFAULT_UTILIZATION = 0.9  # vLLM's default
 # Host RAM is shared with the OS, the frontend, other processes and often other engines (test machines run
@@ -48,7 +49,6 @@ CUDA_DEFAULT_UTILIZATION = 0.9  # vLLM's default
 CPU_DEFAULT_UTILIZATION = 0.5
 CPU_DEFAULT_KV_CAP = 4 * GiB
 WARMUP_PARAMS = SamplingParams(temperature=1.0, top_p=0.9)  # the sampler's costliest path (a full sort)
-GRAPH_FLAVOURS = 3  # greedy, sampled, general (engine.step_graphs); each also without refill, at q = 1 only
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +115,11 @@ def draft_carry_bytes(max_batch_size: int, k_max: int, vocab_size: int) -> int:
 
 
 def graph_count_estimate(max_batch_size: int, ks: Sequence[int], has_draft_model: bool, widths: int = 1) -> int:
-    """Graphs a capture makes: every flavour at every k per default bucket (`engine.step_graphs`), and the
-    flavours without refill at q = 1 when a draft model refills; all of it at each of `widths` page-table
-    widths (the torch attention backend's KV-length buckets, `StepEngine.graph_widths`)."""
-    buckets = len(default_buckets(max_batch_size))
-    return widths * buckets * GRAPH_FLAVOURS * (len(ks) + (1 if has_draft_model else 0))
+    """Graphs a capture makes: the (flavour, q) pairs decode steps form (`engine.step_graphs.decode_graph_ids`,
+    counted as if the policy drops refills: never fewer than without) per default bucket, at each of `widths`
+    page-table widths (the torch attention backend's KV-length buckets, `StepEngine.graph_widths`)."""
+    pairs = sum(len(q) for _, q in decode_graph_ids(tuple(ks), has_draft_model, drops_refill=True))
+    return widths * len(default_buckets(max_batch_size)) * pairs
 
 
 def resident_bytes(*roots: object, device_type: str | None = None) -> int:

@@ -100,3 +100,19 @@ def test_ready_line_states_graph_count_and_capture_seconds(tiny_target, tmp_path
     off_core, _, off = build_engine(EngineConfig(model=str(tiny_target), device="cpu", graphs="off",
                                                  kv_cache_tokens=1024))
     assert ready_message(off_core, off, None).graphs == ""
+
+
+@pytest.mark.parametrize(("spec", "policy"), [("none", "fixed"), ("mtp", "fixed"), ("mtp", "adaptive")])
+def test_the_memory_plan_counts_the_graphs_capture_makes(tiny_target, tmp_path, spec, policy):
+    """The CUDA memory plan reserves a graph pool per graph (`memory_probe.graph_count_estimate`) before any is
+    captured: it must count what capture then makes (counted high, it took KV cache from every CUDA start-up;
+    low, capture runs out of memory)."""
+    from specstep.engine.memory_probe import graph_count_estimate
+
+    extra = {"draft": str(make_mtp_head(tmp_path / "head", tiny_target))} if spec == "mtp" else {}
+    core = make_core(tiny_target, spec=spec, spec_policy=policy, graphs="on", page_size=4, max_batch_size=4,
+                     max_model_len=96, num_spec_tokens=3 if spec != "none" else 0, **extra)
+    eng = core.engine
+    estimate = graph_count_estimate(4, eng.graph_ks, eng.has_draft_model, len(eng.graph_widths))
+    assert estimate == len(eng.graphs._graphs) > 0
+    core.stream.close()
