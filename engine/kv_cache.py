@@ -9,6 +9,7 @@ them (`allocate`, see `engine.memory_plan`) before any graph is captured: graphs
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specstep.engine.config import ModelConfig
@@ -33,8 +34,8 @@ class KVPool:
         request holds a page: the old contents are dropped."""
         self.k, self.v = [], []  # the old tensors go first: the peak stays at one pool
         shape = (num_pages * self.page_size, *self._row)
-        self.k = [torch.zeros(shape, dtype=self._dtype, device=self._device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self._dtype, device=self._device) for _ in range(self.num_layers)]
+        self.k = [zeros(shape, self._dtype, self._device) for _ in range(self.num_layers)]
+        self.v = [zeros(shape, self._dtype, self._device) for _ in range(self.num_layers)]
         self.num_pages = num_pages
 
     @property
@@ -42,4 +43,17 @@ class KVPool:
         """Bytes one page takes across every layer, K and V."""
         elem = torch.empty((), dtype=self._dtype).element_size()
         return 2 * self.num_layers * self.page_size * self._row[0] * self._row[1] * elem
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed pool tensor. On CPU from calloc (numpy's zeros): the kernel hands out zero pages as they are first
+    written, so a pool costs resident memory as requests fill it, and start-up does not write every byte
+    (`torch.zeros` did: 8 s and 4 GiB resident for SmolLM2's default 4 GiB pool before the first request).
+    Zero bits are 0.0 in every float format, and masked keys must hold finite values: attention multiplies
+    them by an exact zero weight (`invariant_attention`), and garbage could be NaN."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    elem = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * elem, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
