@@ -21,7 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -58,7 +58,10 @@ class InFlight:
     batch: list[Request]
     handle: StepHandle[StepOutput]
     chainable: bool  # the next step may be built before this one is read back
-    decision: Decision
+    decision: Decision  # as the policy made it (never changed)
+    num_draft: np.ndarray  # [B] what the step really drafts (n-gram may match fewer; a stale draft none)
+    refilled: np.ndarray  # [B] lanes whose draft is current after the step (current at launch, and it refills)
+    catch_up_s: float  # the catch-up this step paid before it ran
     launched: float  # perf_counter before its batch was built
 
 
@@ -167,8 +170,9 @@ class EngineCore(ChunkedPrefill, Stopping):
                 decision, outputs = self._reserve()
             if decision is None:
                 return outputs
-            self._catch_up(decision)
-            self.inflight = self._launch(list(self.running), decision, None)
+            batch = list(self.running)
+            caught = self._catch_up(batch, decision)
+            self.inflight = self._launch(batch, decision, None, caught)
         return self._advance()
 
     def _advance(self) -> list[RequestOutput]:
@@ -230,10 +234,10 @@ class EngineCore(ChunkedPrefill, Stopping):
             req.first_token_time = now
         return self._append(req, [token])
 
-    def _decide(self, reqs: list[Request], pending: np.ndarray | None = None) -> Decision:
+    def _decide(self, reqs: list[Request], pending: np.ndarray | None = None, cur: InFlight | None = None) -> Decision:
         """k per request from the policy, capped so no step drafts past max_tokens, the model's length or the
-        draft's context. `pending`: tokens a step in flight may still add (upper bound) for each request; it
-        surely adds one, which counts against max_tokens (the upper bound would forbid too much)."""
+        draft's context. `pending`: tokens a step in flight (`cur`) may still add (upper bound) for each request;
+        it surely adds one, which counts against max_tokens (the upper bound would forbid too much)."""
         b = len(reqs)
         if self.engine.proposer is None:
             return Decision(np.zeros(b, dtype=np.int64), 0, False, 0.0, 0.0, "none")
@@ -244,10 +248,10 @@ class EngineCore(ChunkedPrefill, Stopping):
         room = np.array([min(r.params.max_tokens - r.num_output_tokens - min(int(e), 1),
                              max_len - len(r.token_ids) - int(e) - self.lookahead) - 1
                          for r, e in zip(reqs, extra)], dtype=np.int64)
-        decision = self.policy.choose([r.acceptance for r in reqs], [r.num_spec_tokens for r in reqs], room)
-        if not self.engine.has_draft_model:
-            decision.refill = False
-        self.last_decision = decision
+        decision = self.policy.choose([r.acceptance for r in reqs], [r.num_spec_tokens for r in reqs], room,
+                                      self._behind(reqs, extra, cur))
+        if not self.engine.has_draft_model and decision.refill:
+            decision = replace(decision, refill=False)
         if self.tracer.recording:
             self.tracer.instant("spec_decision", batch=b, governor=self.policy.governor_state, **decision.to_log())
         return decision
@@ -260,11 +264,12 @@ class EngineCore(ChunkedPrefill, Stopping):
             decision = self._decide(self.running)
             if self._reserve_pages(self.running, decision.num_draft):
                 return decision, []
-            if decision.num_draft.any():
-                decision.num_draft = np.zeros_like(decision.num_draft)
-                decision.k = 0
+            if decision.num_draft.any():  # speculation off for this step: a decision of its own
+                decision = replace(decision, num_draft=np.zeros_like(decision.num_draft), k=0, probing=None,
+                                   catch_up=None)
                 if self._reserve_pages(self.running, decision.num_draft):
                     return decision, []
+            self.policy.retract(decision)  # not run: decided again for the batch left after preempting
             if self.prefilling:  # the newest work: a prompt part-way through its chunks
                 self._preempt(self.prefilling[-1])
                 continue
@@ -289,20 +294,38 @@ class EngineCore(ChunkedPrefill, Stopping):
             self.allocator.ensure(r.page_table, n)
         return True
 
-    def _stale(self, reqs: list[Request]) -> list[Request]:
-        return [r for r in reqs if r.draft_len < len(r.token_ids)] if self.engine.has_draft_model else []
+    def _behind(self, reqs: list[Request], pending: np.ndarray, cur: InFlight | None) -> np.ndarray | None:
+        """Tokens each request's draft would have to catch up before drafting in the next step (None: a proposer
+        without a draft KV). A chained step: after `cur`, which keeps current only the lanes it refills."""
+        if not self.engine.has_draft_model:
+            return None
+        refilled = {id(r) for r, f in zip(cur.batch, cur.refilled) if f} if cur is not None else set()
+        return np.array([0 if id(r) in refilled else len(r.token_ids) + int(p) - r.draft_len
+                         for r, p in zip(reqs, pending)], dtype=np.int64)
 
-    def _catch_up(self, decision: Decision) -> None:
-        """The proposer skipped tokens while its refill was dropped; resync before it drafts or refills. Its cost
-        is charged to this step (`Decision.catch_up_s`): resuming speculation pays it."""
-        stale = self._stale(self.running) if decision.refill else []
-        if stale:
-            lens = [r.draft_len for r in stale]
-            t = self.clock()
-            self.stream.submit(ranges.CATCH_UP, lambda: self.engine.catch_up(stale, lens)).wait()
-            decision.catch_up_s = self.clock() - t
-            for r in stale:
-                r.draft_len = len(r.token_ids)
+    def _to_catch_up(self, batch: list[Request], decision: Decision) -> list[Request]:
+        """The stale lanes the step needs current: every one when it refills, or only those a probe drafts with
+        (`Decision.catch_up`); the others stay behind (the refill over them is wasted, and they catch up from
+        their own `draft_len` when they next draft)."""
+        if not decision.refill or not self.engine.has_draft_model:
+            return []
+        lanes = decision.catch_up if decision.catch_up is not None else np.ones(len(batch), dtype=bool)
+        return [r for r, c in zip(batch, lanes) if c and r.draft_len < len(r.token_ids)]
+
+    def _catch_up(self, batch: list[Request], decision: Decision) -> float:
+        """The proposer skipped tokens while its refill was dropped; resync before it drafts. Its cost is charged
+        to this step (`InFlight.catch_up_s`): resuming speculation pays it."""
+        stale = self._to_catch_up(batch, decision)
+        if not stale:
+            return 0.0
+        lens = [r.draft_len for r in stale]
+        t = self.clock()
+        self.stream.submit(ranges.CATCH_UP, lambda: self.engine.catch_up(stale, lens)).wait()
+        seconds = self.clock() - t
+        self.policy.observe_catch_up(sum(len(r.token_ids) - n for r, n in zip(stale, lens)), seconds)
+        for r in stale:
+            r.draft_len = len(r.token_ids)
+        return seconds
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: drop its KV, keep its tokens; it is re-prefilled (prompt + output) when readmitted."""
@@ -314,17 +337,24 @@ class EngineCore(ChunkedPrefill, Stopping):
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _launch(self, batch: list[Request], decision: Decision, chain: Chain | None) -> InFlight:
+    def _launch(self, batch: list[Request], decision: Decision, chain: Chain | None, catch_up_s: float = 0.0,
+                refilled: np.ndarray | None = None) -> InFlight:
+        """`refilled`: a chained step's lanes whose draft is current after the step in flight (None: from the
+        host state, after this step's catch-up)."""
         launched = self.clock()
         with self.tracer.range(ranges.BUILD_BATCH, batch=len(batch)):
             ctx = self.engine.plan_decode(batch, decision.num_draft, chain, decision.refill)
-        decision.num_draft = ctx.num_draft
+        if refilled is None:
+            refilled = np.array([r.draft_len >= len(r.token_ids) for r in batch], dtype=bool)
+        refilled &= decision.refill and self.engine.has_draft_model
+        # The decision as it runs (n-gram's matches, drafts dropped by a stale draft): what is counted and shown.
+        self.last_decision = replace(decision, num_draft=ctx.num_draft, k=int(ctx.num_draft.max(initial=0)))
         handle = self.stream.submit(ranges.DECODE, lambda: self.engine.run_decode(ctx))
         for r in batch:
             self._inflight_count[id(r)] = self._inflight_count.get(id(r), 0) + 1
         proposer = self.engine.proposer
         chainable = self.overlap and (proposer is None or proposer.has_model)
-        return InFlight(batch, handle, chainable, decision, launched)
+        return InFlight(batch, handle, chainable, decision, ctx.num_draft, refilled, catch_up_s, launched)
 
     def _launch_chained(self, cur: InFlight) -> InFlight | None:
         """Step N+1 for the running requests, built while step N runs. None if it cannot be built blind
@@ -334,18 +364,21 @@ class EngineCore(ChunkedPrefill, Stopping):
             if not batch:
                 return None
             row = {id(r): i for i, r in enumerate(cur.batch)}
-            pending = np.array([int(cur.decision.num_draft[row[id(r)]]) + 1 for r in batch], dtype=np.int64)
-            decision = self._decide(batch, pending)
+            src = np.array([row[id(r)] for r in batch], dtype=np.int64)
+            pending = cur.num_draft[src].astype(np.int64) + 1
+            decision = self._decide(batch, pending, cur)
+            behind = self._behind(batch, pending, cur)
+            lanes = decision.catch_up if decision.catch_up is not None else np.ones(len(batch), dtype=bool)
             # Cannot run as decided: un-count it (a probe stays due) and drain; `step` decides it again.
-            if decision.refill and (not cur.decision.refill or self._stale(batch)):
+            if decision.refill and behind is not None and (lanes & (behind > 0)).any():
                 self.policy.retract(decision)
                 return None  # the draft must catch up on host tokens first: drain
             if not self._reserve_pages(batch, decision.num_draft, pending):
                 self.policy.retract(decision)
                 return None
-        chain = Chain(prev=cur.handle, src=np.array([row[id(r)] for r in batch], dtype=np.int64),
-                      dst=np.arange(len(batch), dtype=np.int64))
-        return self._launch(batch, decision, chain)
+        chain = Chain(prev=cur.handle, src=src, dst=np.arange(len(batch), dtype=np.int64))
+        refilled = cur.refilled[src] if behind is not None else np.zeros(len(batch), dtype=bool)
+        return self._launch(batch, decision, chain, 0.0, refilled.copy())
 
     def _complete(self, inf: InFlight) -> list[RequestOutput]:
         with self.tracer.range(ranges.WAIT):
@@ -353,30 +386,31 @@ class EngineCore(ChunkedPrefill, Stopping):
             accepted, tokens = out.read()  # the step's one host sync
         outputs = []
         with self.tracer.range(ranges.PROCESS_OUTPUT):
-            probing = inf.decision.probing if inf.decision.probing is not None else np.zeros(len(inf.batch), bool)
-            for req, a, row, nd, probe in zip(inf.batch, accepted, tokens, out.num_draft.tolist(), probing.tolist()):
+            d = inf.decision
+            probing = d.probing if d.probing is not None else np.zeros(len(inf.batch), bool)
+            lanes = zip(inf.batch, accepted, tokens, out.num_draft.tolist(), probing.tolist(), inf.refilled.tolist())
+            for req, a, row, nd, probe, refilled in lanes:
                 self._inflight_count[id(req)] -= 1
                 if self._inflight_count[id(req)] == 0:
                     del self._inflight_count[id(req)]
                 if req.finished:  # finished in an earlier step or aborted: a wasted lane
                     continue
                 req.stats.record(nd, a)
-                self.policy.observe_request(req.acceptance, nd, a, probe)
+                self.policy.observe_request(req.acceptance, nd, a, probe, d.break_even)
                 req.num_computed = len(req.token_ids) + a  # target KV now holds last + a accepted drafts
                 ro = self._append(req, row[: a + 1])
                 ro.num_draft, ro.num_accepted = nd, a
                 outputs.append(ro)
-                if inf.decision.refill:
+                if refilled:
                     req.draft_len = len(req.token_ids)
             for req in [r for r in self._pending_release if id(r) not in self._inflight_count]:
                 self._pending_release.remove(req)
                 self._release(req)
         # The step's cost for the policy: device time when host work is hidden behind it (overlap); inline,
         # the whole step from build to processed outputs, since the host part then adds to every step too.
-        d = inf.decision
         cost = inf.handle.device_seconds() if self.overlap else self.clock() - inf.launched
         self.policy.observe_step(len(inf.batch), out.num_draft, d.refill, cost,
-                                 tokens=len(inf.batch) + sum(accepted), catch_up_s=d.catch_up_s,
+                                 tokens=len(inf.batch) + sum(accepted), catch_up_s=inf.catch_up_s,
                                  auto_drafted=d.auto_drafts(out.num_draft))
         return outputs
 

@@ -28,18 +28,23 @@ class RequestAcceptance:
             return
         if probe:
             self.steps_probing += 1
-            # Back off after a failed probe; a probe that accepted something resets the interval.
-            self.probe_interval = self.probe_interval // 2 if num_accepted else self.probe_interval * 2
         self.idle_steps = 0
         self.accepted = decay * self.accepted + num_accepted
         self.trials = decay * self.trials + num_accepted + (1 if num_accepted < num_draft else 0)
+
+    def back_off(self, paid: bool) -> None:
+        """After a probe: probe twice as often if it paid, half as often if not."""
+        self.probe_interval = self.probe_interval // 2 if paid else self.probe_interval * 2
 
     def alpha(self, prior: float, prior_weight: float = 1.0) -> float:
         return (self.accepted + prior * prior_weight) / (self.trials + prior_weight)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Decision:
+    """One step's speculation, made once by the policy and not changed after (the engine core derives a new
+    one with `dataclasses.replace` where pages force speculation off, and records what really ran beside it)."""
+
     num_draft: np.ndarray  # [B] per request
     k: int  # the batch's k (widest lane)
     refill: bool  # keep the draft's KV current this step
@@ -48,7 +53,11 @@ class Decision:
     reason: str = "model"  # model | explore | remeasure | probe | off | fixed | none
     auto: np.ndarray | None = None  # [B] requests the policy decides for (not fixed-k overrides)
     probing: np.ndarray | None = None  # [B] requests drafting only to re-measure their acceptance
-    catch_up_s: float = 0.0  # a stale draft's catch-up before this step (set by the engine core)
+    # [B] lanes whose stale draft catches up before the step (None: every stale lane, when it refills). A probe
+    # from plain decoding catches up only the lanes it drafts with: at batch 64 a draft-model catch-up of every
+    # lane cost more than the probes' whole budget.
+    catch_up: np.ndarray | None = None
+    break_even: float | None = None  # accepted drafts a probing lane needs to pay its share of the step's overhead
 
     @property
     def explored(self) -> bool:

@@ -33,7 +33,7 @@ bounds p99 inter-token latency), explores no k past the first that breaks the bu
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +106,8 @@ class PolicyConfig:
 
 
 class AdaptivePolicy:
+    PROBE_CATCH_UP = 0.5  # the catch-up a probe from plain decoding may spend, in plain steps (one lane at least)
+
     def __init__(self, cfg: PolicyConfig) -> None:
         self.cfg = cfg
         self.costs = StepCosts(cfg.cost_decay, cfg.cost_shape)
@@ -119,18 +121,48 @@ class AdaptivePolicy:
         self.reasons: Counter[str] = Counter()  # decisions by reason, for metrics
         self._explore_tries: Counter[int] = Counter()  # k > 0: tries of k; -bucket: tries of plain in it
         self._undo = self.governor.snapshot()
+        self.catch_up_rate: float | None = None  # seconds per token a stale draft catches up (EMA)
+        self._probe_lanes_seen = [0, 0]  # this step's probing lanes and their accepted drafts (observe_request)
+        self._unobserved: deque[int | None] = deque()  # decisions not yet observed: the k each explores (or None)
 
     # ---- measurements (no extra syncs: the host already read these back) ---------------------------------------
-    def observe_request(self, acc: RequestAcceptance, num_draft: int, num_accepted: int, probe: bool = False) -> None:
+    def observe_request(self, acc: RequestAcceptance, num_draft: int, num_accepted: int, probe: bool = False,
+                        break_even: float | None = None) -> None:
+        """A request's step. A probe backs off by whether it paid: whether speculating this request at its
+        acceptance estimate, now updated, emits more than `break_even` extra tokens a step (its share of the
+        step's overhead), not whether it accepted a token (one lucky token used to halve the interval, and a
+        request whose acceptance fell went on probing a fifth of the steps)."""
         acc.update(num_draft, num_accepted, self.cfg.alpha_decay, probe)
+        if probe and num_draft > 0:
+            if break_even is None:
+                acc.back_off(num_accepted > 0)
+            else:
+                acc.back_off(float(expected_tokens(self.acceptance_estimate(acc), num_draft)[0]) - 1 >= break_even)
+            self._probe_lanes_seen[0] += 1
+            self._probe_lanes_seen[1] += num_accepted
         if num_draft > 0:
             self.global_acc.update(num_draft, num_accepted, 0.98)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """A stale draft consumed `tokens` skipped tokens in `seconds`: what the next probe's catch-up costs."""
+        if tokens > 0:
+            rate = seconds / tokens
+            self.catch_up_rate = rate if self.catch_up_rate is None else 0.8 * self.catch_up_rate + 0.2 * rate
 
     def observe_step(self, batch: int, num_draft: np.ndarray, refill: bool, seconds: float,
                      tokens: int | None = None, catch_up_s: float = 0.0, auto_drafted: bool = False) -> None:
         """A finished step: its device seconds (body only), under what it really drafted; for the governor, the
         tokens it emitted and the catch-up it paid, when policy-chosen requests drafted in it."""
         num_draft = np.asarray(num_draft, dtype=np.int64)
+        if self._unobserved:
+            self._unobserved.popleft()
+        probed, probe_acc = self._probe_lanes_seen
+        self._probe_lanes_seen = [0, 0]
+        drafting = int((num_draft > 0).sum())
+        # A probe of a subset of lanes speaks for the batch: what everyone would emit at the probed acceptance
+        # (lanes shape: the step already costs what everyone drafting costs).
+        subset = 0 < probed == drafting < batch and self.cfg.cost_shape == "lanes"
+        judged_tokens = batch * (1.0 + probe_acc / probed) if subset else tokens
         b = bucket(batch)
         self.costs.observe(batch, num_draft, refill, seconds, self.bucket_steps[b])
         gov, plain_refill = self.governor, self._refill(np.zeros(1, np.int64))
@@ -141,13 +173,13 @@ class AdaptivePolicy:
             plain = gov.plain(b) or self.costs.plain(batch, plain_refill)
             if plain:
                 if gov.on:
-                    gov.observe(tokens, batch * (seconds + catch_up_s) / plain)
+                    gov.observe(judged_tokens, batch * (seconds + catch_up_s) / plain)
                 else:
                     # A probe asks what speculating would give from now on: its catch-up is the price of asking
                     # (the probe budget pays it), not a cost speculating would go on paying. It owes what it cost
                     # beyond the plain time of the tokens it emitted: a probe that paid owes nothing.
                     gov.owe(catch_up_s + seconds - plain * tokens / batch)
-                    gov.observe(tokens, batch * seconds / plain)
+                    gov.observe(judged_tokens, batch * seconds / plain)
         gov.ran(seconds + catch_up_s)
 
     def acceptance_estimate(self, acc: RequestAcceptance) -> float:
@@ -175,13 +207,61 @@ class AdaptivePolicy:
 
     def _decision(self, nd: np.ndarray, auto: np.ndarray, reason: str, tokens: float = 0.0, cost: float = 0.0,
                   probing: np.ndarray | None = None) -> Decision:
-        d = Decision(nd, int(nd.max(initial=0)), self._refill(nd), tokens, cost, reason, auto,
-                     probing if probing is not None else np.zeros(len(nd), dtype=bool))
+        probing = probing if probing is not None else np.zeros(len(nd), dtype=bool)
+        refill = self._refill(nd)
+        speculating = bool((nd[auto & ~probing] > 0).any())
+        # A probe from plain decoding catches up only the lanes that draft; a speculating step all of them.
+        catch_up = (nd > 0) if probing.any() and not speculating else None
+        k = int(nd.max(initial=0))
+        d = Decision(nd, k, refill, tokens, cost, reason, auto, probing, catch_up,
+                     self._break_even(len(nd), k, refill) if probing.any() else None)
         self.reasons[reason] += 1
         return d
 
-    def choose(self, accs: list[RequestAcceptance], overrides: list[int | None], room: np.ndarray) -> Decision:
-        """accs: per-request acceptance; overrides: per-request fixed k (None = auto); room: max drafts each."""
+    def _break_even(self, b: int, k: int, refill: bool) -> float | None:
+        """Accepted drafts a lane drafting k needs to pay for its share of the step's overhead over plain, were
+        every lane to draft (lanes: t(B, k) / t(B, 0) - 1; rows: its k verify rows over its share of t(B, 0))."""
+        plain = self.plain_seconds(b)
+        if not plain or k <= 0:
+            return None
+        nd = np.array([k])
+        cost = self.costs.predict(b, nd, refill)
+        if cost is None:
+            return None
+        return (cost - plain) / plain * (b if self.cfg.cost_shape == "rows" else 1)
+
+    def plain_seconds(self, b: int) -> float | None:
+        """A plain step at batch b: the governor's own recent median, else the cost model's estimate."""
+        return self.governor.plain(bucket(b)) or self.costs.plain(b, self._refill(np.zeros(1, np.int64)))
+
+    def _probe_lanes(self, b: int, cand: np.ndarray, behind: np.ndarray | None) -> np.ndarray:
+        """The lanes a probe from plain decoding drafts with: every candidate whose draft is current (n-gram, or
+        nothing skipped); else those that catch up cheapest, as many as PROBE_CATCH_UP of a plain step's time buys
+        (at least one; four while the catch-up rate is unknown). Catching up every lane of a large batch cost a
+        fraction (batch x rate / plain step) of all the off time, whatever the probe interval."""
+        if behind is None or not (cand & (behind > 0)).any():
+            return cand
+        order = [i for i in np.argsort(behind, kind="stable") if cand[i]]
+        plain, rate = self.plain_seconds(b), self.catch_up_rate
+        chosen = np.zeros_like(cand)
+        spent = 0.0
+        for n, i in enumerate(order):
+            cost = float(behind[i]) * (rate or 0.0)
+            if n > 0 and (spent + cost > self.PROBE_CATCH_UP * plain if rate and plain else n >= 4):
+                break
+            chosen[i], spent = True, spent + cost
+        return chosen
+
+    def choose(self, accs: list[RequestAcceptance], overrides: list[int | None], room: np.ndarray,
+               behind: np.ndarray | None = None) -> Decision:
+        """accs: per-request acceptance; overrides: per-request fixed k (None = auto); room: max drafts each;
+        behind: tokens each request's draft must catch up before it drafts (None: all current)."""
+        d = self._choose(accs, overrides, room, behind)
+        self._unobserved.append(d.k if d.reason == "explore" else None)
+        return d
+
+    def _choose(self, accs: list[RequestAcceptance], overrides: list[int | None], room: np.ndarray,
+                behind: np.ndarray | None) -> Decision:
         self.steps += 1
         self._undo = self.governor.snapshot()  # for `retract`: this decision may never run
         cfg, b = self.cfg, len(accs)
@@ -234,8 +314,9 @@ class AdaptivePolicy:
             if not forced_all:
                 return self._decision(forced, auto, "off")
             p = max(forced_all, key=lambda d: d.expected_tokens / d.expected_cost)
-            return self._decision(p.num_draft, auto, "probe", p.expected_tokens, p.expected_cost,
-                                  probing=auto & (p.num_draft > 0))
+            lanes = self._probe_lanes(b, auto & (p.num_draft > 0), behind)
+            return self._decision(np.where(auto & ~lanes, 0, p.num_draft), auto, "probe", p.expected_tokens,
+                                  p.expected_cost, probing=lanes)
 
         nd = best.num_draft
         # Re-measure only while speculating: when the choice is plain, measuring drafts is what probes do, and
@@ -255,11 +336,19 @@ class AdaptivePolicy:
         due = np.array([a.idle_steps >= a.probe_interval for a in accs]) & auto & (nd == 0) & (room > 0)
         speculating = bool(nd[auto].any())
         self._since_probe = 0 if speculating else self._since_probe + 1
-        probing = np.zeros(b, dtype=bool)
-        k1 = self._probe_k(b, forced, due, alpha, auto, room, threshold) if due.any() else 0
         # The latency objective also keeps them to epsilon of the steps while on (each may exceed the budget).
         limited = cfg.objective == "latency" and self._since_probe < cfg.governor.probe_every
-        if due.any() and k1 and (speculating or not limited):
+        if not speculating and limited:
+            due[:] = False
+        if due.any() and not speculating:  # a whole probe step: a subset of lanes speaks for the others
+            lanes = self._probe_lanes(b, due, behind)
+            for i in np.flatnonzero(due & ~lanes):  # covered by this probe: backed off as after a failed one
+                accs[i].idle_steps = 0  # (were it to pay, the acceptance it measures moves theirs too)
+                accs[i].probe_interval = min(2 * accs[i].probe_interval, probe_max)
+            due = lanes
+        probing = np.zeros(b, dtype=bool)
+        k1 = self._probe_k(b, forced, due, alpha, auto, room, threshold) if due.any() else 0
+        if due.any() and k1:
             self._since_probe = 0
             probing = due
             nd = np.where(due, min(k1, best.k) if speculating else k1, nd)
@@ -274,6 +363,10 @@ class AdaptivePolicy:
         self.governor.restore(self._undo)
         self.reasons[decision.reason] -= 1
         self.steps -= 1
+        if self._unobserved:
+            self._unobserved.pop()
+        if decision.reason == "explore":
+            self._explore_tries[decision.k if decision.k else -bucket(len(decision.num_draft))] -= 1
 
     def _budget_ok(self, b: int, nd: np.ndarray, refill: bool) -> bool:
         if self.cfg.objective != "latency" or not nd.any():
@@ -324,7 +417,9 @@ class AdaptivePolicy:
         for k in self.cfg.ks:
             if k == 0 or k < kf:
                 continue
-            if self.costs.total_samples(k, self.cfg.keeps_draft_kv) < n and self._explore_tries[k] < 3 * n:
+            # A step still in flight (overlap: decided before the last one was read back) counts as measured.
+            pending = int(bool(self._unobserved) and self._unobserved[-1] == k)
+            if self.costs.total_samples(k, self.cfg.keeps_draft_kv) + pending < n and self._explore_tries[k] < 3 * n:
                 self._explore_tries[k] += 1  # n-gram may draft less than asked: do not insist for ever
                 return k
             if not self._budget_ok(b, np.maximum(forced, k), self._refill(np.ones(1, np.int64))):

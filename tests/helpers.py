@@ -99,7 +99,7 @@ class ScriptedPolicy(AdaptivePolicy):
     def proposer_current(self) -> bool:
         return self.prefill
 
-    def choose(self, accs, overrides, room):
+    def choose(self, accs, overrides, room, behind=None):
         on = self.pattern[self.i % len(self.pattern)]
         self.i += 1
         nd = np.minimum(np.full(len(accs), self.k if on else 0), np.asarray(room)).clip(0)

@@ -89,6 +89,7 @@ class SimStepEngine:
     device: torch.device = torch.device("cpu")
     tokens: int = 0  # emitted so far (scenarios change with it)
     steps: list[tuple[int, int, bool]] = field(default_factory=list)  # (batch, k, refill) per decode step
+    trace: list[tuple[int, float]] = field(default_factory=list)  # (tokens emitted, clock) after each decode step
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
@@ -122,6 +123,7 @@ class SimStepEngine:
                 accepted[i] += 1
         self.tokens += int(accepted.sum()) + b
         self.steps.append((b, k, ctx.refill))
+        self.trace.append((self.tokens, self.clock.now))
         return StepOutput(out_tokens=torch.ones(b, k + 1, dtype=torch.long), num_accepted=torch.from_numpy(accepted),
                           num_draft=nd, start=torch.zeros(b, dtype=torch.long))
 
@@ -134,6 +136,13 @@ class SimResult:
     requests: list[Request]
     core: EngineCore
     chosen_k: list[int]  # the policy's own choice of k after each step (not explorations, re-measurements, probes)
+    trace: list[tuple[int, float]]  # (tokens emitted, clock) after each decode step
+
+    def throughput_from(self, tokens: int) -> float:
+        """Tokens per second from the first step that ended at or past `tokens` emitted to the last step."""
+        start = next(i for i, (t, _) in enumerate(self.trace) if t >= tokens)
+        (t0, c0), (t1, c1) = self.trace[start], self.trace[-1]
+        return (t1 - t0) / (c1 - c0)
 
     @property
     def throughput(self) -> float:
@@ -175,4 +184,5 @@ def simulate(scenario: Scenario, proposer: str | None, arrivals: list[tuple[int,
         chosen.append(core.policy.current_k)
     core.check_integrity()
     # Tokens the requests received: with overlap, a lane of a request that finished one step earlier is wasted.
-    return SimResult(sum(r.num_output_tokens for r in reqs), clock.now, engine.steps, reqs, core, chosen)
+    return SimResult(sum(r.num_output_tokens for r in reqs), clock.now, engine.steps, reqs, core, chosen,
+                     engine.trace)
