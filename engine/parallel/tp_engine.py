@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,6 +35,9 @@ from specstep.engine.parallel.group import TPGroup
 from specstep.engine.proposers.base import Proposer
 from specstep.engine.sampling_params import SamplingParams
 from specstep.engine.step_context import Chain, DecodeContext, SeqState
+
+if TYPE_CHECKING:
+    from specstep.engine.step_engine import StepEngine, StepOutput
 
 STOP = "stop"
 log = logging.getLogger("specstep.tp")
@@ -103,11 +107,12 @@ class _Done:
 
 
 class LeaderEngine:
-    """The leader's `StepEngine`, as `EngineCore` sees it: each device call is first announced to the followers.
-    Everything else (attributes, host-only helpers) is the wrapped engine's."""
+    """The leader's step engine, as `EngineCore` sees it (`engine.step_engine_protocol.StepEngineProtocol`):
+    each device call is first announced to the followers; the host-side members are the local engine's. What
+    start-up needs beyond the protocol (graphs, memory planning) it reads from the local engine, `local`."""
 
-    def __init__(self, engine, tp: TPGroup, group=None) -> None:
-        self._engine = engine
+    def __init__(self, engine: StepEngine, tp: TPGroup, group=None) -> None:
+        self.local = engine
         self.tp = tp
         self._group = group  # the follower processes (`scheduler.tp_group.TPGroupHandle`): stop / kill
         self._sync = SeqSync()
@@ -116,8 +121,17 @@ class LeaderEngine:
         # Followers hold no draft model: its catch-ups are the leader's alone.
         self._followers_catch_up = engine.has_draft_model and not engine.leader_drafts
 
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
+    @property
+    def proposer(self) -> Proposer | None:
+        return self.local.proposer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.local.vocab_size
+
+    @property
+    def has_draft_model(self) -> bool:
+        return self.local.has_draft_model
 
     def _message(self, kind: str, *payload) -> tuple:
         with self._lock:
@@ -127,20 +141,22 @@ class LeaderEngine:
     def _send(self, message: tuple) -> None:
         self.tp.broadcast_object(message)
 
-    def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
+    def prefill(self, seqs: list[SeqState], with_proposer: bool | list[bool] = True, q_lens=None,
+                num_decode: int = 0) -> torch.Tensor:
         self._send(self._message("prefill", self._sync.snapshot(seqs), with_proposer,
                                  None if q_lens is None else np.asarray(q_lens, dtype=np.int64), num_decode))
-        return self._engine.prefill(seqs, with_proposer, q_lens, num_decode)
+        return self.local.prefill(seqs, with_proposer, q_lens, num_decode)
 
-    def catch_up(self, seqs, draft_lens) -> None:
+    def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
         if self._followers_catch_up:
             self._send(self._message("catch_up", self._sync.snapshot(seqs), list(draft_lens)))
-        return self._engine.catch_up(seqs, draft_lens)
+        return self.local.catch_up(seqs, draft_lens)
 
-    def plan_decode(self, seqs, num_draft, chain: Chain | None = None, refill: bool = True) -> DecodeContext:
-        ctx = self._engine.plan_decode(seqs, num_draft, chain, refill)
+    def plan_decode(self, seqs: list[SeqState], num_draft: np.ndarray, chain: Chain | None = None,
+                    refill: bool = True) -> DecodeContext:
+        ctx = self.local.plan_decode(seqs, num_draft, chain, refill)
         host_drafts = None
-        if ctx.k > 0 and not self._engine.proposer.has_model:
+        if ctx.k > 0 and not self.local.proposer.has_model:
             host_drafts = [row[1: 1 + n].tolist() for row, n in zip(ctx.input_grid, ctx.num_draft)]
         chain_rows = None if chain is None else (chain.src, chain.dst)
         # Built now, from the host state this step was planned on; sent when the step runs (job order).
@@ -148,11 +164,11 @@ class LeaderEngine:
                                        chain_rows, refill)
         return ctx
 
-    def run_decode(self, ctx: DecodeContext):
+    def run_decode(self, ctx: DecodeContext) -> StepOutput:
         if ctx.tp_message is None:  # built by the wrapped engine directly: the followers would not know the step
             raise RuntimeError("at tensor-parallel size > 1 a decode step must be planned with plan_decode")
         self._send(ctx.tp_message)
-        return self._engine.run_decode(ctx)
+        return self.local.run_decode(ctx)
 
     def close(self, failed: bool = False) -> None:
         """Release the followers (they exit their loop) and leave the group. After a failure the followers may
@@ -203,7 +219,8 @@ def follow(engine, tp: TPGroup) -> None:
 
 class LeaderDraft(Proposer):
     """A follower's stand-in for the draft model that runs on the leader only: it proposes by receiving the
-    leader's drafts (`StepEngine.decode_body` broadcasts them) and keeps no state of its own."""
+    leader's drafts (`StepEngine.decode_body` broadcasts them) and keeps no state of its own: no pool, no network,
+    nothing to plan (`Proposer`'s defaults)."""
 
     kind = "draft_model"
     has_model = True
@@ -214,9 +231,3 @@ class LeaderDraft(Proposer):
 
     def propose(self, ctx: DecodeContext) -> tuple[torch.Tensor, None]:
         return torch.zeros(ctx.batch_size, ctx.k, dtype=torch.long, device=self.device), None
-
-    def plan_attention(self, ctx, base, q, lanes) -> None:
-        pass
-
-    def plan_padding(self, k: int, lanes: int, refill: bool) -> None:
-        pass

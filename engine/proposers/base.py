@@ -20,6 +20,7 @@ from abc import ABC
 import numpy as np
 import torch
 
+from specstep.engine.kv_cache import KVPool
 from specstep.engine.random import DRAFT
 from specstep.engine.sampler import processed_probs, sample_from_probs
 from specstep.engine.sampling_params import SamplingTensors
@@ -27,11 +28,41 @@ from specstep.engine.step_context import DecodeContext, SeqState
 
 
 class Proposer(ABC):
+    """Every member a caller uses, with the default a proposer without a network of its own (n-gram, and a
+    tensor-parallel follower's `LeaderDraft`) has: no pool, no network, no attention to plan, nothing to consume,
+    keep or catch up. Model proposers (`model_proposer.ModelProposer`) override them; so a caller calls these on
+    any proposer instead of branching on `has_model`."""
+
     kind: str = ""
-    #: model proposers keep a KV cache, need prefill and refill; host proposers (n-gram) propose on the CPU
+    #: model proposers keep a KV cache, need prefill and refill and draft on the device; host proposers (n-gram)
+    #: propose on the CPU at build time (`propose_host`)
     has_model: bool = True
     #: extra look-ahead tokens past the verify window that the proposer writes into the shared pages
     kv_lookahead: int = 0
+    #: positions the draft lags the target by (MTP: it consumes (h[p-1], t[p]) at p - 1; `model_proposer`); a
+    #: step's pages cover the refill's writes at n + 1 - shift onwards
+    shift: int = 0
+    #: the proposer's own KV pool, sized with the target's by the memory plan; None: it keeps no KV here
+    pool: KVPool | None = None
+
+    @property
+    def network(self) -> torch.nn.Module | None:
+        """The proposer's own network on this rank (a draft model or an MTP head; it gets an attention backend
+        like the target's); None without one."""
+        return None
+
+    @property
+    def max_context(self) -> int | None:
+        """The longest sequence the proposer drafts within (a draft model's own context); None: no limit."""
+        return None
+
+    def plan_attention(self, ctx: DecodeContext, base: np.ndarray, verify_q: np.ndarray, lanes: int | None) -> None:
+        """Plan the proposer's forwards of a decode step (backends that need exact host lengths, FlashInfer);
+        nothing without a network."""
+
+    def plan_padding(self, k: int, lanes: int, refill: bool) -> None:
+        """Plan the proposer's forwards for an all-padding batch before graph capture; nothing without a
+        network."""
 
     def prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray, final: np.ndarray,
                 target_hidden: torch.Tensor, sampled: torch.Tensor) -> None:

@@ -27,8 +27,6 @@ from specstep.engine.step_context import DecodeContext, SeqState
 
 
 class ModelProposer(Proposer):
-    shift: int = 0
-
     def __init__(self, pool: KVPool, vocab_size: int, hidden_size: int, max_slots: int,
                  device: torch.device, dtype: torch.dtype) -> None:
         self.pool = pool
@@ -52,6 +50,10 @@ class ModelProposer(Proposer):
     @abstractmethod
     def network(self) -> torch.nn.Module:
         """The proposer's own network (draft model or head): its `cfg` and its `attention` backend."""
+
+    @property
+    def max_context(self) -> int | None:
+        return self.network.cfg.max_position_embeddings
 
     @property
     def attention(self) -> AttentionBackend:
