@@ -213,8 +213,10 @@ class EngineConfig:
               "worker-thread stream shares the GIL and measured slower, see README)",
         cli_choices=("auto", "on", "off"), from_cli=resolve_overlap, defaults={"serve": "auto", "generate": "auto"},
         aliases=(Alias("--no-overlap", "off", "same as --overlap off"),))
-    graphs: str = option("auto", "captured step graphs (auto: on CUDA; on: the contract-checking CPU stand-in)",
-                         choices=("auto", "on", "off"))
+    graphs: str = option("auto", "captured step graphs (auto: on CUDA; on: the contract-checking CPU stand-in; "
+                                 "compiled: CPU, each decode step graph compiled by torch.compile's inductor C++ "
+                                 "backend, cached on disk; minutes of start-up on a first start, see README)",
+                         choices=("auto", "on", "off", "compiled"))
     attention: str = option("auto", "paged-attention backend (auto: torch; flashinfer: CUDA with the flashinfer "
                                     "package)", choices=("auto", "torch", "flashinfer"))
     cpu_linear: str = option(

@@ -315,7 +315,9 @@ class StepEngine:
     def decode_body(self, ctx: DecodeContext, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """draft -> verify -> accept -> refill over tensors only (graph-capturable)."""
         b, k = ctx.batch_size, ctx.k
-        tr, dev = self.tracer, DEVICE_TRACK
+        # A compiled step (`--graphs compiled`) is traced once; recorded ranges inside it would break the graph.
+        tr = NULL_TRACER if torch.compiler.is_compiling() else self.tracer
+        dev = DEVICE_TRACK
         drafts = draft_probs = None
         if k > 0:
             if self.proposer.has_model:

@@ -165,7 +165,9 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
     k_max = cfg.num_spec_tokens if proposer else 0
     attention = install_attention(cfg, step_engine, step_engine.max_kv_len(max_len, k_max), dtype, device)
     ks = graph_ks(k_max)
-    use_graphs = cfg.graphs == "on" or (cfg.graphs == "auto" and device.type == "cuda")
+    use_graphs = cfg.graphs in ("on", "compiled") or (cfg.graphs == "auto" and device.type == "cuda")
+    if cfg.graphs == "compiled" and device.type != "cpu":
+        raise ConfigError("--graphs compiled is the CPU counterpart of graph capture; on CUDA use --graphs on")
     if use_graphs and tp.world_size > 1 and device.type != "cuda":
         # The CPU stand-in checks that a step keeps nothing it allocated alive; gloo's collectives hold their
         # buffers past the call, so it cannot check these steps. CUDA graphs capture NCCL collectives.
@@ -182,7 +184,12 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
     if use_graphs:
         from specstep.cuda_graphs.runner import GraphConfig, GraphRunner
 
-        runner = GraphRunner(device, GraphConfig(max_batch=cfg.max_batch_size))
+        backend = None  # the device's own: CUDA graphs, or the contract-checking stand-in on CPU
+        if cfg.graphs == "compiled":
+            from specstep.cuda_graphs.cpu_compiled import CompiledBackend
+
+            backend = CompiledBackend()
+        runner = GraphRunner(device, GraphConfig(max_batch=cfg.max_batch_size), backend)
         capture = step_engine.use_graphs(runner, ks, max_len, scratch_slot=cfg.max_batch_size,
                                          drops_refill=policy_config(cfg, k_max, ks).drops_refill)
     return StepEngineParts(step_engine, memory, capture, attention, max_len, ks)

@@ -9,6 +9,7 @@ with one registered attribute set per name, the cheapest NVTX path the `nvtx` pa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -103,17 +104,9 @@ class TraceRecorder:
         Path(path).write_text(json.dumps(self.to_json()))
 
 
-class _NullRange:
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NULL_RANGE = _NullRange()
+# A stdlib null context, not a class of ours: torch.compile traces through it, where a class of ours breaks the
+# graph (a compiled CPU step, `cuda_graphs.cpu_compiled`, enters the null tracer's ranges).
+_NULL_RANGE = contextlib.nullcontext()
 
 
 class _Range:
@@ -213,7 +206,7 @@ class Tracer:
             attrs = self._attrs[name] = self._domain.get_event_attributes(name)
         return attrs
 
-    def range(self, name: str, track: str | None = None, **args: Any) -> _Range | _NullRange:
+    def range(self, name: str, track: str | None = None, **args: Any) -> _Range | contextlib.nullcontext:
         """A CPU range on the current thread (or on `track`, e.g. the device track of the CPU stream).
 
         Use as `with tracer.range(ranges.BUILD_BATCH, batch=8):`. `args` land in the trace event.
