@@ -113,8 +113,7 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
         tokenizer = None
     eos = target.cfg.eos_token_ids or (tokenizer.eos_token_ids if tokenizer else ())
     # A draft with a shorter context than the target drafts only while a request fits its context.
-    spec_max_len = proposer.network.cfg.max_position_embeddings if proposer is not None and proposer.has_model \
-        else None
+    spec_max_len = proposer.max_context if proposer is not None else None
     engine = step_engine
     if group is not None:
         engine = LeaderEngine(step_engine, group.tp, group)
@@ -173,7 +172,7 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
         # buffers past the call, so it cannot check these steps. CUDA graphs capture NCCL collectives.
         raise ConfigError("--graphs on with --tensor-parallel-size > 1 needs CUDA (the CPU graph stand-in cannot "
                           "check steps with gloo collectives)")
-    pools = [pool] + ([proposer.pool] if proposer is not None and getattr(proposer, "pool", None) else [])
+    pools = [pool] + ([proposer.pool] if proposer is not None and proposer.pool is not None else [])
     memory, max_len = plan_memory_within(cfg, step_engine, pools, max_len, k_max, ram, ks if use_graphs else None)
     pages = tp.min(memory.num_pages)  # every rank addresses the same pages: the smallest plan wins
     if pages != memory.num_pages:
@@ -266,9 +265,9 @@ def install_attention(cfg: EngineConfig, engine: StepEngine, max_kv_len: int, dt
     if name == "torch":
         return name
     max_pages = -(-max_kv_len // cfg.page_size)
-    # A follower's draft model lives on the leader (`LeaderDraft`): nothing of it attends there.
-    nets = [engine.target] + ([engine.proposer.network] if engine.has_draft_model and
-                              not isinstance(engine.proposer, LeaderDraft) else [])
+    # A follower's draft model lives on the leader (`LeaderDraft` has no network): nothing of it attends there.
+    draft = engine.proposer.network if engine.proposer is not None else None
+    nets = [engine.target] + ([draft] if draft is not None else [])
     workspace = None
     for net in nets:
         net.attention = make_backend(name, net.rank_cfg, cfg.page_size, dtype, device, max_pages, workspace)
