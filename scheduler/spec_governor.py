@@ -28,10 +28,14 @@ plus the overhead of the first probe after each switch off (it is paid before th
 With the defaults (delta = epsilon = 0.02) that is about 2-4%. It assumes:
   - plain cost stationary over the governor's last few plain steps per bucket (they are re-measured one step in
     `remeasure_every` while speculating; a load change between them biases P until the next ones);
-  - acceptance stationary over the window while on, and over the latest `resume_window` probes while off;
-  - a probe's catch-up small against epsilon x the off time before it: it grows with the tokens skipped (batch x
-    off steps), so with a draft-model catch-up at a large batch the first probe alone can exceed the budget
-    (probing a subset of lanes would bound it; not done);
+  - acceptance stationary over the window while on, and over the latest `resume_window` probes while off (after
+    a fall in acceptance the on window still holds the earlier wins: speculation goes off through the policy's
+    own acceptance estimate first, and the governor follows once the old samples age out, `max_age` steps run);
+  - a probe's catch-up small against epsilon x the off time before it. The policy makes it so: a probe from plain
+    decoding catches up only the lanes it drafts with (those cheapest to catch up, as many as
+    `AdaptivePolicy.PROBE_CATCH_UP` of a plain step buys, at least one), so its catch-up no longer grows with
+    batch x steps off; such a subset probe is judged for the whole batch (B x (1 + accepted per probed lane)
+    tokens), which assumes the probed lanes' acceptance stands for the others';
   - on the overlap path, the probe clock given back whenever a chained decision is dropped (above).
 """
 
