@@ -14,6 +14,10 @@ each engine in turn, alternating the order (ratios are of totals; the spread is 
 the gap between a request's consecutive token-carrying outputs, as a streaming client sees it.
 
     python -m benchmarks.bench_policy [--proposers ngram,mtp,draft_model] [--workloads ...] [--concurrency 1,4,16]
+                                      [--streams inline,overlap]
+
+`--streams`: the engine's stream path, inline (the CPU default) or overlap (the worker-thread stream that
+stands in for CUDA's: step N+1 decided and built while step N runs; one torch thread, as serve sets it).
 """
 
 from __future__ import annotations
@@ -66,8 +70,9 @@ def workload(kind: str, n: int, model: str, vocab: int, seed: int) -> list[tuple
     return [(code[i], GREEDY) if i % 2 == 0 else (rand[i], HOT) for i in range(n)]
 
 
-def config(model: str, proposer: str, setting: str) -> EngineConfig:
-    base = dict(model=model, device="cpu", overlap=False, threads=2, kv_cache_tokens=16384, max_batch_size=16)
+def config(model: str, proposer: str, setting: str, overlap: bool = False) -> EngineConfig:
+    base = dict(model=model, device="cpu", overlap=overlap, threads=1 if overlap else 2, kv_cache_tokens=16384,
+                max_batch_size=16)
     if setting == "off":
         return EngineConfig(**base, spec="none")
     if setting.startswith("k"):
@@ -77,10 +82,10 @@ def config(model: str, proposer: str, setting: str) -> EngineConfig:
 
 
 def measure_cell(model: str, proposer: str, settings: list[str], kind: str, concurrency: int, vocab: int,
-                 rounds: int, wave: int) -> dict[str, dict]:
+                 rounds: int, wave: int, overlap: bool = False) -> dict[str, dict]:
     """Every setting's engine is built once and warmed up; then `rounds` rounds run one wave of the workload
     on each engine in turn (order alternating), so slow drifts of a shared machine hit every setting alike."""
-    engines = {s: build_engine(config(model, proposer, s))[0] for s in settings}
+    engines = {s: build_engine(config(model, proposer, s, overlap))[0] for s in settings}
     for core in engines.values():
         warm = [(p, SamplingParams(temperature=sp.temperature, max_tokens=24, ignore_eos=True))
                 for p, sp in workload(kind, concurrency, model, vocab, seed=7)]
@@ -146,23 +151,29 @@ def main() -> None:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--rounds", type=int, default=2, help="waves per setting, interleaved across settings")
     ap.add_argument("--wave", type=int, default=1, help="requests per wave, in multiples of the concurrency")
+    ap.add_argument("--streams", default="inline", help="inline, overlap or both (comma-separated)")
     ap.add_argument("--json", type=Path, default=None, help="also write every measurement here")
     args = ap.parse_args()
     settings = args.settings.split(",")
     gguf = pretrained_gguf()
     all_rows = []
     console.print(f"machine: {machine()}")
-    for proposer in args.proposers.split(","):
-        model = str(DEFAULT_TARGET) if proposer == "draft_model" or gguf is None else str(resolve_model(str(gguf)))
-        vocab = Tokenizer.from_folder(model).vocab_size
-        rows = []
-        for kind in args.workloads.split(","):
-            for c in (int(x) for x in args.concurrency.split(",")):
-                med = measure_cell(model, proposer, settings, kind, c, vocab, args.rounds, args.wave)
-                rows.append((kind, c, med))
-                all_rows.append({"proposer": proposer, "workload": kind, "concurrency": c, "results": med})
-                print_row(proposer, kind, c, med, settings)
-        print_table(proposer, model, rows, settings)
+    for stream in args.streams.split(","):
+        if stream not in ("inline", "overlap"):
+            raise SystemExit(f"--streams: inline or overlap, got {stream!r}")
+        for proposer in args.proposers.split(","):
+            model = str(DEFAULT_TARGET) if proposer == "draft_model" or gguf is None else str(resolve_model(str(gguf)))
+            vocab = Tokenizer.from_folder(model).vocab_size
+            rows = []
+            for kind in args.workloads.split(","):
+                for c in (int(x) for x in args.concurrency.split(",")):
+                    med = measure_cell(model, proposer, settings, kind, c, vocab, args.rounds, args.wave,
+                                       stream == "overlap")
+                    rows.append((kind, c, med))
+                    all_rows.append({"stream": stream, "proposer": proposer, "workload": kind, "concurrency": c,
+                                     "results": med})
+                    print_row(f"{proposer} [{stream}]", kind, c, med, settings)
+            print_table(f"{proposer} [{stream}]", model, rows, settings)
     if args.json:
         args.json.write_text(json.dumps(all_rows, indent=1))
 

@@ -12,6 +12,7 @@ once on the virtual clock: deterministic, and its device seconds are simulated o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ import torch
 
 from specstep.engine.sampling_params import SamplingParams
 from specstep.engine.step_engine import StepOutput
-from specstep.engine.stream import DeviceStream, StepHandle
+from specstep.engine.stream import DeviceStream, StepHandle, ThreadStream
 from specstep.scheduler.engine_core import EngineCore, SchedulerConfig
 from specstep.scheduler.page_allocator import PageAllocator
 from specstep.scheduler.request import Request
@@ -33,6 +34,22 @@ class SimClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+class SleepClock:
+    """Real time: advancing it (`now += seconds`, as the simulated engine charges a step) sleeps, so the real
+    streams (`InlineStream`, the worker-thread `ThreadStream`) time the steps, `device_seconds` included."""
+
+    @property
+    def now(self) -> float:
+        return time.perf_counter()
+
+    @now.setter
+    def now(self, value: float) -> None:
+        time.sleep(max(0.0, value - time.perf_counter()))
+
+    def __call__(self) -> float:
+        return time.perf_counter()
 
 
 class SimStream(DeviceStream):
@@ -160,15 +177,18 @@ class SimResult:
 
 def simulate(scenario: Scenario, proposer: str | None, arrivals: list[tuple[int, str, int | None]],
              max_tokens: int, policy: PolicyConfig | None = None, seed: int = 0, overlap: bool = False,
-             prompt_len: int = 3) -> SimResult:
-    """arrivals: (tokens emitted when it arrives, request id, fixed k or None) per request."""
-    clock = SimClock()
+             prompt_len: int = 3, real_time: bool = False) -> SimResult:
+    """arrivals: (tokens emitted when it arrives, request id, fixed k or None) per request. `real_time`: costs
+    are slept and the core runs on the real streams (overlap: the CPU worker thread) and the real clock."""
+    clock = SleepClock() if real_time else SimClock()
     engine = SimStepEngine(scenario, clock, SimProposer(proposer) if proposer else None, seed=seed)
     k_max = policy.k_max if policy is not None else 0
     pol = AdaptivePolicy(policy) if policy is not None else None
     core = EngineCore(engine, PageAllocator(8192, 16), SchedulerConfig(max_batch_size=64, num_spec_tokens=k_max,
                                                                         max_model_len=100_000),
-                      policy=pol, clock=clock, stream=SimStream(clock) if overlap else None)
+                      policy=pol, clock=clock,
+                      stream=(ThreadStream() if real_time else SimStream(clock)) if overlap else None)
+    start = clock.now
     pending = sorted(arrivals, key=lambda a: a[0])
     reqs, chosen = [], []
     while pending or core.has_unfinished():
@@ -183,6 +203,7 @@ def simulate(scenario: Scenario, proposer: str | None, arrivals: list[tuple[int,
         core.step()
         chosen.append(core.policy.current_k)
     core.check_integrity()
+    core.stream.close()
     # Tokens the requests received: with overlap, a lane of a request that finished one step earlier is wasted.
-    return SimResult(sum(r.num_output_tokens for r in reqs), clock.now, engine.steps, reqs, core, chosen,
+    return SimResult(sum(r.num_output_tokens for r in reqs), clock.now - start, engine.steps, reqs, core, chosen,
                      engine.trace)
