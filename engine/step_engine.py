@@ -107,6 +107,10 @@ class StepEngine:
         self.graphs = runner
         return runner.capture(self.tracer)
 
+    def close(self, failed: bool = False) -> None:
+        """Nothing to release on one device (the tensor-parallel leader stops its group here): the protocol's
+        member, so the core calls it without asking what kind of engine it holds."""
+
     def kv_widths(self, max_kv_len: int) -> tuple[int, ...]:
         """Page-table widths graphs are captured at. FlashInfer reads only the pages it is planned with: one
         width. The torch backend gathers a table's whole width: KV-length buckets up to max_kv_len."""
