@@ -79,7 +79,7 @@ class ChunkedPrefill:
         """Positions written by a chunk of q tokens: the chunk itself, and after the last one the first decode
         step's (the sampled token and the proposer's look-ahead), as for a whole prefill."""
         end = req.num_computed + q
-        return end + 1 + self.lookahead if end == len(req.token_ids) else end
+        return self._step_tokens(end) if end == len(req.token_ids) else end
 
     def _mixed(self, chunks: list[tuple[Request, int]]) -> list[RequestOutput]:
         """One forward over the running requests' next tokens (plain sampling, refill dropped) and the prompt

@@ -106,7 +106,7 @@ class EngineCore(ChunkedPrefill, Stopping):
         if n + 1 > self.config.max_model_len:
             limit = self.config.max_model_len - 1
             raise InvalidRequestError(f"prompt has {n} tokens; the model allows at most {limit}")
-        if self.allocator.pages_for(n + 2 + self.lookahead) > self.allocator.num_usable:
+        if n > self.allocator.max_prompt_tokens(self.lookahead):
             raise InvalidRequestError(f"prompt of {n} tokens does not fit the KV cache")
         req.params.validate(vocab)
         self.requests[req.request_id] = req
@@ -189,7 +189,7 @@ class EngineCore(ChunkedPrefill, Stopping):
         if not self.waiting or len(self.running) >= self.config.max_batch_size:
             return False
         req = self.waiting[0]
-        return self.allocator.can_fit(req.page_table, len(req.token_ids) + 1 + self.lookahead)
+        return self.allocator.can_fit(req.page_table, self._step_tokens(len(req.token_ids)))
 
     def _admit(self) -> list[Request]:
         batch: list[Request] = []
@@ -199,10 +199,10 @@ class EngineCore(ChunkedPrefill, Stopping):
             n = len(req.token_ids)
             if batch and tokens + n > self.config.max_prefill_tokens:
                 break
-            if not self.allocator.can_fit(req.page_table, n + 1 + self.lookahead):
+            if not self.allocator.can_fit(req.page_table, self._step_tokens(n)):
                 break
             self.waiting.popleft()
-            self.allocator.ensure(req.page_table, n + 1 + self.lookahead)
+            self.allocator.ensure(req.page_table, self._step_tokens(n))
             req.slot = self._free_slots.pop()
             req.status = Status.RUNNING
             batch.append(req)
@@ -245,8 +245,8 @@ class EngineCore(ChunkedPrefill, Stopping):
         max_len = self.config.max_model_len
         if self.config.spec_max_len is not None:
             max_len = min(max_len, self.config.spec_max_len)
-        room = np.array([min(r.params.max_tokens - r.num_output_tokens - min(int(e), 1),
-                             max_len - len(r.token_ids) - int(e) - self.lookahead) - 1
+        room = np.array([min(r.params.max_tokens - r.num_output_tokens - min(int(e), 1) - 1,
+                             max_len - self._step_tokens(len(r.token_ids) + int(e)))
                          for r, e in zip(reqs, extra)], dtype=np.int64)
         decision = self.policy.choose([r.acceptance for r in reqs], [r.num_spec_tokens for r in reqs], room,
                                       self._behind(reqs, extra, cur))
@@ -282,11 +282,14 @@ class EngineCore(ChunkedPrefill, Stopping):
             self._finish(req, FinishReason.LENGTH)
             return None, [RequestOutput(req, [], True)]
 
+    def _step_tokens(self, num_tokens: int, num_draft: int = 0) -> int:
+        return self.allocator.step_tokens(num_tokens, num_draft, self.lookahead)
+
     def _reserve_pages(self, reqs: list[Request], num_draft: np.ndarray, pending: np.ndarray | None = None) -> bool:
         """Grow each page table to hold its step's writes: current tokens, what a step in flight may still add
         (`pending`), k drafts, the bonus token and the proposer's look-ahead. All or nothing."""
         extra = pending if pending is not None else np.zeros(len(reqs), dtype=np.int64)
-        need = [len(r.token_ids) + int(p) + int(k) + 1 + self.lookahead for r, p, k in zip(reqs, extra, num_draft)]
+        need = [self._step_tokens(len(r.token_ids) + int(p), int(k)) for r, p, k in zip(reqs, extra, num_draft)]
         short = sum(max(0, self.allocator.pages_for(n) - len(r.page_table)) for r, n in zip(reqs, need))
         if short > self.allocator.num_free:
             return False

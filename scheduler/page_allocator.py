@@ -31,6 +31,18 @@ class PageAllocator:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    @staticmethod
+    def step_tokens(num_tokens: int, num_draft: int = 0, lookahead: int = 0) -> int:
+        """The one rule for what a step writes: positions a request's page table must hold for a step over its
+        `num_tokens` known tokens (the last one fed by the step), `num_draft` drafts, the bonus token after them,
+        and the proposer's `lookahead` past the verify window."""
+        return num_tokens + num_draft + 1 + lookahead
+
+    def max_prompt_tokens(self, lookahead: int = 0) -> int:
+        """The longest prompt whose prefill and first decode step fit the whole cache (`step_tokens` over the
+        prompt and its sampled token)."""
+        return self.num_usable * self.page_size - self.step_tokens(1, 0, lookahead)
+
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPagesError(f"need {n} KV pages, {len(self._free)} free of {self.num_usable}")

@@ -252,7 +252,7 @@ def _k_distribution(core: EngineCore) -> dict[int, int]:
 def ready_message(core: EngineCore, info, max_prompt_len: int | None) -> Ready:
     alloc = core.allocator
     # add_request admits a prompt of n tokens when pages_for(n + 2 + look-ahead) <= usable pages.
-    kv_limit = alloc.num_usable * alloc.page_size - 2 - core.lookahead
+    kv_limit = alloc.max_prompt_tokens(core.lookahead)
     limit = min(info.max_model_len - 1, kv_limit, max_prompt_len or kv_limit)
     return Ready(protocol_version=PROTOCOL_VERSION, pid=os.getpid(), num_pages=alloc.num_pages,
                  page_size=alloc.page_size, max_model_len=info.max_model_len, max_prompt_len=limit,
