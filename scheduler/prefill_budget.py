@@ -106,9 +106,10 @@ class PrefillBudget:
 
     def chunk(self, left: float, ctx: int, remaining: int, floor: float | None = None) -> int:
         """A chunk of a prompt with `remaining` tokens to go at context `ctx` whose cost fits `left`, or whose cost
-        beyond reading the context fits `floor` where that is more, and then at least one token. Every running request decodes in every mixed step, even
-        past the budget (a stream never waits for a prompt); the step's first chunk gets a floor
-        (`PrefillPacer.plan`: a quarter of an empty step's room), so prompts are never starved."""
+        beyond reading the context fits `floor` where that is more, and then at least one token. Every running
+        request decodes in every mixed step, even past the budget (a stream never waits for a prompt); the step's
+        first chunk gets a floor (`PrefillPacer.plan`: a quarter of an empty step's room), so prompts are never
+        starved."""
         q = self.model.tokens_within(left, ctx)
         if floor is not None:  # the floor buys tokens beyond the context's read, or late chunks shrink to one
             q = max(q, self.model.tokens_within(floor + self.model.per_context * ctx, ctx), 1)

@@ -8,18 +8,24 @@ streams see), takes a mixed step to cost that decode step plus its chunks, and s
 by what recent mixed steps really cost beyond the decode step.
 
     room for chunks = (multiple - 1) x decode step / scale       (in the fit's seconds)
-    scale           = median over recent mixed steps of (step seconds - decode step) / modelled chunk cost
+    scale           = the second largest, over the last WINDOW mixed steps, of
+                      (step seconds - decode step) / modelled chunk cost
+
+The bound is on the streams' tail (their p99 gap while a prompt is prefilled), so the pacer paces on the tail of
+what mixed steps cost, not their median: paced on the median, half the mixed steps ran past the multiple and the
+streams' p99 gap was 3.9x their median at --max-step-latency 3 (4,000-token prompts beside four streams,
+SmolLM2, AVX2 host). The second largest of sixteen (about their 90th percentile) ignores one neighbour's burst.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 
 from specstep.scheduler.prefill_budget import MIN_BUDGET, PrefillBudget
 
 MIN_CHUNK_SHARE = 4  # a step's first prompt chunk may take a quarter of an empty step's room, whatever is left
-WINDOW = 8  # mixed steps the scale is the median of: one slow step (a neighbour's burst) does not halve chunks
+WINDOW = 16  # mixed steps the scale is taken over
+TAIL = 2  # the scale is the TAIL-th largest ratio of the window: one slow step (a neighbour's burst) is ignored
 MIN_SCALE = 0.1  # a step measured faster than its decode step alone (noise) must not make chunks unbounded
 
 
@@ -30,7 +36,10 @@ class PrefillPacer:
 
     @property
     def scale(self) -> float:
-        return max(statistics.median(self._ratios), MIN_SCALE) if self._ratios else 1.0
+        if not self._ratios:
+            return 1.0
+        ranked = sorted(self._ratios, reverse=True)
+        return max(ranked[min(TAIL, len(ranked)) - 1], MIN_SCALE)
 
     def room(self, num_decode: int, decode_s: float | None) -> float:
         """The cost prompt chunks may add to a step beside `num_decode` decode rows. Fixed: the tokens the rows

@@ -17,8 +17,8 @@ def rss() -> int:
 
 
 def test_a_cpu_pool_is_zero_and_resident_only_where_written():
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
-                      num_kv_heads=2, head_dim=64, max_position_embeddings=8192)
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=128, intermediate_size=256,
+                      num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=8192)
     before = rss()
     pool = KVPool(cfg, num_layers=4, num_pages=65536, page_size=16, dtype=torch.bfloat16, device="cpu")
     size = 65536 * pool.page_bytes

@@ -126,8 +126,11 @@ def test_pacer_follows_the_batchs_decode_step_and_what_mixed_steps_really_cost()
     for _ in range(WINDOW):  # chunks cost 3x what the fit says, beyond the decode step
         pacer.observe(chunks_cost=0.1, seconds=0.2 + 0.3, decode_s=0.2)
     assert pacer.scale == pytest.approx(3.0) and pacer.room(4, 0.2) == pytest.approx(1.5 * 0.2 / 3)
-    pacer.observe(0.1, 10.0, 0.2)  # one step slowed by a neighbour: the median does not move
+    pacer.observe(0.1, 10.0, 0.2)  # one step slowed by a neighbour: the scale does not move
     assert pacer.scale == pytest.approx(3.0)
+    for i in range(WINDOW):  # steps that cost 1x..4x the fit: paced on the tail, so few steps pass the bound
+        pacer.observe(0.1, 0.2 + 0.1 * (1 + 3 * i / (WINDOW - 1)), 0.2)
+    assert pacer.scale == pytest.approx(1 + 3 * (WINDOW - 2) / (WINDOW - 1))
     for _ in range(WINDOW):  # however slow the steps, a step keeps room for MIN_BUDGET tokens at context 0
         pacer.observe(0.1, 1000.0, 0.2)
     assert pacer.room(4, 0.2) == pytest.approx(MODEL.chunk_cost(MIN_BUDGET, 0))
