@@ -34,9 +34,13 @@ class PrefillPacer:
     def __init__(self, budget: PrefillBudget) -> None:
         self.budget = budget
         self._steps: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (modelled chunk cost, extra seconds)
+        self._fit = (0.0, 1.0)  # refitted once per observed step, read twice per planned step
 
     def fit(self) -> tuple[float, float]:
         """(overhead seconds, scale) of recent mixed steps' cost beyond their decode step."""
+        return self._fit
+
+    def _refit(self) -> tuple[float, float]:
         if not self._steps:
             return 0.0, 1.0
         slopes = [(y1 - y0) / (x1 - x0) for (x0, y0), (x1, y1) in combinations(self._steps, 2)
@@ -73,3 +77,4 @@ class PrefillPacer:
         b = self.budget
         if b.multiple is not None and chunks_cost > 0:
             self._steps.append((chunks_cost, seconds - (decode_s or b.decode_s)))
+            self._fit = self._refit()
