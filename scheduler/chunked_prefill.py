@@ -34,7 +34,6 @@ class ChunkedPrefill:
         each other; running requests that need pages preempt prefills first (`_reserve`)."""
         if not self._reserve_pages(self.running, np.zeros(len(self.running), np.int64)):
             return []  # decode alone (its own reservation preempts as needed)
-        budget = self.config.prefill_budget
         left, floor = self.pacer.plan(len(self.running), self._plain_decode_s())
         chunks: list[tuple[Request, int]] = []
         # A prompt with other prompts behind it (part-way through, or waiting for a slot) takes at most half of
@@ -43,17 +42,19 @@ class ChunkedPrefill:
         admitting = bool(self.waiting) and len(self.running) + len(self.prefilling) < self.config.max_batch_size
         for i, req in enumerate(self.prefilling):
             share = left / 2 if admitting or i + 1 < len(self.prefilling) else left
-            q = budget.chunk(share, req.num_computed, len(req.token_ids) - req.num_computed, None if chunks else floor)
+            q = self.pacer.chunk(share, req.num_computed, len(req.token_ids) - req.num_computed,
+                                 None if chunks else floor)
             if q <= 0 or not self.allocator.can_fit(req.page_table, self._chunk_need(req, q)):
                 continue
             self.allocator.ensure(req.page_table, self._chunk_need(req, q))
             chunks.append((req, q))
-            left -= budget.chunk_cost(q, req.num_computed)
+            left -= self.pacer.chunk_cost(q, req.num_computed)
         owed = sum(max(0, self.allocator.pages_for(self._chunk_need(r, len(r.token_ids) - r.num_computed))
                        - len(r.page_table)) for r in self.prefilling)
         while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_batch_size:
             req = self.waiting[0]
-            q = budget.chunk(left, req.num_computed, len(req.token_ids) - req.num_computed, None if chunks else floor)
+            q = self.pacer.chunk(left, req.num_computed, len(req.token_ids) - req.num_computed,
+                                 None if chunks else floor)
             whole = self.allocator.pages_for(self._chunk_need(req, len(req.token_ids)))
             if q <= 0 or whole - len(req.page_table) + owed > self.allocator.num_free:
                 break
@@ -66,7 +67,7 @@ class ChunkedPrefill:
             req.prefill_with_proposer = self.policy.proposer_current
             self.prefilling.append(req)
             chunks.append((req, q))
-            left -= budget.chunk_cost(q, req.num_computed)
+            left -= self.pacer.chunk_cost(q, req.num_computed)
         return chunks
 
     def _plain_decode_s(self) -> float | None:
@@ -88,15 +89,14 @@ class ChunkedPrefill:
         seqs = decode + [r for r, _ in chunks]
         q_lens = [1] * len(decode) + [q for _, q in chunks]
         with_proposer = [False] * len(decode) + [r.prefill_with_proposer for r, _ in chunks]
-        budget = self.config.prefill_budget
-        modelled = sum(budget.chunk_cost(q, r.num_computed) for r, q in chunks)
+        shapes = [(q, r.num_computed) for r, q in chunks]
         decode_s = self._plain_decode_s()
         start = self.clock()
         handle = self.stream.submit(ranges.PREFILL,
                                     lambda: self.engine.prefill(seqs, with_proposer, q_lens, len(decode)))
         with self.tracer.range(ranges.WAIT):
             tokens = handle.wait().tolist()
-        self.pacer.observe(modelled, self.clock() - start, decode_s)
+        self.pacer.observe(shapes, self.clock() - start, decode_s)
         now = time.monotonic()
         outputs = []
         with self.tracer.range(ranges.PROCESS_OUTPUT):

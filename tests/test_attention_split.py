@@ -51,3 +51,37 @@ def test_split_attention_equals_one_padded_batch(page_size, monkeypatch):
     a = TorchAttention().forward(q, k_cache, v_cache, split.attn, heads, 0.3)
     b = TorchAttention().forward(q, k_cache, v_cache, whole.attn, heads, 0.3)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_step_parts_route_decode_rows_invariant_and_prompt_chunks_to_sdpa(monkeypatch):
+    """With batch invariance, a mixed step's decode rows attend on the invariant path (their bits must be a
+    decode step's) and its prompt chunks on SDPA whatever their size: a 12-token chunk late in a long prompt took
+    the invariant path's 64-key blocks before, 2-4x SDPA's cost. Each part is checked against attending it
+    alone: a decode row bitwise equals the same row in a decode step of its own."""
+    import specstep.engine.attention.torch_backend as tb
+
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, page_size = 6, 2, 16, 16
+    q_lens, starts = [1, 1, 1, 12], [40, 90, 17, 900]  # three decode rows, then a late 12-token chunk
+    pages_per = [-(-(s + q) // page_size) for s, q in zip(starts, q_lens)]
+    k_cache = torch.randn((sum(pages_per) + 1) * page_size, kv_heads, d, generator=g)
+    v_cache = torch.randn_like(k_cache)
+    tables, nxt = [], 1
+    for n in pages_per:
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    q = torch.randn(sum(q_lens), heads * d, generator=g)
+    mixed = bb.build_forward_batch([[0] * n for n in q_lens], starts, tables, page_size, "cpu", slot=tb.PROMPT_SLOT)
+    assert isinstance(mixed.attn, SplitAttention)
+    seen = []
+    real = tb.invariant_attention
+    monkeypatch.setattr(tb, "invariant_attention", lambda qp, *a, **k: seen.append(qp.shape[3]) or real(qp, *a, **k))
+    attn = TorchAttention(batch_invariant=True)
+    out = attn.forward(q, k_cache, v_cache, mixed.attn, heads, 0.25)
+    assert seen and set(seen) == {1}  # only the decode rows' part took the invariant path, once per layer call
+    decode = bb.build_forward_batch([[0]] * 3, starts[:3], tables[:3], page_size, "cpu")
+    alone = attn.forward(q[:3], k_cache, v_cache, decode.attn, heads, 0.25)
+    assert torch.equal(out[:3], alone)  # bitwise a decode step's rows
+    chunk = bb.build_forward_batch([[0] * 12], starts[3:], tables[3:], page_size, "cpu")
+    ref = TorchAttention().forward(q[3:], k_cache, v_cache, chunk.attn, heads, 0.25)  # SDPA
+    torch.testing.assert_close(out[3:], ref, rtol=1e-5, atol=1e-6)

@@ -4,7 +4,8 @@ One code path serves prefill (q = prompt), decode (q = 1) and verify (q = k + 1)
 metadata (see `AttentionMetadata`). It is the numerical reference every other backend is checked against.
 With `batch_invariant`, CPU steps of at most MAX_QUERY_ROWS positions (decode, verify, draft, refill) attend
 batch-invariantly instead (`invariant_attention`: a row's bits do not depend on what shares its step, so
-speculative greedy output is plain greedy output bitwise); prompts always take SDPA.
+speculative greedy output is plain greedy output bitwise); prompts and prompt chunks always take SDPA (a
+mixed step's decode rows stay invariant: `has_decode_rows`).
 
 Every backend has the shape of `TorchAttention`: `plan(...)` takes a forward's host-known lengths before the
 forward runs (this one needs none: its mask is derived on the device from the starts), and `forward(...)`
@@ -196,6 +197,23 @@ def paged_attention(
     return o if meta.dense else o.index_select(0, meta.out_index)
 
 
+PROMPT_SLOT = "prefill"  # the plan of whole prefills and mixed steps (`StepEngine.prefill`)
+
+
+def has_decode_rows(meta: AttentionMetadata) -> bool:
+    """Whether a part of a split prompt forward (a mixed step) holds a lane with one query row: a running request
+    decoding beside prompt chunks, whose bits must be a decode step's (batch invariance). Parts of prompt chunks
+    only attend with SDPA whatever their size: a chunk's keys follow its step's schedule anyway (see the module
+    docstring), and the invariant path's fixed 64-key blocks cost 2-4x SDPA for a chunk of 4-17 tokens late in a
+    long prompt (SmolLM2 shapes, AVX2 host), which made late chunks the dearest tokens of a chunked prefill.
+    Other ragged forwards (a draft's catch-up) keep the invariant path. Once per forward (every layer shares the
+    answer)."""
+    key = ("has_decode_rows",)
+    if key not in meta._blocks:
+        meta._blocks[key] = bool((meta.q_valid.sum(1) == 1).any())
+    return meta._blocks[key]
+
+
 class TorchAttention:
     """The reference backend (CPU and CUDA): nothing to plan; every length comes from the device metadata.
     `workspace`: bytes a layer's attention may hold at once (see `DEFAULT_WORKSPACE`). `batch_invariant` (the
@@ -244,9 +262,11 @@ class TorchAttention:
         rows = self.min_rows(num_heads // k_cache.shape[1], k_cache.shape[-1], q.dtype, q.device)
         if isinstance(meta, SplitAttention):
             out = q.new_empty(q.shape[0], num_heads * k_cache.shape[-1])
+            prompts = meta.slot == PROMPT_SLOT
             for t0, t1, part in meta.parts:
+                invariant = rows is not None and not (prompts and not has_decode_rows(part))
                 out[t0:t1] = paged_attention(q[t0:t1], k_cache, v_cache, part, num_heads, scale, self.workspace,
-                                             rows)
+                                             rows if invariant else None)
             return out
         return paged_attention(q, k_cache, v_cache, meta, num_heads, scale, self.workspace, rows)
 
