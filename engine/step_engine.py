@@ -135,6 +135,9 @@ class StepEngine:
     def has_draft_model(self) -> bool:
         return self.proposer is not None and self.proposer.has_model
 
+    def can_chain(self, num_draft: np.ndarray) -> bool:
+        return self.proposer is None or self.proposer.can_chain(num_draft)
+
     @torch.inference_mode()
     def prefill(self, seqs: list[SeqState], with_proposer: bool | list[bool] = True,
                 q_lens: list[int] | np.ndarray | None = None, num_decode: int = 0) -> torch.Tensor:
@@ -254,7 +257,8 @@ class StepEngine:
             num_draft[:] = 0
         host_drafts = None
         if self.proposer is not None and not self.proposer.has_model:
-            assert chain is None, "host proposers need the previous step's tokens on the host"
+            assert chain is None or self.proposer.can_chain(num_draft), \
+                "host proposers draft from the previous step's tokens on the host: chain only plain steps"
             host_drafts = self.proposer.propose_host(seqs, int(num_draft.max(initial=0)))
             num_draft = np.minimum(num_draft, [len(d) for d in host_drafts])
         if not refill and self.has_draft_model:

@@ -38,6 +38,12 @@ class StepEngineProtocol(Protocol):
         """The proposer keeps a network with its own KV state (refill, catch-up); False for n-gram and none."""
         ...
 
+    def can_chain(self, num_draft: np.ndarray) -> bool:
+        """Whether a step drafting `num_draft[i]` tokens for request i can be built blind, chained on the
+        previous step's device outputs (`plan_decode(..., chain=...)`): no proposer, a model proposer, or a host
+        proposer (n-gram) on a plain step (every `num_draft` 0)."""
+        ...
+
     def prefill(self, seqs: list[SeqState], with_proposer: bool | list[bool] = True,
                 q_lens: list[int] | np.ndarray | None = None, num_decode: int = 0) -> torch.Tensor:
         """One target forward over ragged prompt chunks (and, first, `num_decode` one-token decode rows); the

@@ -24,8 +24,8 @@ from tests.fixtures_models import make_mtp_head
 MEMBERS = ({n for n in vars(StepEngineProtocol) if not n.startswith("_")}
            | set(StepEngineProtocol.__annotations__))
 PROPOSER_MEMBERS = ("kind", "has_model", "kv_lookahead", "shift", "pool", "network", "max_context",
-                    "plan_attention", "plan_padding", "prefill", "propose_host", "propose", "refill", "keep_prefill",
-                    "keep", "catch_up", "carried_state")
+                    "plan_attention", "plan_padding", "prefill", "can_chain", "propose_host", "propose", "refill",
+                    "keep_prefill", "keep", "catch_up", "carried_state")
 
 
 def local_engine(model, **cfg) -> StepEngine:
@@ -35,7 +35,7 @@ def local_engine(model, **cfg) -> StepEngine:
 
 def test_the_protocol_lists_what_the_scheduler_calls():
     assert MEMBERS == {"tp", "proposer", "vocab_size", "has_draft_model", "prefill", "catch_up", "plan_decode",
-                       "run_decode", "close"}
+                       "can_chain", "run_decode", "close"}
 
 
 def test_the_leader_implements_each_member_itself(tiny_target):

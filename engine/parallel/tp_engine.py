@@ -152,6 +152,9 @@ class LeaderEngine:
             self._send(self._message("catch_up", self._sync.snapshot(seqs), list(draft_lens)))
         return self.local.catch_up(seqs, draft_lens)
 
+    def can_chain(self, num_draft: np.ndarray) -> bool:
+        return self.local.can_chain(num_draft)
+
     def plan_decode(self, seqs: list[SeqState], num_draft: np.ndarray, chain: Chain | None = None,
                     refill: bool = True) -> DecodeContext:
         ctx = self.local.plan_decode(seqs, num_draft, chain, refill)

@@ -70,6 +70,12 @@ class Proposer(ABC):
         states: `target_hidden`, ragged); a *final* chunk (it ends at the last prompt token) also consumes the
         target's sampled token (device tensor) and carries state into the first decode step."""
 
+    def can_chain(self, num_draft: np.ndarray) -> bool:
+        """Whether a step drafting `num_draft[i]` tokens for request i can be built blind, before the previous
+        step's tokens reach the host (its starts and last tokens patched on the device, `Chain`). A model
+        proposer drafts on the device from those patched inputs: always."""
+        return True
+
     def propose_host(self, seqs: list[SeqState], k: int) -> list[list[int]] | None:
         """Drafts known on the host at build time (n-gram); None for model proposers."""
         return None

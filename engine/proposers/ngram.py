@@ -35,6 +35,10 @@ class NgramProposer(Proposer):
         self.device = device
         self.min_n, self.max_n = min_n, max_n
 
+    def can_chain(self, num_draft: np.ndarray) -> bool:
+        # The lookup reads each request's latest tokens on the host; a plain step (no drafts) reads none.
+        return not np.any(np.asarray(num_draft) > 0)
+
     def propose_host(self, seqs: list[SeqState], k: int) -> list[list[int]]:
         if k <= 0:  # a plain step (speculation off) must not pay the lookup: 0.1-0.4 ms a request on long contexts
             return [[] for _ in seqs]
