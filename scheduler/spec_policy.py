@@ -105,6 +105,18 @@ class PolicyConfig:
         return tuple(range(self.k_max + 1))
 
 
+@dataclass(frozen=True, slots=True)
+class _Lanes:
+    """One decision's per-request inputs: who the policy decides for, what fixed-k requests draft, the room each
+    has, the acceptance estimates and the inclusion thresholds."""
+
+    auto: np.ndarray
+    forced: np.ndarray
+    room: np.ndarray
+    alpha: np.ndarray
+    threshold: np.ndarray
+
+
 class AdaptivePolicy:
     PROBE_CATCH_UP = 0.5  # the catch-up a probe from plain decoding may spend, in plain steps (one lane at least)
 
@@ -270,89 +282,117 @@ class AdaptivePolicy:
         fixed_k = np.array([o or 0 for o in overrides], dtype=np.int64)
         if cfg.kind == "fixed":
             nd = np.minimum(np.where(auto, cfg.k_max, fixed_k), room)
-            d = Decision(nd, int(nd.max(initial=0)), cfg.keeps_draft_kv, 0.0, 0.0, "fixed", auto)
             self.reasons["fixed"] += 1
-            return d
-        bk = bucket(b)
-        self.bucket_steps[bk] += 1
+            return Decision(nd, int(nd.max(initial=0)), cfg.keeps_draft_kv, 0.0, 0.0, "fixed", auto)
+        self.bucket_steps[bucket(b)] += 1
         forced = np.where(auto, 0, np.minimum(fixed_k, room))  # what fixed-k requests draft whatever we decide
         probe_due = self.governor.tick()
-
         k_explore = self._unmeasured(b, forced, room, auto)
         if k_explore is not None:
-            who = auto.copy()
-            if cfg.cost_shape == "rows" and k_explore > 0:  # a marginal per row: one request measures it
-                who[:] = False
-                who[int(np.argmax(auto & (room > 0)))] = True
-            return self._decision(np.where(who, np.minimum(k_explore, room), forced), auto, "explore")
+            return self._explore(k_explore, auto, forced, room)
         if not self.governor.on and not probe_due:
             return self._decision(forced, auto, "off")
-
-        alpha = np.array([self.acceptance_estimate(a) for a in accs])
-        # Hysteresis on each request's inclusion too: one that drafted last step stays in at 0.65 of the threshold.
-        threshold = np.array([cfg.min_gain * (0.65 if a.idle_steps == 0 and a.trials > 0 else 1.0) for a in accs])
-        options = [self._evaluate(k, alpha, auto, forced, room, b, threshold) for k in self._allowed_ks(b, forced)]
-        options = [d for d in options if d is not None]
-        if not options:  # nothing measured fits (latency budget): only the fixed-k requests draft
+        lanes = _Lanes(auto, forced, room, self._alpha(accs), self._threshold(accs))
+        best = self._best(b, lanes)
+        if best is None:  # nothing measured fits (latency budget): only the fixed-k requests draft
             return self._decision(forced, auto, "model")
-        best = max(options, key=lambda d: d.expected_tokens / d.expected_cost)
-        current = next((d for d in options if d.k == self.current_k), None)
-        if current is not None and best is not current:
-            gain = (best.expected_tokens / best.expected_cost) / (current.expected_tokens / current.expected_cost)
-            if gain < 1 + cfg.margin:
-                best = current
         self.current_k = best.k
-
         if probe_due:  # governor off: speculate with everyone at the best k the model sees, to re-measure
-            # (n-gram pays per row: the smallest k is enough to see whether acceptance came back)
-            probe_ks = [k for k in self._allowed_ks(b, forced) if k > 0]
-            if cfg.cost_shape == "rows":
-                probe_ks = probe_ks[:1]
-            forced_all = [self._evaluate(k, alpha, auto, forced, room, b, threshold, force_all=True)
-                          for k in probe_ks]
-            forced_all = [d for d in forced_all if d is not None and d.num_draft[auto].any()]
-            if not forced_all:
-                return self._decision(forced, auto, "off")
-            p = max(forced_all, key=lambda d: d.expected_tokens / d.expected_cost)
-            lanes = self._probe_lanes(b, auto & (p.num_draft > 0), behind)
-            return self._decision(np.where(auto & ~lanes, 0, p.num_draft), auto, "probe", p.expected_tokens,
-                                  p.expected_cost, probing=lanes)
-
-        nd = best.num_draft
+            return self._governor_probe(b, lanes, behind)
         # Re-measure only while speculating: when the choice is plain, measuring drafts is what probes do, and
         # they are rate-limited by epsilon.
         stale = self._stale(b, forced, best.k) if best.num_draft[auto].any() else None
         if stale is not None:
             nd = np.where(auto, np.minimum(stale, room), forced)
             return self._decision(nd, auto, "remeasure", best.expected_tokens, best.expected_cost)
+        return self._with_probes(accs, best, b, lanes, behind)
 
-        # Probes: a request that has not drafted for a while drafts so its acceptance estimate can recover;
-        # failed probes back off (probe_every doubling to probe_max). Inside a speculating step that is a few
-        # more verify rows (the draft loop runs anyway). When nobody speculates it is a whole speculative step
-        # and a catch-up: the governor judges such steps, and once off it rate-limits them to epsilon.
-        probe_max = cfg.probe_max or (16 if cfg.cost_shape == "rows" else 64)
+    def _alpha(self, accs: list[RequestAcceptance]) -> np.ndarray:
+        return np.array([self.acceptance_estimate(a) for a in accs])
+
+    def _threshold(self, accs: list[RequestAcceptance]) -> np.ndarray:
+        """Hysteresis on each request's inclusion: one that drafted last step stays in at 0.65 of min_gain."""
+        return np.array([self.cfg.min_gain * (0.65 if a.idle_steps == 0 and a.trials > 0 else 1.0) for a in accs])
+
+    def _explore(self, k: int, auto: np.ndarray, forced: np.ndarray, room: np.ndarray) -> Decision:
+        who = auto.copy()
+        if self.cfg.cost_shape == "rows" and k > 0:  # a marginal per row: one request measures it
+            who[:] = False
+            who[int(np.argmax(auto & (room > 0)))] = True
+        return self._decision(np.where(who, np.minimum(k, room), forced), auto, "explore")
+
+    def _best(self, b: int, ln: _Lanes) -> Decision | None:
+        """The model's best k by tokens per second, kept at the current k unless better by `margin`."""
+        options = [self._evaluate(k, ln.alpha, ln.auto, ln.forced, ln.room, b, ln.threshold)
+                   for k in self._allowed_ks(b, ln.forced)]
+        options = [d for d in options if d is not None]
+        if not options:
+            return None
+        best = max(options, key=lambda d: d.expected_tokens / d.expected_cost)
+        current = next((d for d in options if d.k == self.current_k), None)
+        if current is not None and best is not current:
+            gain = (best.expected_tokens / best.expected_cost) / (current.expected_tokens / current.expected_cost)
+            if gain < 1 + self.cfg.margin:
+                best = current
+        return best
+
+    def _governor_probe(self, b: int, ln: _Lanes, behind: np.ndarray | None) -> Decision:
+        """The governor's probe while off: everyone at the best k the model sees (n-gram pays per row: the
+        smallest k is enough to see whether acceptance came back), a subset of lanes when catch-up is dear."""
+        probe_ks = [k for k in self._allowed_ks(b, ln.forced) if k > 0]
+        if self.cfg.cost_shape == "rows":
+            probe_ks = probe_ks[:1]
+        forced_all = [self._evaluate(k, ln.alpha, ln.auto, ln.forced, ln.room, b, ln.threshold, force_all=True)
+                      for k in probe_ks]
+        forced_all = [d for d in forced_all if d is not None and d.num_draft[ln.auto].any()]
+        if not forced_all:
+            return self._decision(ln.forced, ln.auto, "off")
+        p = max(forced_all, key=lambda d: d.expected_tokens / d.expected_cost)
+        lanes = self._probe_lanes(b, ln.auto & (p.num_draft > 0), behind)
+        return self._decision(np.where(ln.auto & ~lanes, 0, p.num_draft), ln.auto, "probe", p.expected_tokens,
+                              p.expected_cost, probing=lanes)
+
+    def _due(self, accs: list[RequestAcceptance], nd: np.ndarray, ln: _Lanes, speculating: bool) -> np.ndarray:
+        """Requests whose per-request probe is due (idle for their interval); none under the latency objective
+        within epsilon's spacing of the last probe while nobody speculates."""
+        cfg = self.cfg
+        probe_max = self._probe_max()
         for a in accs:
             a.probe_interval = min(max(a.probe_interval, cfg.probe_every), probe_max)
-        due = np.array([a.idle_steps >= a.probe_interval for a in accs]) & auto & (nd == 0) & (room > 0)
-        speculating = bool(nd[auto].any())
+        due = np.array([a.idle_steps >= a.probe_interval for a in accs]) & ln.auto & (nd == 0) & (ln.room > 0)
         self._since_probe = 0 if speculating else self._since_probe + 1
         # The latency objective also keeps them to epsilon of the steps while on (each may exceed the budget).
         limited = cfg.objective == "latency" and self._since_probe < cfg.governor.probe_every
         if not speculating and limited:
             due[:] = False
+        return due
+
+    def _probe_max(self) -> int:
+        return self.cfg.probe_max or (16 if self.cfg.cost_shape == "rows" else 64)
+
+    def _with_probes(self, accs: list[RequestAcceptance], best: Decision, b: int, ln: _Lanes,
+                     behind: np.ndarray | None) -> Decision:
+        """The model's choice plus per-request probes: a request that has not drafted for a while drafts so its
+        acceptance estimate can recover; failed probes back off (probe_every doubling to probe_max). Inside a
+        speculating step that is a few more verify rows (the draft loop runs anyway). When nobody speculates it
+        is a whole speculative step and a catch-up: the governor judges such steps, and once off it rate-limits
+        them to epsilon."""
+        nd, auto = best.num_draft, ln.auto
+        speculating = bool(nd[auto].any())
+        due = self._due(accs, nd, ln, speculating)
         if due.any() and not speculating:  # a whole probe step: a subset of lanes speaks for the others
             lanes = self._probe_lanes(b, due, behind)
             for i in np.flatnonzero(due & ~lanes):  # covered by this probe: backed off as after a failed one
                 accs[i].idle_steps = 0  # (were it to pay, the acceptance it measures moves theirs too)
-                accs[i].probe_interval = min(2 * accs[i].probe_interval, probe_max)
+                accs[i].probe_interval = min(2 * accs[i].probe_interval, self._probe_max())
             due = lanes
         probing = np.zeros(b, dtype=bool)
-        k1 = self._probe_k(b, forced, due, alpha, auto, room, threshold) if due.any() else 0
+        k1 = self._probe_k(b, ln.forced, due, ln.alpha, auto, ln.room, ln.threshold) if due.any() else 0
         if due.any() and k1:
             self._since_probe = 0
             probing = due
             nd = np.where(due, min(k1, best.k) if speculating else k1, nd)
-        nd = np.minimum(nd, np.where(auto, room, nd))
+        nd = np.minimum(nd, np.where(auto, ln.room, nd))
         reason = "probe" if probing.any() and not speculating else "model"
         return self._decision(nd, auto, reason, best.expected_tokens, best.expected_cost, probing)
 
