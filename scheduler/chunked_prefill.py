@@ -42,13 +42,11 @@ class ChunkedPrefill:
         admitting = bool(self.waiting) and len(self.running) + len(self.prefilling) < self.config.max_batch_size
         for i, req in enumerate(self.prefilling):
             share = left / 2 if admitting or i + 1 < len(self.prefilling) else left
-            q = self.pacer.chunk(share, req.num_computed, len(req.token_ids) - req.num_computed,
-                                 None if chunks else floor)
-            if q <= 0 or not self.allocator.can_fit(req.page_table, self._chunk_need(req, q)):
-                continue
-            self.allocator.ensure(req.page_table, self._chunk_need(req, q))
-            chunks.append((req, q))
-            left -= self.pacer.chunk_cost(q, req.num_computed)
+            # The floor is for a prompt nothing waits behind: with a prompt waiting, a long prompt late in its
+            # chunks took the floor's read and tokens past the whole room, so the waiting one got none, stayed
+            # waiting, and kept the long one at half shares (a 64-token prompt's TTFT ~35 s beside a 4,000-token
+            # prompt, SmolLM2 on CPU). The waiting prompt gets the floor instead; the long one goes on next step.
+            left -= self._take_chunk(req, share, None if chunks or admitting else floor, chunks)
         owed = sum(max(0, self.allocator.pages_for(self._chunk_need(r, len(r.token_ids) - r.num_computed))
                        - len(r.page_table)) for r in self.prefilling)
         while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_batch_size:
@@ -68,7 +66,18 @@ class ChunkedPrefill:
             self.prefilling.append(req)
             chunks.append((req, q))
             left -= self.pacer.chunk_cost(q, req.num_computed)
+        if not chunks and self.prefilling:  # the waiting prompt could not start after all: the oldest goes on
+            self._take_chunk(self.prefilling[0], left, floor, chunks)
         return chunks
+
+    def _take_chunk(self, req: Request, share: float, floor: float | None, chunks: list[tuple[Request, int]]) -> float:
+        """Append the chunk of a prompt part-way through that fits `share` (or `floor`) and its pages; its cost."""
+        q = self.pacer.chunk(share, req.num_computed, len(req.token_ids) - req.num_computed, floor)
+        if q <= 0 or not self.allocator.can_fit(req.page_table, self._chunk_need(req, q)):
+            return 0.0
+        self.allocator.ensure(req.page_table, self._chunk_need(req, q))
+        chunks.append((req, q))
+        return self.pacer.chunk_cost(q, req.num_computed)
 
     def _plain_decode_s(self) -> float | None:
         """The running batch's plain decode step as the policy last timed it (None: not yet): what the streams'

@@ -209,6 +209,50 @@ def test_mixed_steps_cost_the_multiple_of_the_streams_decode_step_when_the_fit_i
     assert all(0.95 * target <= c <= target * (1 + 1e-9) for c in costs[12:-1]), costs  # the last: what was left
 
 
+class ReadSim(SimStepEngine):
+    """Mixed steps cost the batch's decode step plus READ_MODEL's cost of each prompt chunk: a chunk pays for
+    reading its context whatever its size (the start-up fit and the live one agree on it)."""
+
+    def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
+        chunks = zip(seqs[num_decode:], q_lens[num_decode:])
+        self.clock.now += self.scenario.cost(num_decode, None, False, 0) + sum(
+            READ_MODEL.chunk_cost(q, s.num_computed) for s, q in chunks)
+        return torch.ones(len(seqs), dtype=torch.long)
+
+
+READ_MODEL = StepCostModel(fixed=0.02, per_token=1e-3, per_context=1e-4)
+
+
+def test_a_short_prompt_behind_a_long_one_late_in_its_chunks_starts_at_once():
+    """Late in a long prompt its context read alone costs more than half a step's room. A short prompt arriving
+    then takes the next step (with the floor a step's first chunk gets); before, the long prompt took the floor
+    (its read and tokens past the whole room), the short one got nothing and waited for the long one's end."""
+    clock = SimClock()
+    decode = lambda b, nd, refill, tokens: 0.05 + 0.001 * b  # noqa: E731
+    engine = ReadSim(Scenario(cost=decode, alpha=lambda rid, n: 0.0), clock, None)
+    budget = choose_budget(READ_MODEL, decode(1, None, False, 0), 3.0, 4096)
+    core = EngineCore(engine, PageAllocator(8192, 16), SchedulerConfig(max_batch_size=8, prefill_budget=budget,
+                                                                       max_model_len=100_000), clock=clock)
+    params = SamplingParams(temperature=1.0, max_tokens=10_000, ignore_eos=True)
+    for i in range(4):
+        core.add_request(Request(f"s{i}", [1] * 30, params, seed=i))
+    long = Request("long", [1] * 4000, SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True), seed=9)
+    core.add_request(long)
+    while long.num_computed < 1500:
+        core.step()
+    short = Request("short", [1] * 20, SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True), seed=8)
+    core.add_request(short)
+    steps = 0
+    while short.num_output_tokens == 0 and steps < 5:
+        core.step()
+        steps += 1
+    assert short.num_output_tokens == 1 and steps <= 2, steps
+    assert long.num_output_tokens == 0  # the long one goes on after it
+    while long.num_output_tokens == 0:
+        core.step()
+    core.check_integrity()
+
+
 class TimedEngine:
     """A step engine whose steps advance a virtual clock by known costs (prefill: MODEL; decode: 0.08 s), the
     first call of each shape paying extra (a cold start the medians must outlast); it records the shapes it
