@@ -9,8 +9,10 @@ A mode is `--cpu-linear[/--batch-invariant]`: auto/off is the per-row kernel pla
 A step here is `StepEngine.decode_context` + `run_decode` + reading the outputs back: batch building, the target
 forward, logits, sampling / rejection sampling and the host sync, exactly what `EngineCore` runs per step.
 Verify steps get k random draft tokens (their acceptance does not change the cost). Also prints the plain step
-against the memory-bandwidth floor (weight bytes / --bandwidth) and, with the target's shipped MTP head, one
-draft-loop iteration of it (head forward + logits + draw, per draft token) against the plain step.
+against the memory-bandwidth floor (weight bytes / this host's read bandwidth, measured at the start unless
+--bandwidth is given: hosts of this kind read 17-31 GB/s with 2 threads, so a fixed figure misplaces it) and,
+with the target's shipped MTP head, one draft-loop iteration of it (head forward + logits + draw, per draft
+token) against the plain step.
 """
 
 from __future__ import annotations
@@ -30,6 +32,19 @@ from specstep.engine.model_source import default_draft, default_target, resolve_
 from specstep.engine.sampling_params import SamplingParams
 from specstep.scheduler.build import build_engine
 from specstep.scheduler.request import Request
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s of one pass over a `gib` GiB float32 tensor (`x.sum()`, as CPU_NOTES.md measures it), the median of
+    `repeats` (the first pass faults the pages in, so it is not counted)."""
+    x = torch.ones(int(gib * (1 << 30)) // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times) / 1e9
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -95,7 +110,8 @@ def main() -> None:
     ap.add_argument("--modes", default="auto/off,auto/on",
                     help="--cpu-linear[/--batch-invariant on|off] settings to compare")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--bandwidth", type=float, default=31.0, help="GB/s for the floor (CPU_NOTES.md: 2 threads)")
+    ap.add_argument("--bandwidth", type=float, default=None,
+                    help="GB/s for the floor (default: measured here, `read_bandwidth`)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     model = str(resolve_model(args.model or default_target().reference))
@@ -119,7 +135,9 @@ def main() -> None:
 
         timers = {m: timer(m, "ngram") for m in modes}
         mtp = timer(modes[-1], "mtp") if head is not None else None
-        floor_s = weight_bytes(timers[modes[0]].engine.target) / (args.bandwidth * 1e9)
+        if "bandwidth_gb_s" not in results:  # once the engines set torch's threads
+            results["bandwidth_gb_s"] = args.bandwidth or read_bandwidth()
+        floor_s = weight_bytes(timers[modes[0]].engine.target) / (results["bandwidth_gb_s"] * 1e9)
         samples: dict = {m: {"decode": [], "verify": [], "draft": []} for m in modes}
         for t in timers.values():
             t.step(0), t.step(args.k)  # warm-up
@@ -147,7 +165,7 @@ def main() -> None:
     results["load_average"]["after"] = os.getloadavg()
     load = ", ".join(f"{k} {v[0]:.1f}" for k, v in results["load_average"].items())
     table(f"step costs, k={args.k} (verify = k + 1 tokens per request), medians of {args.reps} ({machine()}; "
-          f"load average {load})",
+          f"load average {load}; floor at {results['bandwidth_gb_s']:.1f} GB/s)",
           ["kernels", "batch", "decode ms", "verify ms", "verify/decode", "% of floor", "MTP draft/decode"],
           rows)
     if args.json:
