@@ -5,7 +5,6 @@
     buckets.py      bucket choice under a graph-memory budget
     cuda_graph.py   CUDA graphs (one shared pool)
     cpu_standin.py  the CPU stand-in that checks the contract
-    steps.py        graph-safe layouts and reference step functions
 """
 
 from specstep.cuda_graphs.contract import BufferSpec, GraphContractError, GraphKey, StepKind

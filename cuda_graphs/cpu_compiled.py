@@ -30,19 +30,24 @@ from specstep.cuda_graphs.contract import GraphContractError, GraphKey, StepFn
 log = logging.getLogger("specstep.graphs")
 
 
-def cache_dir() -> Path:
+def specstep_cache_root() -> Path:
+    """The root `engine.model_source.cache_root` names, restated because `cuda_graphs` imports nothing from the
+    engine (tests/test_import_direction.py, which also keeps the two equal); a caller that knows the root passes
+    it to `CompiledBackend` instead."""
+    return Path(os.environ.get("SPECSTEP_CACHE") or Path.home() / ".cache" / "specstep")
+
+
+def cache_dir(root: Path) -> Path:
     """Inductor's caches, per host: generated C++ is built for this CPU (its ISA) and this torch."""
-    from specstep.engine.model_source import cache_root
-
-    return cache_root() / f"inductor-{torch.__version__}-{platform.machine()}-{os.cpu_count()}"
+    return root / f"inductor-{torch.__version__}-{platform.machine()}-{os.cpu_count()}"
 
 
-def _configure() -> None:
+def _configure(cache: Path) -> None:
     """Inductor settings the compiled steps rely on (process-wide: inductor has no per-compile scope for these)."""
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir())  # read by inductor at each compile
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # read by inductor at each compile
     inductor_config.fx_graph_cache = True
     # One entry per code object (see the module docstring); a replay never recompiles (`fail_on_recompile`).
     dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)
@@ -104,8 +109,9 @@ class CompiledBackend:
 
     name = "cpu-inductor"
 
-    def __init__(self) -> None:
-        _configure()
+    def __init__(self, cache_root: Path | None = None) -> None:
+        self.cache_dir = cache_dir(cache_root or specstep_cache_root())
+        _configure(self.cache_dir)
         self.compiled = 0
         self.cached = 0  # compiled steps whose kernels came from the FX graph cache on disk
         self.failed: list[GraphKey] = []
@@ -136,5 +142,5 @@ class CompiledBackend:
         return graph
 
     def describe(self) -> str:
-        text = f"inductor C++, {self.cached} of {self.compiled} from the disk cache {cache_dir()}"
+        text = f"inductor C++, {self.cached} of {self.compiled} from the disk cache {self.cache_dir}"
         return text + (f"; {len(self.failed)} failed to compile, eager" if self.failed else "")

@@ -45,6 +45,25 @@ class BatchLayout:
         return self.token_req.shape[0]
 
 
+def uniform_layout(page_table: torch.Tensor, q: int, page_size: int,
+                   q_lens: torch.Tensor | None = None) -> BatchLayout:
+    """The layout of q tokens in every lane, built on the device with `arange` (nothing copied from the host),
+    so a captured graph can build it from its static page table; `q_lens` [B] (<= q) masks a lane's unused tail
+    queries (ragged verify: the rows stay, the mask hides them).
+
+        lanes = 2, q = 3     flat token t = 0 1 2 | 3 4 5
+        token_req    = t // q        0 0 0 | 1 1 1
+        token_offset = t % q         0 1 2 | 0 1 2
+        q_index      = t.view(B, q)  [[0 1 2] [3 4 5]]        out_index = t
+    """
+    b = page_table.shape[0]
+    t = torch.arange(b * q, device=page_table.device)
+    if q_lens is None:
+        q_lens = torch.full((b,), q, dtype=torch.long, device=page_table.device)
+    return BatchLayout(q_lens=q_lens, token_req=t // q, token_offset=t % q, q_index=t.view(b, q), out_index=t,
+                       page_table=page_table, page_size=page_size, dense=True)
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """What a paged-attention forward needs, derived on the device from `start` (see the module docstring).

@@ -30,7 +30,7 @@ import torch
 
 from specstep.cuda_graphs.buckets import width_for
 from specstep.cuda_graphs.contract import BufferSpec, GraphKey, StepKind
-from specstep.cuda_graphs.steps import uniform_layout
+from specstep.engine.forward_batch import uniform_layout
 from specstep.engine.kv_cache import DUMMY_PAGE
 from specstep.engine.sampling_params import SamplingFlags, SamplingTensors
 from specstep.engine.step_context import DecodeContext

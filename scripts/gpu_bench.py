@@ -150,7 +150,7 @@ class FlashInferRoute:
 
     def kind(self, name: str, pool, inputs, q: int):
         from specstep.cuda_graphs import StepKind
-        from specstep.cuda_graphs.steps import target_step
+        from tests.graph_reference_steps import target_step
 
         step = target_step(self.target, pool, slot=name)
 
@@ -172,9 +172,9 @@ def bench_shape(bench: Bench, name: str, buckets: list[int], fi_enabled: bool, r
 
     torch = bench.torch
     from specstep.cuda_graphs import StepKind
-    from specstep.cuda_graphs.steps import mtp_draft_step, mtp_inputs, mtp_refill_step, target_inputs, target_step
     from specstep.engine.config import ModelConfig
     from specstep.engine.kv_cache import KVPool
+    from tests.graph_reference_steps import mtp_draft_step, mtp_inputs, mtp_refill_step, target_inputs, target_step
 
     args = bench.args
     cfg = ModelConfig(architecture="llama", max_position_embeddings=2048, rope_theta=500000.0, **SHAPES[name])
@@ -208,8 +208,8 @@ def bench_shape(bench: Bench, name: str, buckets: list[int], fi_enabled: bool, r
 def _measure_flashinfer(bench: Bench, name, cfg, target, pool, buckets, max_pages, result) -> None:
     """fi_decode / fi_verify in a GraphRunner of their own: a failure (not installed, a kernel that would need
     compiling, a capture error) is recorded, and the torch figures already measured stay."""
-    from specstep.cuda_graphs.steps import target_inputs
     from specstep.engine.errors import ConfigError
+    from tests.graph_reference_steps import target_inputs
 
     try:
         route = FlashInferRoute(bench, cfg, target, max_pages)

@@ -11,20 +11,19 @@ import torch
 
 from specstep.cuda_graphs import GraphConfig, GraphContractError, GraphKey, GraphRunner, StepKind
 from specstep.cuda_graphs.buckets import bucket_for, default_buckets, plan_buckets
-from specstep.cuda_graphs.steps import (
+from specstep.engine.batch_builder import build_forward_batch, build_layout
+from specstep.engine.forward_batch import ForwardBatch, uniform_layout
+from specstep.engine.kv_cache import DUMMY_PAGE, KVPool
+from specstep.engine.model_loader import load_model
+from specstep.engine.models.mtp_head import MTPHead
+from tests.graph_reference_steps import (
     draft_model_step,
     mtp_draft_step,
     mtp_inputs,
     mtp_refill_step,
     target_inputs,
     target_step,
-    uniform_layout,
 )
-from specstep.engine.batch_builder import build_forward_batch, build_layout
-from specstep.engine.forward_batch import ForwardBatch
-from specstep.engine.kv_cache import DUMMY_PAGE, KVPool
-from specstep.engine.model_loader import load_model
-from specstep.engine.models.mtp_head import MTPHead
 from tests.helpers import make_checkpoint
 
 PAGE, MAX_PAGES, NUM_PAGES = 4, 6, 40

@@ -1,16 +1,12 @@
-"""Graph-safe layouts and reference step functions (target decode/verify, draft loops, MTP refill).
+"""Reference step functions over the graph contract: the target's decode/verify, a draft model's and an MTP
+head's greedy draft loops, the MTP refill, with their input specs.
 
-These are the step shapes the engine captures, written against the contract in `contract.py`; the tests and
-`scripts/gpu_bench.py` capture them, and StepEngine's own steps (with sampling and acceptance) follow the same
-pattern.
-
-A graph replays a fixed shape, so every lane feeds the same q tokens and the layout is a pure function of
-(lanes, q), built on the device with `arange` (nothing copied from the host):
-
-    lanes = 2, q = 3     flat token t = 0 1 2 | 3 4 5
-    token_req  = t // q        0 0 0 | 1 1 1
-    token_offset = t % q       0 1 2 | 0 1 2
-    q_index    = t.view(B, q)  [[0 1 2] [3 4 5]]        out_index = t
+They are the engine's step shapes with nothing else (no sampling, no acceptance, no proposer), so a test can
+check `GraphRunner` (capture, replay, buckets, padding lanes on the dummy page) and `scripts/gpu_bench.py` can time
+a step kind without a `StepEngine` around them. They live with the tests, not in `cuda_graphs`, because they are
+built from the engine's model and KV pool and `cuda_graphs` imports nothing from the engine
+(tests/test_import_direction.py); the benchmark imports them from here (it puts the repository root on
+`sys.path`) so the shapes it times are the ones these tests check.
 """
 
 from __future__ import annotations
@@ -20,23 +16,12 @@ from collections.abc import Mapping
 import torch
 
 from specstep.cuda_graphs.contract import BufferSpec, GraphKey, InputSpecs, StepFn
-from specstep.engine.forward_batch import BatchLayout, ForwardBatch
+from specstep.engine.forward_batch import ForwardBatch, uniform_layout
 from specstep.engine.kv_cache import DUMMY_PAGE, KVPool
 from specstep.engine.models.llama import LlamaForCausalLM
 from specstep.engine.models.mtp_head import MTPHead
 
 Tensors = Mapping[str, torch.Tensor]
-
-
-def uniform_layout(page_table: torch.Tensor, q: int, page_size: int,
-                   q_lens: torch.Tensor | None = None) -> BatchLayout:
-    """Layout of q tokens per lane; `q_lens` [B] (<= q) masks a lane's unused tail queries (ragged verify)."""
-    b = page_table.shape[0]
-    t = torch.arange(b * q, device=page_table.device)
-    if q_lens is None:
-        q_lens = torch.full((b,), q, dtype=torch.long, device=page_table.device)
-    return BatchLayout(q_lens=q_lens, token_req=t // q, token_offset=t % q, q_index=t.view(b, q), out_index=t,
-                       page_table=page_table, page_size=page_size, dense=True)
 
 
 def target_inputs(max_pages: int) -> InputSpecs:
