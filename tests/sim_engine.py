@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specstep.engine.parallel.group import SINGLE, TPGroup
 from specstep.engine.sampling_params import SamplingParams
 from specstep.engine.step_engine import StepOutput
 from specstep.engine.stream import DeviceStream, StepHandle, ThreadStream
@@ -111,9 +112,18 @@ class SimStepEngine:
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
 
+    tp: TPGroup = SINGLE
+
     @property
     def has_draft_model(self) -> bool:
         return self.proposer is not None and self.proposer.has_model
+
+    def can_chain(self, num_draft: np.ndarray) -> bool:
+        # As the real engine: a host proposer (n-gram) needs the previous step's tokens on the host to draft.
+        return self.proposer is None or self.proposer.has_model or not np.asarray(num_draft).any()
+
+    def close(self, failed: bool = False) -> None:
+        pass
 
     def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
         n = sum(q_lens) if q_lens is not None else sum(len(s.token_ids) - s.num_computed for s in seqs)

@@ -83,13 +83,13 @@ def test_a_draft_with_a_shorter_context_stops_drafting_past_it(tmp_path):
     spec = make_core(target, page_size=4, spec="draft_model", draft=str(draft), num_spec_tokens=3,
                      spec_policy="fixed", graphs="off")
     assert spec.config.max_model_len == 64 and spec.config.spec_max_len == 32
-    decisions, decide = [], spec._decide
+    decisions, decide = [], spec.scheduler.decide
 
-    def recording(reqs, pending=None, cur=None):
-        d = decide(reqs, pending, cur)
+    def recording(reqs, pending=None, current=None):
+        d = decide(reqs, pending, current)
         decisions.extend(zip([len(r.token_ids) for r in reqs], d.num_draft.tolist()))
         return d
-    spec._decide = recording
+    spec.scheduler.decide = recording
     prompts = [[3] * 24, [5, 9, 11]]
     reqs = run_to_completion(spec, prompts, params)
     assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in run_to_completion(plain, prompts, params)]

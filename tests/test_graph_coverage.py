@@ -71,7 +71,7 @@ def test_a_refill_step_without_drafts_replays_the_smallest_k(tiny_target, tmp_pa
             core.add_request(Request(str(i), list(p), SamplingParams(temperature=0.0, max_tokens=8), seed=i))
         core.step()  # prefill
         nobody = np.zeros(3, np.int64)
-        assert core._reserve_pages(core.running, nobody)
+        assert core.scheduler.reserve_pages(core.running, nobody)
         ctx = core.engine.plan_decode(core.running, nobody, refill=True)
         assert (ctx.graph, ctx.k, ctx.graph_kind) == ((True, 1, "greedy") if graphs == "on" else (False, 0, None))
         accepted, rows = core.engine.run_decode(ctx).read()

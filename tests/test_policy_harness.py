@@ -96,7 +96,10 @@ def test_load_change_halfway_keeps_speculating(proposer, overlap):
     plain, ada, fix = run_all(scenario, proposer, [(0, f"r{i}", None) for i in range(4)], 600, overlap=overlap)
     check_floor(plain, ada, max_switches=40)
     assert ada.throughput / plain.throughput > 1.4  # seed-sensitive: 1.42-1.61 over seeds 0-4 (n-gram)
-    assert ada.speculating(0.6) > 0.9, "speculation stopped after the load changed"
+    # Up to the last tenth of the steps: there the requests end (max_tokens leaves no room to draft, and each
+    # finished request moves the batch to a bucket measured afresh), which takes a few more steps when n-gram's
+    # plain steps chain on the overlap path.
+    assert ada.speculating(0.6, 0.9) > 0.9, "speculation stopped after the load changed"
 
 
 def test_bucket_change_turns_speculation_off_where_it_loses(overlap):

@@ -21,7 +21,7 @@ def run(core, prompts, params, policy):
 
     def complete(inf):
         out = orig(inf)
-        if inf.decision.refill:
+        if inf.plan.decision.refill:
             carried.append(core.engine.proposer.carried_logits[:len(prompts)].clone())
         return out
     core._complete = complete

@@ -311,6 +311,6 @@ def test_a_chained_step_counts_the_token_in_flight_against_max_tokens(tiny_targe
     core = make_core(tiny_target, spec="draft_model", draft=str(tiny_draft), num_spec_tokens=3, spec_policy="fixed")
     req = Request("r", [5, 9, 11], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), seed=1)
     req.token_ids += [7, 7, 7]  # three of five output tokens
-    assert core._decide([req]).num_draft.tolist() == [1]
-    assert core._decide([req], pending=np.array([4])).num_draft.tolist() == [0]
+    assert core.scheduler.decide([req]).num_draft.tolist() == [1]
+    assert core.scheduler.decide([req], pending=np.array([4])).num_draft.tolist() == [0]
     core.stream.close()

@@ -1,0 +1,400 @@
+"""The scheduler: request queues, admission, page reservation, preemption by recompute and stop conditions.
+`schedule()` returns the next step as a frozen `StepPlan`; the engine core (`scheduler/engine_core.py`)
+launches it and hands the step's results back through `launched` and `finish_*`. It never calls the step
+engine: what it must know of it comes in `ModelFacts`.
+
+Pages: every running request's page table holds every position its next step may write (the allocator's
+`step_tokens`); a step that cannot get its pages runs without speculation, else the newest work is preempted
+(its KV dropped, its tokens kept, re-prefilled when readmitted).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from specstep.engine.errors import InvalidRequestError
+from specstep.scheduler.chunked_prefill import ChunkPlanner
+from specstep.scheduler.draft_lanes import draft_lag, draft_room, stale_lanes
+from specstep.scheduler.page_allocator import PageAllocator
+from specstep.scheduler.prefill_budget import PrefillBudget
+from specstep.scheduler.prefill_pacer import PrefillPacer
+from specstep.scheduler.request import FinishReason, Request, Status
+from specstep.scheduler.spec_decision import Decision
+from specstep.scheduler.spec_policy import AdaptivePolicy
+from specstep.scheduler.step_plan import StepKind, StepPlan
+from specstep.scheduler.stopping import RequestOutput, append_tokens
+from specstep.traces.tracer import NULL_TRACER, Tracer
+
+log = logging.getLogger("specstep.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_batch_size: int = 64
+    max_prefill_tokens: int = 4096
+    prefill_budget: PrefillBudget | None = None  # chunked prefill mixed with decoding (None: whole-prompt steps)
+    num_spec_tokens: int = 0  # k for every request unless overridden (0 = speculation off)
+    max_model_len: int = 2048
+    spec_max_len: int | None = None  # the draft's own context limit: requests past it stop speculating
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What scheduling needs to know of the step engine."""
+
+    vocab_size: int
+    has_proposer: bool
+    has_draft_model: bool  # the proposer keeps a KV of its own (a draft model or a head): it can fall behind
+    draft_shift: int  # tokens a skipped prompt leaves the draft at (a head never consumes t[0]: 1)
+    lookahead: int  # positions the proposer writes past the verify window
+
+    @classmethod
+    def of(cls, engine) -> ModelFacts:
+        p = engine.proposer
+        return cls(engine.vocab_size, p is not None, engine.has_draft_model,
+                   p.shift if engine.has_draft_model else 0, p.kv_lookahead if p is not None else 0)
+
+
+class Scheduler:
+    def __init__(self, facts: ModelFacts, allocator: PageAllocator, config: SchedulerConfig, policy: AdaptivePolicy,
+                 eos_token_ids: tuple[int, ...] = (), tracer: Tracer = NULL_TRACER) -> None:
+        self.facts = facts
+        self.allocator = allocator
+        self.config = config
+        self.policy = policy
+        self.tracer = tracer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.prefilling: list[Request] = []  # chunked prefill: admitted, prompt part-way through (oldest first)
+        self.requests: dict[str, Request] = {}
+        self.free_slots = list(range(config.max_batch_size - 1, -1, -1))
+        self._inflight_count: dict[int, int] = {}  # id(request) -> launched steps not yet finished that include it
+        self._pending_release: list[Request] = []  # finished, but a step in flight still includes them
+        self.pacer = PrefillPacer(config.prefill_budget) if config.prefill_budget else None
+        self.chunks = ChunkPlanner(allocator, self.pacer, config.max_batch_size, self.step_tokens) \
+            if self.pacer else None
+        self.last_decision: Decision | None = None  # the latest launched decode step's, as it ran
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {req.request_id!r}")
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.facts.vocab_size
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if n + 1 > self.config.max_model_len:
+            limit = self.config.max_model_len - 1
+            raise InvalidRequestError(f"prompt has {n} tokens; the model allows at most {limit}")
+        if n > self.allocator.max_prompt_tokens(self.facts.lookahead):
+            raise InvalidRequestError(f"prompt of {n} tokens does not fit the KV cache")
+        req.params.validate(vocab)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        if req.status == Status.WAITING:
+            self.waiting.remove(req)
+        self._finish(req, FinishReason.ABORT)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.prefilling)
+
+    def page_tables(self) -> list[list[int]]:
+        return [r.page_table for r in (*self.running, *self.prefilling, *self._pending_release)]
+
+    def step_tokens(self, num_tokens: int, num_draft: int = 0) -> int:
+        return self.allocator.step_tokens(num_tokens, num_draft, self.facts.lookahead)
+
+    # ---- plans ---------------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """The next step when none is in flight: prompts first (whole, or chunks beside the decode rows), else
+        the running batch's decode step."""
+        if self.chunks is not None:
+            plan = self._schedule_mixed()
+            if plan is not None:
+                return plan
+            if self.prefilling and not self.running:  # cannot happen by the admission rule; never spin
+                log.warning("no prefill chunk fits the KV cache; preempting %s", self.prefilling[-1].request_id)
+                self._preempt(self.prefilling[-1])
+                return StepPlan(StepKind.NONE)
+        else:
+            admitted = self._admit()
+            if admitted:
+                # While speculation is off the proposer skips the prompt too (it catches up if speculation
+                # resumes): "off" costs what plain decoding costs, prefill included.
+                with_proposer = self.policy.proposer_current
+                return StepPlan(StepKind.PREFILL, prompts=tuple((r, len(r.token_ids)) for r in admitted),
+                                with_proposer=(with_proposer,) * len(admitted))
+        if not self.running:
+            return StepPlan(StepKind.NONE)
+        return self._schedule_decode()
+
+    def wants_admission(self) -> bool:
+        """A prompt could start now: the engine core drains instead of chaining another decode step."""
+        if self.prefilling:
+            return True
+        if not self.waiting or len(self.running) >= self.config.max_batch_size:
+            return False
+        req = self.waiting[0]
+        return self.allocator.can_fit(req.page_table, self.step_tokens(len(req.token_ids)))
+
+    def _admit_one(self, req: Request, status: Status) -> None:
+        self.waiting.remove(req)
+        req.slot = self.free_slots.pop()
+        req.status = status
+        if status == Status.PREFILLING:
+            req.prefill_with_proposer = self.policy.proposer_current  # fixed for all of its chunks
+            self.prefilling.append(req)
+
+    def _admit(self) -> list[Request]:
+        batch: list[Request] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(batch) < self.config.max_batch_size:
+            req = self.waiting[0]
+            n = len(req.token_ids)
+            if batch and tokens + n > self.config.max_prefill_tokens:
+                break
+            if not self.allocator.can_fit(req.page_table, self.step_tokens(n)):
+                break
+            self.allocator.ensure(req.page_table, self.step_tokens(n))
+            self._admit_one(req, Status.RUNNING)
+            batch.append(req)
+            tokens += n
+        return batch
+
+    def _schedule_mixed(self) -> StepPlan | None:
+        """A mixed step, or None if no prompt chunk runs (decode alone: its own reservation preempts as needed)."""
+        if not self.reserve_pages(self.running, np.zeros(len(self.running), np.int64)):
+            return None
+        decode_s = self.plain_decode_s()
+        chunks = self.chunks.plan(len(self.running), self.prefilling, self.waiting, decode_s,
+                                  lambda r: self._admit_one(r, Status.PREFILLING))
+        if not chunks:
+            return None
+        return StepPlan(StepKind.MIXED, decode=tuple(self.running), prompts=tuple(chunks),
+                        with_proposer=tuple(r.prefill_with_proposer for r, _ in chunks), decode_s=decode_s)
+
+    def plain_decode_s(self) -> float | None:
+        """The running batch's plain decode step as the policy last timed it (None: not yet): what the streams'
+        gaps are measured against."""
+        b = len(self.running)
+        return (self.policy.costs.plain(b, False) or self.policy.costs.plain(b, True)) if b else None
+
+    def _schedule_decode(self) -> StepPlan:
+        """Pages for every running request's next step: without speculation if that is what fits, else preempt
+        the newest requests. A lone request that cannot grow by one token has filled the KV cache: it finishes
+        (`length`, as at the model's length limit) instead of failing the whole engine."""
+        while True:
+            decision = self.decide(self.running)
+            fits = self.reserve_pages(self.running, decision.num_draft)
+            if not fits and decision.num_draft.any():  # speculation off for this step: a decision of its own
+                decision = replace(decision, num_draft=np.zeros_like(decision.num_draft), k=0, probing=None,
+                                   catch_up=None)
+                fits = self.reserve_pages(self.running, decision.num_draft)
+            if fits:
+                return StepPlan(StepKind.DECODE, decode=tuple(self.running), decision=decision,
+                                catch_up=stale_lanes(self.running, decision))
+            self.drop(decision)  # not run: decided again for the batch left after preempting
+            if self.prefilling:  # the newest work: a prompt part-way through its chunks
+                self._preempt(self.prefilling[-1])
+                continue
+            if len(self.running) > 1:
+                self._preempt(self.running[-1])
+                continue
+            req = self.running[0]
+            log.warning("request %s filled the KV cache (%d tokens); finishing it", req.request_id,
+                        len(req.token_ids))
+            self._finish(req, FinishReason.LENGTH)
+            return StepPlan(StepKind.NONE, finished=(RequestOutput(req, [], True),))
+
+    def schedule_chained(self, prev: StepPlan, prev_num_draft: np.ndarray, prev_refilled: np.ndarray,
+                         can_chain) -> StepPlan | None:
+        """Step N+1 for the running requests, planned while step N (`prev`, which drafted `prev_num_draft` and
+        keeps current the drafts of `prev_refilled`) runs: built on N's device outputs, with pages reserved for
+        every draft of N accepted. None if it cannot run as decided (a draft must first catch up on host
+        tokens, `can_chain(num_draft)` says the engine cannot build it blind, or pages would need a
+        preemption): the engine core then drains and plans it with `schedule`, and nothing of the dropped plan
+        was counted."""
+        batch = list(self.running)  # every one of them is in step N (nothing was admitted since)
+        if not batch:
+            return None
+        row = {id(r): i for i, r in enumerate(prev.decode)}
+        src = np.array([row[id(r)] for r in batch], dtype=np.int64)
+        pending = prev_num_draft[src].astype(np.int64) + 1
+        current = {id(r) for r, f in zip(prev.decode, prev_refilled) if f}
+        decision = self.decide(batch, pending, current)
+        lag = draft_lag(batch, pending, current) if self.facts.has_draft_model else None
+        lanes = decision.catch_up if decision.catch_up is not None else np.ones(len(batch), dtype=bool)
+        if ((decision.refill and lag is not None and (lanes & (lag > 0)).any()) or not can_chain(decision.num_draft)
+                or not self.reserve_pages(batch, decision.num_draft, pending)):
+            self.drop(decision)
+            return None
+        refilled = prev_refilled[src] if lag is not None else np.zeros(len(batch), dtype=bool)
+        return StepPlan(StepKind.DECODE, decode=tuple(batch), decision=decision, chain_src=src,
+                        chain_refilled=refilled.copy())
+
+    def decide(self, reqs: list[Request], pending: np.ndarray | None = None, current: set[int] | None = None
+               ) -> Decision:
+        """The policy's k per request, capped by `draft_room`. `pending`, `current`: a chained step's, after
+        the step in flight (see `draft_lanes`)."""
+        b = len(reqs)
+        if not self.facts.has_proposer:
+            return Decision(np.zeros(b, dtype=np.int64), 0, False, 0.0, 0.0, "none")
+        extra = pending if pending is not None else np.zeros(b, dtype=np.int64)
+        max_len = min(self.config.max_model_len, self.config.spec_max_len or self.config.max_model_len)
+        room = draft_room(reqs, extra, max_len, self.step_tokens)
+        lag = draft_lag(reqs, extra, current or set()) if self.facts.has_draft_model else None
+        decision = self.policy.choose([r.acceptance for r in reqs], [r.num_spec_tokens for r in reqs], room, lag)
+        if not self.facts.has_draft_model and decision.refill:
+            decision = replace(decision, refill=False)
+        if self.tracer.recording:
+            self.tracer.instant("spec_decision", batch=b, governor=self.policy.governor_state, **decision.to_log())
+        return decision
+
+    def drop(self, decision: Decision) -> None:
+        """A decision that will not run (its plan was dropped): un-count it, so a probe in it stays due."""
+        self.policy.retract(decision)
+
+    def reserve_pages(self, reqs: list[Request], num_draft: np.ndarray, pending: np.ndarray | None = None) -> bool:
+        """Grow each page table to hold its step's writes: current tokens, what a step in flight may still add
+        (`pending`), k drafts, the bonus token and the proposer's look-ahead. All or nothing."""
+        extra = pending if pending is not None else np.zeros(len(reqs), dtype=np.int64)
+        need = [self.step_tokens(len(r.token_ids) + int(p), int(k)) for r, p, k in zip(reqs, extra, num_draft)]
+        short = sum(max(0, self.allocator.pages_for(n) - len(r.page_table)) for r, n in zip(reqs, need))
+        if short > self.allocator.num_free:
+            return False
+        for r, n in zip(reqs, need):
+            self.allocator.ensure(r.page_table, n)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute later: drop its KV, keep its tokens; it is re-prefilled (prompt + output) when readmitted."""
+        (self.prefilling if req.status == Status.PREFILLING else self.running).remove(req)
+        self._release(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- results -------------------------------------------------------------------------------------------
+    def caught_up(self, stale: list[Request], draft_lens: list[int], seconds: float) -> None:
+        """The drafts of `stale` (at `draft_lens`) consumed the tokens they skipped, in `seconds`."""
+        self.policy.observe_catch_up(sum(len(r.token_ids) - n for r, n in zip(stale, draft_lens)), seconds)
+        for r in stale:
+            r.draft_len = len(r.token_ids)
+
+    def launched(self, plan: StepPlan, num_draft: np.ndarray) -> np.ndarray:
+        """A decode plan was launched, drafting `num_draft` (n-gram may match fewer than decided, a stale draft
+        none): its requests are in flight. Returns the lanes whose draft is current after the step."""
+        d = plan.decision
+        if plan.chain_refilled is not None:
+            refilled = plan.chain_refilled.copy()
+        else:
+            refilled = np.array([r.draft_len >= len(r.token_ids) for r in plan.decode], dtype=bool)
+        refilled &= d.refill and self.facts.has_draft_model
+        # The decision as it runs: what is counted and shown.
+        self.last_decision = replace(d, num_draft=num_draft, k=int(num_draft.max(initial=0)))
+        for r in plan.decode:
+            self._inflight_count[id(r)] = self._inflight_count.get(id(r), 0) + 1
+        return refilled
+
+    def finish_prefill(self, plan: StepPlan, tokens: list[int]) -> list[RequestOutput]:
+        now = time.monotonic()
+        for req, _ in plan.prompts:
+            req.num_computed = len(req.token_ids)
+        return [self._start_decoding(req, tok, w, now) for (req, _), tok, w in zip(plan.prompts, tokens,
+                                                                                     plan.with_proposer)]
+
+    def finish_mixed(self, plan: StepPlan, tokens: list[int], seconds: float) -> list[RequestOutput]:
+        """A mixed step ran in `seconds`: the decode rows got a token each, and a prompt whose last chunk ran
+        starts decoding."""
+        self.pacer.observe([(q, r.num_computed) for r, q in plan.prompts], seconds, plan.decode_s)
+        now = time.monotonic()
+        outputs = []
+        for req, tok in zip(plan.decode, tokens):
+            req.stats.record(0, 0)
+            req.num_computed = len(req.token_ids)
+            outputs.append(self._append(req, [tok]))
+        for (req, q), tok, with_proposer in zip(plan.prompts, tokens[len(plan.decode):], plan.with_proposer):
+            req.num_computed += q
+            if req.num_computed == len(req.token_ids):
+                self.prefilling.remove(req)
+                outputs.append(self._start_decoding(req, tok, with_proposer, now))
+        return outputs
+
+    def finish_decode(self, plan: StepPlan, num_draft: list[int], refilled: np.ndarray, accepted: list[int],
+                      tokens: list[list[int]]) -> list[RequestOutput]:
+        """A decode step's results: `accepted[b]` drafts of lane b and the token after them, `tokens[b]`."""
+        d = plan.decision
+        probing = d.probing if d.probing is not None else np.zeros(len(plan.decode), bool)
+        outputs = []
+        for req, a, row, nd, probe, current in zip(plan.decode, accepted, tokens, num_draft, probing.tolist(),
+                                                   refilled.tolist()):
+            self._inflight_count[id(req)] -= 1
+            if self._inflight_count[id(req)] == 0:
+                del self._inflight_count[id(req)]
+            if req.finished:  # finished in an earlier step or aborted: a wasted lane
+                continue
+            req.stats.record(nd, a)
+            self.policy.observe_request(req.acceptance, nd, a, probe, d.break_even)
+            req.num_computed = len(req.token_ids) + a  # target KV now holds last + a accepted drafts
+            ro = self._append(req, row[: a + 1])
+            ro.num_draft, ro.num_accepted = nd, a
+            outputs.append(ro)
+            if current:
+                req.draft_len = len(req.token_ids)
+        for req in [r for r in self._pending_release if id(r) not in self._inflight_count]:
+            self._pending_release.remove(req)
+            self._release(req)
+        return outputs
+
+    def _start_decoding(self, req: Request, token: int, with_proposer: bool, now: float) -> RequestOutput:
+        """Its prompt is prefilled and `token` sampled after it: the request joins the running batch."""
+        # The draft consumed the prompt and the sampled token, or (skipped) nothing it needs.
+        req.draft_len = len(req.token_ids) + 1 if with_proposer else self.facts.draft_shift
+        req.status = Status.RUNNING
+        self.running.append(req)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        return self._append(req, [token])
+
+    def _append(self, req: Request, new: list[int]) -> RequestOutput:
+        kept, reason = append_tokens(req, new, self.eos_token_ids, self.config.max_model_len)
+        if reason is not None:
+            self._finish(req, reason)
+        return RequestOutput(req, kept, req.finished)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req.status == Status.PREFILLING:
+            self.prefilling.remove(req)
+        if id(req) in self._inflight_count:
+            self._pending_release.append(req)  # a step in flight still writes its pages and slot
+        else:
+            self._release(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.request_id, None)
+
+    def _release(self, req: Request) -> None:
+        self.allocator.free(req.page_table)
+        if req.slot >= 0:
+            self.free_slots.append(req.slot)
+            req.slot = -1
