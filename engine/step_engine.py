@@ -83,7 +83,7 @@ class StepEngine:
         # Tensor parallelism (`engine.parallel.tp_engine`): every rank runs this step on its shard. A draft model
         # lives on the leader only; its drafts and the acceptance it alone can compute are broadcast in the step.
         self.tp = tp
-        self.leader_drafts = tp.world_size > 1 and proposer is not None and proposer.kind == "draft_model"
+        self.leader_drafts = tp.world_size > 1 and proposer is not None and proposer.leader_only
         self.graphs: GraphRunner | None = None  # set by `use_graphs` after the KV pools are sized
         self.graph_widths: tuple[int, ...] = ()  # captured page-table widths, ascending
         self.graph_ks: tuple[int, ...] = ()  # k values graphs were registered for, ascending
@@ -169,33 +169,17 @@ class StepEngine:
                                                                            self.vocab_size)])
             st = SamplingTensors.from_tensors(sampling, params, self.vocab_size)
             tokens = sample(self.target.compute_logits(hidden[last]), st, positions)
-            if self.has_draft_model:
-                use = np.zeros(b, bool)
-                use[num_decode:] = with_proposer[num_decode:] if isinstance(with_proposer, list) else with_proposer
-                self._proposer_prefill(seqs, start, q_lens, final, cu, hidden, tokens, use)
+            if self.proposer is not None:
+                consume = np.zeros(b, bool)
+                consume[num_decode:] = (with_proposer[num_decode:] if isinstance(with_proposer, list)
+                                        else with_proposer)
+                self.proposer.after_prefill(seqs, start, q_lens, final, cu, hidden, tokens, consume)
         return tokens
-
-    def _proposer_prefill(self, seqs, start, q_lens, final, cu, hidden, tokens, use) -> None:
-        """The proposer's part of a prefill or mixed step: rows in `use` consume their chunk; the others keep."""
-        groups = []  # (rows, consume?) with their flat token rows, both sent in one upload
-        for mask, consume in ((use, True), (~use, False)):
-            idx = np.flatnonzero(mask)
-            if len(idx):
-                flat = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in idx])
-                groups.append((idx, consume, flat))
-        dev = self.staging.upload([a for idx, _, flat in groups for a in (flat, idx.astype(np.int64))])
-        for g, (idx, consume, _) in enumerate(groups):
-            flat_dev, idx_dev = dev[2 * g], dev[2 * g + 1]
-            sub = [seqs[i] for i in idx]
-            if consume:
-                self.proposer.prefill(sub, start[idx], q_lens[idx], final[idx], hidden[flat_dev], tokens[idx_dev])
-            else:
-                self.proposer.keep_prefill(sub, start[idx], q_lens[idx], hidden[flat_dev])
 
     @torch.inference_mode()
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
         """Bring a stale proposer up to date with tokens it skipped while its refill was dropped."""
-        assert self.has_draft_model
+        assert self.proposer is not None
         with self.tracer.range(ranges.CATCH_UP, track=DEVICE_TRACK, batch=len(seqs),
                                tokens=sum(len(s.token_ids) - n for s, n in zip(seqs, draft_lens))):
             self.proposer.catch_up(seqs, draft_lens)
@@ -254,15 +238,10 @@ class StepEngine:
                     refill: bool = True) -> DecodeContext:
         num_draft = np.asarray(num_draft, dtype=np.int64).copy()
         if self.proposer is None:
-            num_draft[:] = 0
-        host_drafts = None
-        if self.proposer is not None and not self.proposer.has_model:
-            assert chain is None or self.proposer.can_chain(num_draft), \
-                "host proposers draft from the previous step's tokens on the host: chain only plain steps"
-            host_drafts = self.proposer.propose_host(seqs, int(num_draft.max(initial=0)))
-            num_draft = np.minimum(num_draft, [len(d) for d in host_drafts])
-        if not refill and self.has_draft_model:
-            num_draft[:] = 0  # a stale draft cannot propose
+            return self.decode_context(seqs, np.zeros_like(num_draft), None, chain, refill)
+        # A chained step is built before the previous step's tokens reach the host: its drafts cannot read them.
+        assert chain is None or self.proposer.can_chain(num_draft), "this step cannot be built blind: do not chain it"
+        num_draft, host_drafts = self.proposer.plan_drafts(seqs, num_draft, refill)
         return self.decode_context(seqs, num_draft, host_drafts, chain, refill)
 
     def run_decode(self, ctx: DecodeContext) -> StepOutput:
@@ -310,14 +289,14 @@ class StepEngine:
             lanes = self.graphs.bucket_for(b) if ctx.graph else None
             q = np.full(b, k + 1, np.int64) if ctx.graph else ctx.num_draft + 1
             self.target.attention.plan("verify", q, base + q, ctx.page_tables, lanes)
-            if self.has_draft_model:
+            if self.proposer is not None:
                 self.proposer.plan_attention(ctx, base, q, lanes)
 
     def plan_graph_padding(self, k: int, lanes: int, refill: bool) -> None:
         """Before capturing a decode graph: plan each of its forwards for an all-padding batch, so the graph
         records the attention buffers later plans rewrite in place."""
         self.target.attention.plan_padding("verify", lanes, k + 1)
-        if self.has_draft_model:
+        if self.proposer is not None:
             self.proposer.plan_padding(k, lanes, refill)
 
     def decode_body(self, ctx: DecodeContext, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,15 +306,14 @@ class StepEngine:
         tr = NULL_TRACER if torch.compiler.is_compiling() else self.tracer
         dev = DEVICE_TRACK
         drafts = draft_probs = None
-        if k > 0:
-            if self.proposer.has_model:
-                with tr.range(ranges.DRAFT, track=dev):
-                    drafts, draft_probs = self.proposer.propose(ctx)
-                    if self.leader_drafts:
-                        drafts = self.tp.broadcast(drafts.contiguous())  # the verify batch's drafts, from rank 0
-                grid[:, 1:] = drafts
-            else:
-                drafts = grid[:, 1:]
+        if k > 0 and not self.proposer.drafts_on_host:
+            with tr.range(ranges.DRAFT, track=dev):
+                drafts, draft_probs = self.proposer.propose(ctx)
+                if self.leader_drafts:
+                    drafts = self.tp.broadcast(drafts.contiguous())  # the verify batch's drafts, from rank 0
+            grid[:, 1:] = drafts
+        elif k > 0:
+            drafts = grid[:, 1:]  # written by the host when it built the step
         with tr.range(ranges.VERIFY, track=dev):
             # [last, d1 .. d_num_draft] per request, drafts plugged in on device.
             ids = grid.reshape(-1) if ctx.graph else grid.reshape(-1)[ctx.verify_flat_index()]
@@ -356,9 +334,6 @@ class StepEngine:
                                                      first_pos)
                 if self.leader_drafts:
                     out, accepted = self.tp.broadcast(out.contiguous()), self.tp.broadcast(accepted.contiguous())
-        if self.has_draft_model and ctx.refill:
-            with tr.range(ranges.REFILL, track=dev):
-                self.proposer.refill(ctx, out, accepted, hidden)
-        elif self.has_draft_model:
-            self.proposer.keep(ctx, hidden)
+        if self.proposer is not None:
+            self.proposer.after_verify(ctx, out, accepted, hidden, tr)
         return out, accepted

@@ -23,9 +23,10 @@ from tests.fixtures_models import make_mtp_head
 
 MEMBERS = ({n for n in vars(StepEngineProtocol) if not n.startswith("_")}
            | set(StepEngineProtocol.__annotations__))
-PROPOSER_MEMBERS = ("kind", "has_model", "kv_lookahead", "shift", "pool", "network", "max_context",
-                    "plan_attention", "plan_padding", "prefill", "can_chain", "propose_host", "propose", "refill",
-                    "keep_prefill", "keep", "catch_up", "carried_state")
+PROPOSER_MEMBERS = ("kind", "has_model", "drafts_on_host", "leader_only", "kv_lookahead", "shift", "pool", "network",
+                    "max_context", "plan_attention", "plan_padding", "after_prefill", "prefill", "can_chain",
+                    "plan_drafts", "propose_host", "propose", "after_verify", "refill", "keep_prefill", "keep",
+                    "catch_up", "carried_state")
 
 
 def local_engine(model, **cfg) -> StepEngine:
@@ -75,6 +76,33 @@ def test_proposers_without_a_network_have_the_documented_defaults(make):
     assert (proposer.network, proposer.pool, proposer.shift, proposer.max_context) == (None, None, 0, None)
     assert proposer.plan_attention(None, np.zeros(1, np.int64), np.ones(1, np.int64), None) is None
     assert proposer.plan_padding(2, 4, True) is None
+    # Nothing to consume after a prefill, nothing to refill or keep after a verify: no device work at all.
+    calls = []
+    for name in ("prefill", "keep_prefill", "refill", "keep"):
+        setattr(proposer, name, lambda *a, name=name: calls.append(name))
+    proposer.after_prefill([], np.zeros(1, np.int64), np.ones(1, np.int64), np.ones(1, bool), np.array([0, 1]),
+                           torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), np.ones(1, bool))
+    proposer.after_verify(None, torch.zeros(1, 1), torch.zeros(1), torch.zeros(1, 4), None)
+    assert calls == []
+    # The n-gram proposer drafts on the host and everywhere; the leader's draft model on the device, rank 0 only.
+    assert (proposer.drafts_on_host, proposer.leader_only) == ((True, False) if make == "ngram" else (False, True))
+
+
+class _Seq:
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+
+def test_plan_drafts_caps_each_request_at_what_its_proposer_can_draft(tiny_target, tmp_path):
+    seqs = [_Seq([1, 2, 3, 1, 2, 3, 1]), _Seq([5, 6, 7])]  # a repeat to look up, and none
+    ngram = NgramProposer(torch.device("cpu"))
+    for refill in (True, False):  # no KV of its own: a dropped refill changes nothing
+        num_draft, drafts = ngram.plan_drafts(seqs, np.array([2, 2]), refill)
+        assert num_draft.tolist() == [2, 0] and drafts == [[2, 3], []]
+    head = make_mtp_head(tmp_path / "head", tiny_target)
+    mtp = local_engine(tiny_target, spec="mtp", draft=str(head)).proposer
+    assert [(n.tolist(), d) for n, d in (mtp.plan_drafts(seqs, np.array([2, 1]), r) for r in (True, False))] \
+        == [([2, 1], None), ([0, 0], None)]  # drafts on the device; stale without its refill
 
 
 def test_model_proposers_answer_the_same_members(tiny_target, tiny_draft, tmp_path):

@@ -159,7 +159,7 @@ class LeaderEngine:
                     refill: bool = True) -> DecodeContext:
         ctx = self.local.plan_decode(seqs, num_draft, chain, refill)
         host_drafts = None
-        if ctx.k > 0 and not self.local.proposer.has_model:
+        if ctx.k > 0 and self.local.proposer.drafts_on_host:
             host_drafts = [row[1: 1 + n].tolist() for row, n in zip(ctx.input_grid, ctx.num_draft)]
         chain_rows = None if chain is None else (chain.src, chain.dst)
         # Built now, from the host state this step was planned on; sent when the step runs (job order).
@@ -227,6 +227,7 @@ class LeaderDraft(Proposer):
 
     kind = "draft_model"
     has_model = True
+    leader_only = True
 
     def __init__(self, kv_lookahead: int, device: torch.device) -> None:
         self.kv_lookahead = kv_lookahead  # the leader's draft writes past the verify window: same page widths

@@ -25,6 +25,7 @@ from specstep.engine.random import DRAFT
 from specstep.engine.sampler import processed_probs, sample_from_probs
 from specstep.engine.sampling_params import SamplingTensors
 from specstep.engine.step_context import DecodeContext, SeqState
+from specstep.traces.tracer import Tracer
 
 
 class Proposer(ABC):
@@ -37,6 +38,13 @@ class Proposer(ABC):
     #: model proposers keep a KV cache, need prefill and refill and draft on the device; host proposers (n-gram)
     #: propose on the CPU at build time (`propose_host`)
     has_model: bool = True
+    #: the host writes the drafts into the step's input grid when it builds the step (`plan_drafts`); False: the
+    #: device drafts them inside the step (`propose`). The step engine needs it to know whether drafting is device
+    #: work of the step at all (its trace range, its write of the drafts into the verify input)
+    drafts_on_host: bool = False
+    #: at tensor-parallel size > 1 the proposer runs on the leader only (a draft model: a small model gains nothing
+    #: from the split), so its drafts and the acceptance only it can compute are broadcast inside the step
+    leader_only: bool = False
     #: extra look-ahead tokens past the verify window that the proposer writes into the shared pages
     kv_lookahead: int = 0
     #: positions the draft lags the target by (MTP: it consumes (h[p-1], t[p]) at p - 1; `model_proposer`); a
@@ -64,6 +72,12 @@ class Proposer(ABC):
         """Plan the proposer's forwards for an all-padding batch before graph capture; nothing without a
         network."""
 
+    def after_prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray, final: np.ndarray,
+                      cu: np.ndarray, target_hidden: torch.Tensor, sampled: torch.Tensor, consume: np.ndarray) -> None:
+        """The proposer's part of a target prefill or mixed step over ragged runs (`cu`: their offsets in the
+        flat `target_hidden`): rows in `consume` (bool [B]) consume their chunk (`prefill`), the others keep
+        what a catch-up needs (`keep_prefill`). Nothing without a network."""
+
     def prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray, final: np.ndarray,
                 target_hidden: torch.Tensor, sampled: torch.Tensor) -> None:
         """Consume the target's prefill chunk token_ids[start : start + q_lens] of each request (its hidden
@@ -80,6 +94,13 @@ class Proposer(ABC):
         """Drafts known on the host at build time (n-gram); None for model proposers."""
         return None
 
+    def plan_drafts(self, seqs: list[SeqState], num_draft: np.ndarray, refill: bool
+                    ) -> tuple[np.ndarray, list[list[int]] | None]:
+        """For a step asked to draft num_draft[i] tokens for request i (a refill dropped where `refill` is
+        False): how many each drafts (never more), and the drafts where the host knows them now (`drafts_on_host`),
+        else None (`propose` drafts them on the device). By default: as asked, on the device."""
+        return num_draft, None
+
     def propose(self, ctx: DecodeContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [B, k] and their distributions [B, k, V] (None when every request is greedy)."""
         raise NotImplementedError(f"{self.kind} proposes on the host (propose_host)")
@@ -92,6 +113,12 @@ class Proposer(ABC):
                      target_hidden: torch.Tensor) -> None:
         """A prefill chunk (or a mixed step's decode row) ran without the proposer: keep what `catch_up` will
         need (device only)."""
+
+    def after_verify(self, ctx: DecodeContext, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
+                     target_hidden: torch.Tensor, tracer: Tracer) -> None:
+        """The proposer's part of a decode step after acceptance (device only, graph-capturable): `refill` where
+        the step keeps it current (`ctx.refill`), else `keep`; `tracer` records the refill's range. Nothing
+        without a network."""
 
     def keep(self, ctx: DecodeContext, target_hidden: torch.Tensor) -> None:
         """A step ran without refill: keep what `catch_up` will need and the host will not have (device only)."""

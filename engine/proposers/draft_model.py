@@ -19,6 +19,7 @@ class DraftModelProposer(ModelProposer):
     kind = "draft_model"
     shift = 0
     kv_lookahead = 1  # refill writes the bonus token's KV, one past the verify window
+    leader_only = True
 
     def __init__(self, draft: LlamaForCausalLM, target_vocab: int, pool: KVPool, max_slots: int,
                  device: torch.device, reduced_head: ReducedLMHead | None = None) -> None:

@@ -24,6 +24,9 @@ from specstep.engine.kv_cache import KVPool
 from specstep.engine.proposers.base import Proposer, draw
 from specstep.engine.staging import Staging
 from specstep.engine.step_context import DecodeContext, SeqState
+from specstep.traces import ranges
+from specstep.traces.ranges import DEVICE_TRACK
+from specstep.traces.tracer import Tracer
 
 
 class ModelProposer(Proposer):
@@ -86,6 +89,28 @@ class ModelProposer(Proposer):
         self.carried_hidden[slots] = h
         self.carried_logits[slots] = self.compute_logits(h)
 
+    def after_prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray, final: np.ndarray,
+                      cu: np.ndarray, target_hidden: torch.Tensor, sampled: torch.Tensor, consume: np.ndarray) -> None:
+        groups = []  # (rows, consume?) with their flat token rows, both sent in one upload
+        for mask, eat in ((consume, True), (~consume, False)):
+            idx = np.flatnonzero(mask)
+            if len(idx):
+                flat = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in idx])
+                groups.append((idx, eat, flat))
+        dev = self.staging.upload([a for idx, _, flat in groups for a in (flat, idx.astype(np.int64))])
+        for g, (idx, eat, _) in enumerate(groups):
+            flat_dev, idx_dev = dev[2 * g], dev[2 * g + 1]
+            sub = [seqs[i] for i in idx]
+            if eat:
+                self.prefill(sub, start[idx], q_lens[idx], final[idx], target_hidden[flat_dev], sampled[idx_dev])
+            else:
+                self.keep_prefill(sub, start[idx], q_lens[idx], target_hidden[flat_dev])
+
+    def plan_drafts(self, seqs: list[SeqState], num_draft: np.ndarray, refill: bool
+                    ) -> tuple[np.ndarray, list[list[int]] | None]:
+        # Without the refill the draft's KV and carried logits fall behind the target: a stale draft cannot propose.
+        return (num_draft if refill else np.zeros_like(num_draft)), None
+
     def prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray, final: np.ndarray,
                 target_hidden: torch.Tensor, sampled: torch.Tensor) -> None:
         # The target's chunk [c, c + q), one token to the left for a head (t[p] is consumed at p - shift): a
@@ -129,6 +154,14 @@ class ModelProposer(Proposer):
             probs.append(q)
         draft_probs = None if probs[0] is None else torch.stack(probs, dim=1)
         return torch.stack(drafts, dim=1), draft_probs
+
+    def after_verify(self, ctx: DecodeContext, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
+                     target_hidden: torch.Tensor, tracer: Tracer) -> None:
+        if ctx.refill:
+            with tracer.range(ranges.REFILL, track=DEVICE_TRACK):
+                self.refill(ctx, out_tokens, num_accepted, target_hidden)
+        else:
+            self.keep(ctx, target_hidden)
 
     def refill(self, ctx: DecodeContext, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
                target_hidden: torch.Tensor) -> None:

@@ -30,6 +30,7 @@ def ngram_lookup(tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 4) -> 
 class NgramProposer(Proposer):
     kind = "ngram"
     has_model = False
+    drafts_on_host = True
 
     def __init__(self, device: torch.device, min_n: int = 1, max_n: int = 4) -> None:
         self.device = device
@@ -38,6 +39,12 @@ class NgramProposer(Proposer):
     def can_chain(self, num_draft: np.ndarray) -> bool:
         # The lookup reads each request's latest tokens on the host; a plain step (no drafts) reads none.
         return not np.any(np.asarray(num_draft) > 0)
+
+    def plan_drafts(self, seqs: list[SeqState], num_draft: np.ndarray, refill: bool
+                    ) -> tuple[np.ndarray, list[list[int]]]:
+        # No KV to fall behind: a dropped refill changes nothing. A request drafts what its lookup found.
+        drafts = self.propose_host(seqs, int(num_draft.max(initial=0)))
+        return np.minimum(num_draft, [len(d) for d in drafts]), drafts
 
     def propose_host(self, seqs: list[SeqState], k: int) -> list[list[int]]:
         if k <= 0:  # a plain step (speculation off) must not pay the lookup: 0.1-0.4 ms a request on long contexts
