@@ -81,15 +81,15 @@ class EngineCore:
 
     @property
     def running(self):
-        return self.scheduler.running
+        return self.scheduler.queues.running
 
     @property
     def waiting(self):
-        return self.scheduler.waiting
+        return self.scheduler.queues.waiting
 
     @property
     def prefilling(self):
-        return self.scheduler.prefilling
+        return self.scheduler.queues.prefilling
 
     @property
     def last_decision(self):
@@ -97,7 +97,7 @@ class EngineCore:
 
     @property
     def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
+        return self.scheduler.queues.num_preemptions
 
     @property
     def lookahead(self) -> int:
@@ -114,13 +114,13 @@ class EngineCore:
         return self.scheduler.abort(request_id)
 
     def page_tables(self) -> list[list[int]]:
-        return self.scheduler.page_tables()
+        return self.scheduler.queues.page_tables()
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity(self.page_tables())
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.inflight is not None
+        return self.scheduler.queues.has_unfinished() or self.inflight is not None
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -61,6 +61,15 @@ class PageAllocator:
     def can_fit(self, page_table: list[int], num_tokens: int) -> bool:
         return self.pages_for(num_tokens) - len(page_table) <= len(self._free)
 
+    def reserve(self, page_tables: list[list[int]], num_tokens: list[int]) -> bool:
+        """Grow every table to hold its `num_tokens`, or none of them if the free pages do not cover all."""
+        short = sum(max(0, self.pages_for(n) - len(t)) for t, n in zip(page_tables, num_tokens))
+        if short > len(self._free):
+            return False
+        for t, n in zip(page_tables, num_tokens):
+            self.ensure(t, n)
+        return True
+
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
         pages.clear()

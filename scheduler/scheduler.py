@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -24,6 +23,7 @@ from specstep.scheduler.page_allocator import PageAllocator
 from specstep.scheduler.prefill_budget import PrefillBudget
 from specstep.scheduler.prefill_pacer import PrefillPacer
 from specstep.scheduler.request import FinishReason, Request, Status
+from specstep.scheduler.request_queues import RequestQueues
 from specstep.scheduler.spec_decision import Decision
 from specstep.scheduler.spec_policy import AdaptivePolicy
 from specstep.scheduler.step_plan import StepKind, StepPlan
@@ -60,6 +60,21 @@ class ModelFacts:
                    p.shift if engine.has_draft_model else 0, p.kv_lookahead if p is not None else 0)
 
 
+def check_prompt(req: Request, vocab: int, max_model_len: int, max_prompt_tokens: int) -> None:
+    """A request the engine can run to its first token, or a typed error saying why not."""
+    n = len(req.prompt_token_ids)
+    if n == 0:
+        raise InvalidRequestError("prompt is empty")
+    bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    if n + 1 > max_model_len:
+        raise InvalidRequestError(f"prompt has {n} tokens; the model allows at most {max_model_len - 1}")
+    if n > max_prompt_tokens:
+        raise InvalidRequestError(f"prompt of {n} tokens does not fit the KV cache")
+    req.params.validate(vocab)
+
+
 class Scheduler:
     def __init__(self, facts: ModelFacts, allocator: PageAllocator, config: SchedulerConfig, policy: AdaptivePolicy,
                  eos_token_ids: tuple[int, ...] = (), tracer: Tracer = NULL_TRACER) -> None:
@@ -69,53 +84,26 @@ class Scheduler:
         self.policy = policy
         self.tracer = tracer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.prefilling: list[Request] = []  # chunked prefill: admitted, prompt part-way through (oldest first)
-        self.requests: dict[str, Request] = {}
-        self.free_slots = list(range(config.max_batch_size - 1, -1, -1))
-        self._inflight_count: dict[int, int] = {}  # id(request) -> launched steps not yet finished that include it
-        self._pending_release: list[Request] = []  # finished, but a step in flight still includes them
+        self.queues = RequestQueues(allocator, config.max_batch_size)
         self.pacer = PrefillPacer(config.prefill_budget) if config.prefill_budget else None
         self.chunks = ChunkPlanner(allocator, self.pacer, config.max_batch_size, self.step_tokens) \
             if self.pacer else None
         self.last_decision: Decision | None = None  # the latest launched decode step's, as it ran
-        self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
+        if req.request_id in self.queues.requests:
             raise InvalidRequestError(f"duplicate request id {req.request_id!r}")
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("prompt is empty")
-        vocab = self.facts.vocab_size
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if n + 1 > self.config.max_model_len:
-            limit = self.config.max_model_len - 1
-            raise InvalidRequestError(f"prompt has {n} tokens; the model allows at most {limit}")
-        if n > self.allocator.max_prompt_tokens(self.facts.lookahead):
-            raise InvalidRequestError(f"prompt of {n} tokens does not fit the KV cache")
-        req.params.validate(vocab)
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
+        check_prompt(req, self.facts.vocab_size, self.config.max_model_len,
+                     self.allocator.max_prompt_tokens(self.facts.lookahead))
+        self.queues.add(req)
 
     def abort(self, request_id: str) -> Request | None:
-        req = self.requests.get(request_id)
+        req = self.queues.requests.get(request_id)
         if req is None or req.finished:
             return None
-        if req.status == Status.WAITING:
-            self.waiting.remove(req)
-        self._finish(req, FinishReason.ABORT)
+        self.queues.finish(req, FinishReason.ABORT)
         return req
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling)
-
-    def page_tables(self) -> list[list[int]]:
-        return [r.page_table for r in (*self.running, *self.prefilling, *self._pending_release)]
 
     def step_tokens(self, num_tokens: int, num_draft: int = 0) -> int:
         return self.allocator.step_tokens(num_tokens, num_draft, self.facts.lookahead)
@@ -128,9 +116,9 @@ class Scheduler:
             plan = self._schedule_mixed()
             if plan is not None:
                 return plan
-            if self.prefilling and not self.running:  # cannot happen by the admission rule; never spin
-                log.warning("no prefill chunk fits the KV cache; preempting %s", self.prefilling[-1].request_id)
-                self._preempt(self.prefilling[-1])
+            if self.queues.prefilling and not self.queues.running:  # cannot happen by the admission rule; never spin
+                log.warning("no prefill chunk fits the KV cache; preempting %s", self.queues.prefilling[-1].request_id)
+                self.queues.preempt(self.queues.prefilling[-1])
                 return StepPlan(StepKind.NONE)
         else:
             admitted = self._admit()
@@ -140,59 +128,55 @@ class Scheduler:
                 with_proposer = self.policy.proposer_current
                 return StepPlan(StepKind.PREFILL, prompts=tuple((r, len(r.token_ids)) for r in admitted),
                                 with_proposer=(with_proposer,) * len(admitted))
-        if not self.running:
+        if not self.queues.running:
             return StepPlan(StepKind.NONE)
         return self._schedule_decode()
 
     def wants_admission(self) -> bool:
         """A prompt could start now: the engine core drains instead of chaining another decode step."""
-        if self.prefilling:
+        if self.queues.prefilling:
             return True
-        if not self.waiting or len(self.running) >= self.config.max_batch_size:
+        if not self.queues.waiting or len(self.queues.running) >= self.config.max_batch_size:
             return False
-        req = self.waiting[0]
+        req = self.queues.waiting[0]
         return self.allocator.can_fit(req.page_table, self.step_tokens(len(req.token_ids)))
 
-    def _admit_one(self, req: Request, status: Status) -> None:
-        self.waiting.remove(req)
-        req.slot = self.free_slots.pop()
-        req.status = status
-        if status == Status.PREFILLING:
-            req.prefill_with_proposer = self.policy.proposer_current  # fixed for all of its chunks
-            self.prefilling.append(req)
+    def _admit_chunked(self, req: Request) -> None:
+        req.prefill_with_proposer = self.policy.proposer_current  # fixed for all of its chunks
+        self.queues.admit(req, Status.PREFILLING)
 
     def _admit(self) -> list[Request]:
         batch: list[Request] = []
         tokens = 0
-        while self.waiting and len(self.running) + len(batch) < self.config.max_batch_size:
-            req = self.waiting[0]
+        while self.queues.waiting and len(self.queues.running) + len(batch) < self.config.max_batch_size:
+            req = self.queues.waiting[0]
             n = len(req.token_ids)
             if batch and tokens + n > self.config.max_prefill_tokens:
                 break
             if not self.allocator.can_fit(req.page_table, self.step_tokens(n)):
                 break
             self.allocator.ensure(req.page_table, self.step_tokens(n))
-            self._admit_one(req, Status.RUNNING)
+            self.queues.admit(req, Status.RUNNING)
             batch.append(req)
             tokens += n
         return batch
 
     def _schedule_mixed(self) -> StepPlan | None:
         """A mixed step, or None if no prompt chunk runs (decode alone: its own reservation preempts as needed)."""
-        if not self.reserve_pages(self.running, np.zeros(len(self.running), np.int64)):
+        if not self.reserve_pages(self.queues.running, np.zeros(len(self.queues.running), np.int64)):
             return None
         decode_s = self.plain_decode_s()
-        chunks = self.chunks.plan(len(self.running), self.prefilling, self.waiting, decode_s,
-                                  lambda r: self._admit_one(r, Status.PREFILLING))
+        chunks = self.chunks.plan(len(self.queues.running), self.queues.prefilling, self.queues.waiting, decode_s,
+                                  self._admit_chunked)
         if not chunks:
             return None
-        return StepPlan(StepKind.MIXED, decode=tuple(self.running), prompts=tuple(chunks),
+        return StepPlan(StepKind.MIXED, decode=tuple(self.queues.running), prompts=tuple(chunks),
                         with_proposer=tuple(r.prefill_with_proposer for r, _ in chunks), decode_s=decode_s)
 
     def plain_decode_s(self) -> float | None:
         """The running batch's plain decode step as the policy last timed it (None: not yet): what the streams'
         gaps are measured against."""
-        b = len(self.running)
+        b = len(self.queues.running)
         return (self.policy.costs.plain(b, False) or self.policy.costs.plain(b, True)) if b else None
 
     def _schedule_decode(self) -> StepPlan:
@@ -200,26 +184,26 @@ class Scheduler:
         the newest requests. A lone request that cannot grow by one token has filled the KV cache: it finishes
         (`length`, as at the model's length limit) instead of failing the whole engine."""
         while True:
-            decision = self.decide(self.running)
-            fits = self.reserve_pages(self.running, decision.num_draft)
+            decision = self.decide(self.queues.running)
+            fits = self.reserve_pages(self.queues.running, decision.num_draft)
             if not fits and decision.num_draft.any():  # speculation off for this step: a decision of its own
                 decision = replace(decision, num_draft=np.zeros_like(decision.num_draft), k=0, probing=None,
                                    catch_up=None)
-                fits = self.reserve_pages(self.running, decision.num_draft)
+                fits = self.reserve_pages(self.queues.running, decision.num_draft)
             if fits:
-                return StepPlan(StepKind.DECODE, decode=tuple(self.running), decision=decision,
-                                catch_up=stale_lanes(self.running, decision))
+                return StepPlan(StepKind.DECODE, decode=tuple(self.queues.running), decision=decision,
+                                catch_up=stale_lanes(self.queues.running, decision))
             self.drop(decision)  # not run: decided again for the batch left after preempting
-            if self.prefilling:  # the newest work: a prompt part-way through its chunks
-                self._preempt(self.prefilling[-1])
+            if self.queues.prefilling:  # the newest work: a prompt part-way through its chunks
+                self.queues.preempt(self.queues.prefilling[-1])
                 continue
-            if len(self.running) > 1:
-                self._preempt(self.running[-1])
+            if len(self.queues.running) > 1:
+                self.queues.preempt(self.queues.running[-1])
                 continue
-            req = self.running[0]
+            req = self.queues.running[0]
             log.warning("request %s filled the KV cache (%d tokens); finishing it", req.request_id,
                         len(req.token_ids))
-            self._finish(req, FinishReason.LENGTH)
+            self.queues.finish(req, FinishReason.LENGTH)
             return StepPlan(StepKind.NONE, finished=(RequestOutput(req, [], True),))
 
     def schedule_chained(self, prev: StepPlan, prev_num_draft: np.ndarray, prev_refilled: np.ndarray,
@@ -230,7 +214,7 @@ class Scheduler:
         tokens, `can_chain(num_draft)` says the engine cannot build it blind, or pages would need a
         preemption): the engine core then drains and plans it with `schedule`, and nothing of the dropped plan
         was counted."""
-        batch = list(self.running)  # every one of them is in step N (nothing was admitted since)
+        batch = list(self.queues.running)  # every one of them is in step N (nothing was admitted since)
         if not batch:
             return None
         row = {id(r): i for i, r in enumerate(prev.decode)}
@@ -274,23 +258,8 @@ class Scheduler:
         """Grow each page table to hold its step's writes: current tokens, what a step in flight may still add
         (`pending`), k drafts, the bonus token and the proposer's look-ahead. All or nothing."""
         extra = pending if pending is not None else np.zeros(len(reqs), dtype=np.int64)
-        need = [self.step_tokens(len(r.token_ids) + int(p), int(k)) for r, p, k in zip(reqs, extra, num_draft)]
-        short = sum(max(0, self.allocator.pages_for(n) - len(r.page_table)) for r, n in zip(reqs, need))
-        if short > self.allocator.num_free:
-            return False
-        for r, n in zip(reqs, need):
-            self.allocator.ensure(r.page_table, n)
-        return True
-
-    def _preempt(self, req: Request) -> None:
-        """Recompute later: drop its KV, keep its tokens; it is re-prefilled (prompt + output) when readmitted."""
-        (self.prefilling if req.status == Status.PREFILLING else self.running).remove(req)
-        self._release(req)
-        req.num_computed = 0
-        req.status = Status.WAITING
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        return self.allocator.reserve([r.page_table for r in reqs], [
+            self.step_tokens(len(r.token_ids) + int(p), int(k)) for r, p, k in zip(reqs, extra, num_draft)])
 
     # ---- results -------------------------------------------------------------------------------------------
     def caught_up(self, stale: list[Request], draft_lens: list[int], seconds: float) -> None:
@@ -310,8 +279,7 @@ class Scheduler:
         refilled &= d.refill and self.facts.has_draft_model
         # The decision as it runs: what is counted and shown.
         self.last_decision = replace(d, num_draft=num_draft, k=int(num_draft.max(initial=0)))
-        for r in plan.decode:
-            self._inflight_count[id(r)] = self._inflight_count.get(id(r), 0) + 1
+        self.queues.launched(plan.decode)
         return refilled
 
     def finish_prefill(self, plan: StepPlan, tokens: list[int]) -> list[RequestOutput]:
@@ -334,7 +302,6 @@ class Scheduler:
         for (req, q), tok, with_proposer in zip(plan.prompts, tokens[len(plan.decode):], plan.with_proposer):
             req.num_computed += q
             if req.num_computed == len(req.token_ids):
-                self.prefilling.remove(req)
                 outputs.append(self._start_decoding(req, tok, with_proposer, now))
         return outputs
 
@@ -346,9 +313,7 @@ class Scheduler:
         outputs = []
         for req, a, row, nd, probe, current in zip(plan.decode, accepted, tokens, num_draft, probing.tolist(),
                                                    refilled.tolist()):
-            self._inflight_count[id(req)] -= 1
-            if self._inflight_count[id(req)] == 0:
-                del self._inflight_count[id(req)]
+            self.queues.landed(req)
             if req.finished:  # finished in an earlier step or aborted: a wasted lane
                 continue
             req.stats.record(nd, a)
@@ -359,17 +324,14 @@ class Scheduler:
             outputs.append(ro)
             if current:
                 req.draft_len = len(req.token_ids)
-        for req in [r for r in self._pending_release if id(r) not in self._inflight_count]:
-            self._pending_release.remove(req)
-            self._release(req)
+        self.queues.release_landed()
         return outputs
 
     def _start_decoding(self, req: Request, token: int, with_proposer: bool, now: float) -> RequestOutput:
         """Its prompt is prefilled and `token` sampled after it: the request joins the running batch."""
         # The draft consumed the prompt and the sampled token, or (skipped) nothing it needs.
         req.draft_len = len(req.token_ids) + 1 if with_proposer else self.facts.draft_shift
-        req.status = Status.RUNNING
-        self.running.append(req)
+        self.queues.start_decoding(req)
         if req.first_token_time is None:
             req.first_token_time = now
         return self._append(req, [token])
@@ -377,24 +339,5 @@ class Scheduler:
     def _append(self, req: Request, new: list[int]) -> RequestOutput:
         kept, reason = append_tokens(req, new, self.eos_token_ids, self.config.max_model_len)
         if reason is not None:
-            self._finish(req, reason)
+            self.queues.finish(req, reason)
         return RequestOutput(req, kept, req.finished)
-
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        if req.status == Status.RUNNING:
-            self.running.remove(req)
-        elif req.status == Status.PREFILLING:
-            self.prefilling.remove(req)
-        if id(req) in self._inflight_count:
-            self._pending_release.append(req)  # a step in flight still writes its pages and slot
-        else:
-            self._release(req)
-        req.status = Status.FINISHED
-        req.finish_reason = reason
-        self.requests.pop(req.request_id, None)
-
-    def _release(self, req: Request) -> None:
-        self.allocator.free(req.page_table)
-        if req.slot >= 0:
-            self.free_slots.append(req.slot)
-            req.slot = -1

@@ -155,10 +155,10 @@ def test_abort_mid_prefill_frees_its_pages_and_slot(tiny_target, proposers):
     core.step()  # a decodes, b's first chunk
     core.check_integrity()
     assert b.status == Status.PREFILLING and 0 < b.num_computed < len(b.token_ids) and b.page_table
-    free_slots = len(core.scheduler.free_slots)
+    free_slots = len(core.scheduler.queues.free_slots)
     core.abort("b")
     core.check_integrity()
-    assert b.finished and not b.page_table and b.slot == -1 and len(core.scheduler.free_slots) == free_slots + 1
+    assert b.finished and not b.page_table and b.slot == -1 and len(core.scheduler.queues.free_slots) == free_slots + 1
     while core.has_unfinished():
         core.step()
         core.check_integrity()

@@ -27,6 +27,16 @@ def test_allocate_hands_out_distinct_real_pages():
     a.check_integrity([x, y])
 
 
+def test_reserve_grows_every_table_or_none():
+    a = PageAllocator(num_pages=9, page_size=4)
+    x, y = a.allocate(1), a.allocate(2)
+    assert not a.reserve([x, y], [4 * 5, 4 * 5])  # 4 + 3 more pages, 5 free: nothing moves
+    assert (len(x), len(y), a.num_free) == (1, 2, 5)
+    assert a.reserve([x, y], [4 * 4 + 1, 3])  # 4 more for x, y already holds 3 tokens
+    assert (len(x), len(y), a.num_free) == (5, 2, 1)
+    a.check_integrity([x, y])
+
+
 def test_fresh_allocations_are_contiguous_and_freed_pages_are_reused():
     a = PageAllocator(num_pages=10, page_size=2)
     x = a.allocate(4)
