@@ -58,6 +58,7 @@ class EngineCore:
         self.stream = stream or InlineStream()
         self.tracer = tracer
         self.inflight: InFlight | None = None
+        self.chained_steps = 0  # decode steps built while the previous one ran (overlap)
         policy = policy or AdaptivePolicy(PolicyConfig(kind="fixed", k_max=config.num_spec_tokens,
                                                        keeps_draft_kv=step_engine.has_draft_model))
         self.scheduler = Scheduler(ModelFacts.of(step_engine), allocator, config, policy, eos_token_ids, tracer)
@@ -159,6 +160,7 @@ class EngineCore:
                 plan = self.scheduler.schedule_chained(cur.plan, cur.num_draft, cur.refilled, self.engine.can_chain)
             if plan is not None:
                 nxt = self._launch(plan, 0.0, cur)
+                self.chained_steps += 1
         outputs = self._complete(cur)
         self.inflight = nxt
         return outputs
