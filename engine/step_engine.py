@@ -173,7 +173,8 @@ class StepEngine:
                 consume = np.zeros(b, bool)
                 consume[num_decode:] = (with_proposer[num_decode:] if isinstance(with_proposer, list)
                                         else with_proposer)
-                self.proposer.after_prefill(seqs, start, q_lens, final, cu, hidden, tokens, consume)
+                self.proposer.after_prefill(seqs, start, q_lens, final, cu, hidden, tokens, consume,
+                                            self.staging.upload)
         return tokens
 
     @torch.inference_mode()

@@ -81,7 +81,8 @@ def test_proposers_without_a_network_have_the_documented_defaults(make):
     for name in ("prefill", "keep_prefill", "refill", "keep"):
         setattr(proposer, name, lambda *a, name=name: calls.append(name))
     proposer.after_prefill([], np.zeros(1, np.int64), np.ones(1, np.int64), np.ones(1, bool), np.array([0, 1]),
-                           torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), np.ones(1, bool))
+                           torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), np.ones(1, bool),
+                           lambda arrays: calls.append("upload"))
     proposer.after_verify(None, torch.zeros(1, 1), torch.zeros(1), torch.zeros(1, 4), None)
     assert calls == []
     # The n-gram proposer drafts on the host and everywhere; the leader's draft model on the device, rank 0 only.

@@ -20,6 +20,7 @@ from abc import ABC
 import numpy as np
 import torch
 
+from specstep.engine.batch_builder import Upload
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.random import DRAFT
 from specstep.engine.sampler import processed_probs, sample_from_probs
@@ -73,10 +74,13 @@ class Proposer(ABC):
         network."""
 
     def after_prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray, final: np.ndarray,
-                      cu: np.ndarray, target_hidden: torch.Tensor, sampled: torch.Tensor, consume: np.ndarray) -> None:
+                      cu: np.ndarray, target_hidden: torch.Tensor, sampled: torch.Tensor, consume: np.ndarray,
+                      upload: Upload) -> None:
         """The proposer's part of a target prefill or mixed step over ragged runs (`cu`: their offsets in the
         flat `target_hidden`): rows in `consume` (bool [B]) consume their chunk (`prefill`), the others keep
-        what a catch-up needs (`keep_prefill`). Nothing without a network."""
+        what a catch-up needs (`keep_prefill`). `upload` is the step's own staging: the rows this needs travel
+        with the step's inputs, and the proposer's staging sets keep their budget of uploads per step. Nothing
+        without a network."""
 
     def prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray, final: np.ndarray,
                 target_hidden: torch.Tensor, sampled: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from specstep.engine.attention.backend import AttentionBackend
-from specstep.engine.batch_builder import build_forward_batch
+from specstep.engine.batch_builder import Upload, build_forward_batch
 from specstep.engine.forward_batch import ForwardBatch
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.proposers.base import Proposer, draw
@@ -90,14 +90,15 @@ class ModelProposer(Proposer):
         self.carried_logits[slots] = self.compute_logits(h)
 
     def after_prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray, final: np.ndarray,
-                      cu: np.ndarray, target_hidden: torch.Tensor, sampled: torch.Tensor, consume: np.ndarray) -> None:
+                      cu: np.ndarray, target_hidden: torch.Tensor, sampled: torch.Tensor, consume: np.ndarray,
+                      upload: Upload) -> None:
         groups = []  # (rows, consume?) with their flat token rows, both sent in one upload
         for mask, eat in ((consume, True), (~consume, False)):
             idx = np.flatnonzero(mask)
             if len(idx):
                 flat = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in idx])
                 groups.append((idx, eat, flat))
-        dev = self.staging.upload([a for idx, _, flat in groups for a in (flat, idx.astype(np.int64))])
+        dev = upload([a for idx, _, flat in groups for a in (flat, idx.astype(np.int64))])
         for g, (idx, eat, _) in enumerate(groups):
             flat_dev, idx_dev = dev[2 * g], dev[2 * g + 1]
             sub = [seqs[i] for i in idx]
