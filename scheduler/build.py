@@ -186,8 +186,9 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
         backend = None  # the device's own: CUDA graphs, or the contract-checking stand-in on CPU
         if cfg.graphs == "compiled":
             from specstep.cuda_graphs.cpu_compiled import CompiledBackend
+            from specstep.engine.model_source import cache_root
 
-            backend = CompiledBackend()
+            backend = CompiledBackend(cache_root=cache_root())  # the engine's cache (cuda_graphs cannot import it)
         runner = GraphRunner(device, GraphConfig(max_batch=cfg.max_batch_size), backend)
         capture = step_engine.use_graphs(runner, ks, max_len, scratch_slot=cfg.max_batch_size,
                                          drops_refill=policy_config(cfg, k_max, ks).drops_refill)
