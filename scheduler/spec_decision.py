@@ -41,6 +41,22 @@ class RequestAcceptance:
 
 
 @dataclass(frozen=True, slots=True)
+class Effects:
+    """What committing a decision applies to the policy, once, when its step runs (`AdaptivePolicy.commit`):
+    choosing has no side effects, so a decision that is dropped (a chained step re-planned) costs nothing."""
+
+    bucket: int | None = None  # batch bucket whose step counter advances (None: the fixed policy)
+    governor_counted: bool = False  # the governor counts an off step
+    governor_probe: bool = False  # ... and spends its probe on this one
+    explore_key: int | None = None  # k > 0: a try of k; -bucket: a try of plain in it
+    current_k: int | None = None  # the batch's k, for the next decision's hysteresis
+    probe_clock_reset: bool | None = None  # the policy's probe clock: reset (True), advanced (False), kept (None)
+    next_remeasure: tuple[int, int] | None = None  # (bucket, its step counter at the next re-measurement)
+    # (request, idle_steps, probe_interval) to set: probe intervals clamped, lanes a subset probe covers backed off
+    acceptance: tuple[tuple[RequestAcceptance, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """One step's speculation, made once by the policy and not changed after (the engine core derives a new
     one with `dataclasses.replace` where pages force speculation off, and records what really ran beside it)."""
@@ -58,6 +74,7 @@ class Decision:
     # lane cost more than the probes' whole budget.
     catch_up: np.ndarray | None = None
     break_even: float | None = None  # accepted drafts a probing lane needs to pay its share of the step's overhead
+    effects: Effects | None = None  # what `AdaptivePolicy.commit` applies when the step runs
 
     @property
     def explored(self) -> bool:

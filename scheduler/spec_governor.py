@@ -106,17 +106,25 @@ class Governor:
     def state(self) -> tuple[float, float, float] | None:
         return self.bounds(self._samples, self.cfg.z)
 
+    def peek(self) -> tuple[bool, bool]:
+        """What `tick` would do, with no side effect: (counted as an off step, a probe is due)."""
+        if self.on or not self.cfg.enabled:
+            return False, False
+        return True, self._since_probe + 1 >= self.cfg.probe_every and self._debt <= 0.0
+
+    def commit_tick(self, counted: bool, probe: bool) -> None:
+        """Apply a `peek` once its step runs: the off step counted, the probe spent."""
+        if not counted:
+            return
+        self.off_steps += 1
+        self._since_probe = 0 if probe else self._since_probe + 1
+        self.probes += int(probe)
+
     def tick(self) -> bool:
         """Called once per decode decision; True if this step should be a probe (off, and one is due)."""
-        if self.on or not self.cfg.enabled:
-            return False
-        self.off_steps += 1
-        self._since_probe += 1
-        if self._since_probe >= self.cfg.probe_every and self._debt <= 0.0:
-            self._since_probe = 0
-            self.probes += 1
-            return True
-        return False
+        counted, probe = self.peek()
+        self.commit_tick(counted, probe)
+        return probe
 
     def snapshot(self) -> tuple[int, int, int]:
         """The probe clock, so a decision that never runs can give back what `tick` spent on it."""

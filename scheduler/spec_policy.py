@@ -34,12 +34,12 @@ bounds p99 inter-token latency), explores no k past the first that breaks the bu
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from specstep.scheduler.spec_costs import StepCosts, bucket
-from specstep.scheduler.spec_decision import Decision, RequestAcceptance
+from specstep.scheduler.spec_decision import Decision, Effects, RequestAcceptance
 from specstep.scheduler.spec_governor import Governor, GovernorConfig
 
 OBJECTIVES = ("throughput", "latency")
@@ -115,6 +115,25 @@ class _Lanes:
     room: np.ndarray
     alpha: np.ndarray
     threshold: np.ndarray
+
+
+@dataclass(slots=True)
+class _Pending:
+    """The effects of the decision being made, gathered while choosing and frozen into `Decision.effects`."""
+
+    bucket: int | None = None
+    governor_counted: bool = False
+    governor_probe: bool = False
+    explore_key: int | None = None
+    current_k: int | None = None
+    probe_clock_reset: bool | None = None
+    next_remeasure: tuple[int, int] | None = None
+    acceptance: dict[int, tuple[RequestAcceptance, int | None, int]] = field(default_factory=dict)
+
+    def freeze(self) -> Effects:
+        return Effects(self.bucket, self.governor_counted, self.governor_probe, self.explore_key, self.current_k,
+                       self.probe_clock_reset, self.next_remeasure, tuple(self.acceptance[i] for i in
+                                                                           sorted(self.acceptance)))
 
 
 class AdaptivePolicy:
@@ -227,7 +246,6 @@ class AdaptivePolicy:
         k = int(nd.max(initial=0))
         d = Decision(nd, k, refill, tokens, cost, reason, auto, probing, catch_up,
                      self._break_even(len(nd), k, refill) if probing.any() else None)
-        self.reasons[reason] += 1
         return d
 
     def _break_even(self, b: int, k: int, refill: bool) -> float | None:
@@ -265,29 +283,59 @@ class AdaptivePolicy:
         return chosen
 
     def choose(self, accs: list[RequestAcceptance], overrides: list[int | None], room: np.ndarray,
-               behind: np.ndarray | None = None) -> Decision:
+               behind: np.ndarray | None = None, commit: bool = True) -> Decision:
         """accs: per-request acceptance; overrides: per-request fixed k (None = auto); room: max drafts each;
-        behind: tokens each request's draft must catch up before it drafts (None: all current)."""
-        d = self._choose(accs, overrides, room, behind)
-        self._unobserved.append(d.k if d.reason == "explore" else None)
+        behind: tokens each request's draft must catch up before it drafts (None: all current).
+
+        commit=False has no side effects (on the policy, its governor, its cost model or `accs`): the decision
+        carries what committing it applies (`Decision.effects`), and `commit` applies it when its step runs. A
+        decision never committed changes nothing. commit=True is choose-then-commit."""
+        pending = _Pending()
+        d = self._choose(accs, overrides, room, behind, pending)
+        d = replace(d, effects=pending.freeze())
+        if commit:
+            self.commit(d)
         return d
 
-    def _choose(self, accs: list[RequestAcceptance], overrides: list[int | None], room: np.ndarray,
-                behind: np.ndarray | None) -> Decision:
+    def commit(self, decision: Decision) -> None:
+        """The decision's step runs: count it and apply its effects (call once per decision)."""
+        self._undo = self.governor.snapshot()  # for `retract`
         self.steps += 1
-        self._undo = self.governor.snapshot()  # for `retract`: this decision may never run
+        self.reasons[decision.reason] += 1
+        self._unobserved.append(decision.k if decision.reason == "explore" else None)
+        fx = decision.effects
+        if fx is None:
+            return
+        if fx.bucket is not None:
+            self.bucket_steps[fx.bucket] += 1
+        self.governor.commit_tick(fx.governor_counted, fx.governor_probe)
+        if fx.explore_key is not None:
+            self._explore_tries[fx.explore_key] += 1
+        if fx.current_k is not None:
+            self.current_k = fx.current_k
+        if fx.probe_clock_reset is not None:
+            self._since_probe = 0 if fx.probe_clock_reset else self._since_probe + 1
+        if fx.next_remeasure is not None:
+            self._next_remeasure[fx.next_remeasure[0]] = fx.next_remeasure[1]
+        for acc, idle, interval in fx.acceptance:
+            if idle is not None:
+                acc.idle_steps = idle
+            acc.probe_interval = interval
+
+    def _choose(self, accs: list[RequestAcceptance], overrides: list[int | None], room: np.ndarray,
+                behind: np.ndarray | None, px: _Pending) -> Decision:
         cfg, b = self.cfg, len(accs)
         room = np.asarray(room, dtype=np.int64).clip(0)
         auto = np.array([o is None for o in overrides], dtype=bool)
         fixed_k = np.array([o or 0 for o in overrides], dtype=np.int64)
         if cfg.kind == "fixed":
             nd = np.minimum(np.where(auto, cfg.k_max, fixed_k), room)
-            self.reasons["fixed"] += 1
             return Decision(nd, int(nd.max(initial=0)), cfg.keeps_draft_kv, 0.0, 0.0, "fixed", auto)
-        self.bucket_steps[bucket(b)] += 1
+        px.bucket = bucket(b)
         forced = np.where(auto, 0, np.minimum(fixed_k, room))  # what fixed-k requests draft whatever we decide
-        probe_due = self.governor.tick()
-        k_explore = self._unmeasured(b, forced, room, auto)
+        px.governor_counted, probe_due = self.governor.peek()
+        px.governor_probe = probe_due
+        k_explore = self._unmeasured(b, forced, room, auto, px)
         if k_explore is not None:
             return self._explore(k_explore, auto, forced, room)
         if not self.governor.on and not probe_due:
@@ -296,16 +344,16 @@ class AdaptivePolicy:
         best = self._best(b, lanes)
         if best is None:  # nothing measured fits (latency budget): only the fixed-k requests draft
             return self._decision(forced, auto, "model")
-        self.current_k = best.k
+        px.current_k = best.k
         if probe_due:  # governor off: speculate with everyone at the best k the model sees, to re-measure
             return self._governor_probe(b, lanes, behind)
         # Re-measure only while speculating: when the choice is plain, measuring drafts is what probes do, and
         # they are rate-limited by epsilon.
-        stale = self._stale(b, forced, best.k) if best.num_draft[auto].any() else None
+        stale = self._stale(b, forced, best.k, px) if best.num_draft[auto].any() else None
         if stale is not None:
             nd = np.where(auto, np.minimum(stale, room), forced)
             return self._decision(nd, auto, "remeasure", best.expected_tokens, best.expected_cost)
-        return self._with_probes(accs, best, b, lanes, behind)
+        return self._with_probes(accs, best, b, lanes, behind, px)
 
     def _alpha(self, accs: list[RequestAcceptance]) -> np.ndarray:
         return np.array([self.acceptance_estimate(a) for a in accs])
@@ -352,17 +400,22 @@ class AdaptivePolicy:
         return self._decision(np.where(ln.auto & ~lanes, 0, p.num_draft), ln.auto, "probe", p.expected_tokens,
                               p.expected_cost, probing=lanes)
 
-    def _due(self, accs: list[RequestAcceptance], nd: np.ndarray, ln: _Lanes, speculating: bool) -> np.ndarray:
+    def _due(self, accs: list[RequestAcceptance], nd: np.ndarray, ln: _Lanes, speculating: bool,
+             px: _Pending) -> np.ndarray:
         """Requests whose per-request probe is due (idle for their interval); none under the latency objective
         within epsilon's spacing of the last probe while nobody speculates."""
         cfg = self.cfg
         probe_max = self._probe_max()
-        for a in accs:
-            a.probe_interval = min(max(a.probe_interval, cfg.probe_every), probe_max)
-        due = np.array([a.idle_steps >= a.probe_interval for a in accs]) & ln.auto & (nd == 0) & (ln.room > 0)
-        self._since_probe = 0 if speculating else self._since_probe + 1
+        intervals = [min(max(a.probe_interval, cfg.probe_every), probe_max) for a in accs]
+        for i, (a, interval) in enumerate(zip(accs, intervals)):
+            if interval != a.probe_interval:
+                px.acceptance[i] = (a, None, interval)
+        due = np.array([a.idle_steps >= n for a, n in zip(accs, intervals)], dtype=bool)
+        due &= ln.auto & (nd == 0) & (ln.room > 0)
+        px.probe_clock_reset = speculating
+        since_probe = 0 if speculating else self._since_probe + 1
         # The latency objective also keeps them to epsilon of the steps while on (each may exceed the budget).
-        limited = cfg.objective == "latency" and self._since_probe < cfg.governor.probe_every
+        limited = cfg.objective == "latency" and since_probe < cfg.governor.probe_every
         if not speculating and limited:
             due[:] = False
         return due
@@ -371,7 +424,7 @@ class AdaptivePolicy:
         return self.cfg.probe_max or (16 if self.cfg.cost_shape == "rows" else 64)
 
     def _with_probes(self, accs: list[RequestAcceptance], best: Decision, b: int, ln: _Lanes,
-                     behind: np.ndarray | None) -> Decision:
+                     behind: np.ndarray | None, px: _Pending) -> Decision:
         """The model's choice plus per-request probes: a request that has not drafted for a while drafts so its
         acceptance estimate can recover; failed probes back off (probe_every doubling to probe_max). Inside a
         speculating step that is a few more verify rows (the draft loop runs anyway). When nobody speculates it
@@ -379,17 +432,18 @@ class AdaptivePolicy:
         them to epsilon."""
         nd, auto = best.num_draft, ln.auto
         speculating = bool(nd[auto].any())
-        due = self._due(accs, nd, ln, speculating)
+        due = self._due(accs, nd, ln, speculating, px)
         if due.any() and not speculating:  # a whole probe step: a subset of lanes speaks for the others
             lanes = self._probe_lanes(b, due, behind)
             for i in np.flatnonzero(due & ~lanes):  # covered by this probe: backed off as after a failed one
-                accs[i].idle_steps = 0  # (were it to pay, the acceptance it measures moves theirs too)
-                accs[i].probe_interval = min(2 * accs[i].probe_interval, self._probe_max())
+                # (were it to pay, the acceptance it measures moves theirs too)
+                interval = px.acceptance[i][2] if i in px.acceptance else accs[i].probe_interval
+                px.acceptance[i] = (accs[i], 0, min(2 * interval, self._probe_max()))
             due = lanes
         probing = np.zeros(b, dtype=bool)
         k1 = self._probe_k(b, ln.forced, due, ln.alpha, auto, ln.room, ln.threshold) if due.any() else 0
         if due.any() and k1:
-            self._since_probe = 0
+            px.probe_clock_reset = True
             probing = due
             nd = np.where(due, min(k1, best.k) if speculating else k1, nd)
         nd = np.minimum(nd, np.where(auto, ln.room, nd))
@@ -397,16 +451,18 @@ class AdaptivePolicy:
         return self._decision(nd, auto, reason, best.expected_tokens, best.expected_cost, probing)
 
     def retract(self, decision: Decision) -> None:
-        """The latest decision will not run as decided (a chained step that must drain first): give back its
-        probe and its count, so the re-made decision probes instead (else, on the overlap path, every probe
-        is spent on a step that never runs, and speculation never comes back once off)."""
+        """Deprecated: plan with `choose(commit=False)` and `commit` the decision when its step runs; a decision
+        never committed needs no retraction. For a decision made with commit=True that will not run as decided
+        (a chained step that must drain first): give back its probe and its count, so the re-made decision
+        probes instead (else, on the overlap path, every probe is spent on a step that never runs)."""
         self.governor.restore(self._undo)
         self.reasons[decision.reason] -= 1
         self.steps -= 1
         if self._unobserved:
             self._unobserved.pop()
-        if decision.reason == "explore":
-            self._explore_tries[decision.k if decision.k else -bucket(len(decision.num_draft))] -= 1
+        fx = decision.effects
+        if fx is not None and fx.explore_key is not None:
+            self._explore_tries[fx.explore_key] -= 1
 
     def _budget_ok(self, b: int, nd: np.ndarray, refill: bool) -> bool:
         if self.cfg.objective != "latency" or not nd.any():
@@ -439,7 +495,8 @@ class AdaptivePolicy:
                 best, best_rate = k, d.expected_tokens / d.expected_cost
         return best
 
-    def _unmeasured(self, b: int, forced: np.ndarray, room: np.ndarray, auto: np.ndarray) -> int | None:
+    def _unmeasured(self, b: int, forced: np.ndarray, room: np.ndarray, auto: np.ndarray,
+                    px: _Pending) -> int | None:
         """What to measure before trusting the cost model: plain decoding three times in this bucket (one noisy
         sample misled both the model and the governor) (when a fixed-k
         request does not make it impossible), then each runnable k a few times in some bucket (cost ratios
@@ -450,7 +507,7 @@ class AdaptivePolicy:
         # (Tries, not samples, bound it: with overlap the next step is decided before this one ends.)
         n0 = self.cfg.plain_samples
         if kf == 0 and self.costs.samples(b, 0, plain_refill) < n0 and self._explore_tries[-bucket(b)] < n0:
-            self._explore_tries[-bucket(b)] += 1
+            px.explore_key = -bucket(b)
             return 0
         if not (auto & (room > 0)).any():
             return None  # no auto request can draft: nothing this batch could measure
@@ -460,19 +517,23 @@ class AdaptivePolicy:
             # A step still in flight (overlap: decided before the last one was read back) counts as measured.
             pending = int(bool(self._unobserved) and self._unobserved[-1] == k)
             if self.costs.total_samples(k, self.cfg.keeps_draft_kv) + pending < n and self._explore_tries[k] < 3 * n:
-                self._explore_tries[k] += 1  # n-gram may draft less than asked: do not insist for ever
+                px.explore_key = k  # n-gram may draft less than asked: do not insist for ever
                 return k
             if not self._budget_ok(b, np.maximum(forced, k), self._refill(np.ones(1, np.int64))):
                 break
         return None
 
-    def _stale(self, b: int, forced: np.ndarray, chosen: int) -> int | None:
+    def _stale(self, b: int, forced: np.ndarray, chosen: int, px: _Pending) -> int | None:
         """One step in `remeasure_every` per bucket: the candidate measured longest ago, if not the chosen one."""
         bk = bucket(b)
-        now = self.bucket_steps[bk]
-        if now < self._next_remeasure.setdefault(bk, now + self.cfg.remeasure_every):
+        now = self.bucket_steps[bk] + 1  # this decision's step counted
+        due_at = self._next_remeasure.get(bk)
+        if due_at is None:
+            due_at = now + self.cfg.remeasure_every
+            px.next_remeasure = (bk, due_at)
+        if now < due_at:
             return None
-        self._next_remeasure[bk] = now + self.cfg.remeasure_every
+        px.next_remeasure = (bk, now + self.cfg.remeasure_every)
         kf = int(forced.max(initial=0))
         keys = [k for k in self._allowed_ks(b, forced) if k != chosen and (k >= kf or k == 0) and not (k == 0 and kf)]
         if not keys:
