@@ -124,6 +124,12 @@ def test_plan_then_commit_equals_choose_and_commit(name, overlap, monkeypatch):
     assert planned.steps == direct.steps and planned.trace == direct.trace
     assert planned.chosen_k == direct.chosen_k
     assert state(planned.core.policy)[1] == state(direct.core.policy)[1]  # (the class names differ)
+    # Each effect applied at all (both runs commit through the same code): the one committed via
+    # `next_remeasure` shows as re-measurements while speculating, those via the governor's clock as probes.
+    if name == "acceptance_dropping":
+        assert planned.core.policy.reasons["remeasure"] > 0
+    if name == "costly_catch_up":
+        assert planned.core.policy.governor.probes > 0 and planned.core.policy.reasons["probe"] > 0
 
 
 def test_commit_applies_the_decision_once():
