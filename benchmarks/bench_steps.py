@@ -91,7 +91,7 @@ class StepTimer:
             ctx = self.engine.decode_context(self.seqs, np.full(len(self.seqs), k, dtype=np.int64))
             t0 = time.perf_counter()
             with torch.inference_mode():
-                drafts, _ = prop.propose(ctx)
+                drafts, _ = prop.propose(ctx.inputs)
                 drafts.tolist()
             times[k] = time.perf_counter() - t0
         return (times[self.k] - times[1]) / (self.k - 1)

@@ -1,4 +1,11 @@
-"""What one decode/speculative step knows about its batch, built on the host before launch."""
+"""What one decode/speculative step knows about its batch: the host's plan and the device inputs it runs on.
+
+    DecodePlan     host, frozen: the requests and their host rows, eager or which graph, what attention plans read
+      .inputs      DecodeInputs, device: what the step body, the proposers and a captured graph consume
+
+A graph replay hands `step_graphs.graph_inputs(plan.inputs)` to the graph, whose step function builds its own
+`DecodeInputs` from its static buffers: no field of either record is None because the step replays a graph.
+"""
 
 from __future__ import annotations
 
@@ -27,55 +34,76 @@ class SeqState(Protocol):
     slot: int
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Chain:
     """Rows of this step that continue requests of the previous step, which has not been read back yet.
 
     The host does not know how many tokens that step accepts, so it builds this step with stale starts and
     last tokens; the device patches them first thing:  start[dst] = prev.start[src] + accepted[src] + 1,
     last[dst] = prev.out_tokens[src, accepted[src]].  No host sync between the two steps: the stream runs in
-    order, so when this step runs the previous step's outputs exist (`StepHandle.result()`).
+    order, so when this step runs the previous step's outputs exist (`StepHandle.result()`). The rows' device
+    copies travel with the step's other inputs (`DecodeInputs.chain_src / chain_dst`).
     """
 
     prev: Any  # StepHandle[StepOutput] of the previous step
     src: np.ndarray  # [R] int64 rows in the previous step (host; staged with the step's inputs)
     dst: np.ndarray  # [R] int64 rows in this step
-    src_dev: torch.Tensor | None = None  # device copies, set when the step's inputs are uploaded
-    dst_dev: torch.Tensor | None = None
 
 
-@dataclass(slots=True)
-class DecodeContext:
-    """A decode-only batch: request b's last token sits at position base_pos[b] and it drafts num_draft[b].
+@dataclass(frozen=True, slots=True)
+class StepLayouts:
+    """The layouts a step's forwards run on: ragged on an eager step (from the host), uniform inside a captured
+    graph (derived on device from its static page table, `forward_batch.uniform_layout`)."""
 
-    The verify layout (q = num_draft + 1 per request) is shared by verify and by the proposer's refill.
+    verify: BatchLayout  # q = num_draft + 1 per request: verify, and the proposer's refill
+    single: BatchLayout  # one token per request: the draft loop
+
+
+@dataclass(frozen=True, slots=True)
+class GraphTable:
+    """The host side of a graph replay: all it uploads of the layout. The graph derives its own layouts."""
+
+    page_table: torch.Tensor  # [B, captured width], padded with the dummy page
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeInputs:
+    """The device tensors a decode step runs on: what `StepEngine.decode_body`, the proposers and a captured graph
+    consume. Request b's last token sits at position start[b]; it drafts num_draft[b] <= k tokens.
+
+    Frozen as a record; its tensors are written in place on the device (a chained step's `start` and
+    `grid[:, 0]` are patched from the previous step's outputs, the drafts land in `grid[:, 1:]`).
     """
 
-    seqs: list[SeqState] | None  # None inside a graph-captured step (only tensors there)
-    k: int  # drafts per request in this step's layout (max of num_draft)
-    num_draft: np.ndarray | None  # [B] int64, <= k (host; None inside a captured step)
-    base_pos: np.ndarray | None  # [B] int64 (host copy)
-    start: torch.Tensor  # [B] device copy of base_pos
+    k: int  # drafts per request in this step's layout (max of num_draft; a graph's captured k)
+    start: torch.Tensor  # [B] position of each request's last token
     st: SamplingTensors
-    slots: torch.Tensor  # [B] long, device: rows of the proposer's carried state
-    verify_layout: BatchLayout | None  # None on the host side of a graph replay (the graph derives its own)
-    single_layout: BatchLayout | None  # one token per request (the draft loop)
-    device: torch.device
-    input_grid: np.ndarray | None  # [B, k + 1] host: last token, then host drafts (n-gram) where known
-    num_draft_dev: torch.Tensor  # [B] device copy of num_draft
-    chain: Chain | None = None  # rows whose start/last token come from the previous, still running step
+    slots: torch.Tensor  # [B] long: rows of the proposer's carried state
+    num_draft: torch.Tensor  # [B] long, <= k
+    grid: torch.Tensor  # [B, k + 1]: last token, then the drafts (host drafts uploaded, device drafts written here)
+    layout: StepLayouts | GraphTable  # GraphTable only on the host side of a replay (`graph_inputs` reads it)
     refill: bool = True  # keep the proposer's KV current (the policy may drop it while nobody speculates)
-    page_tables: np.ndarray | None = None  # [B, P] host copy, for attention backends that plan (FlashInfer)
-
-    graph: bool = False  # replay a captured graph (uniform q = k + 1 per lane, fixed page-table width)
-    graph_kind: str | None = None  # the registered graph it replays (flavour and page-table width)
-    graph_page_table: torch.Tensor | None = None  # [B, captured width]: all a graph replay uploads of the layout
-    input_grid_dev: torch.Tensor | None = None  # device copy of input_grid (staged with the step's other inputs)
-    tp_message: Any = None  # tensor parallelism: the leader's description of this step for the followers
+    uniform: bool = False  # q = k + 1 for every lane (a captured graph): the grid feeds verify as it is
+    chain_src: torch.Tensor | None = None  # [R] device copies of `Chain.src / dst`; None: not chained
+    chain_dst: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
         return self.start.shape[0]
+
+    @property
+    def layouts(self) -> StepLayouts:
+        if not isinstance(self.layout, StepLayouts):
+            raise TypeError("the host side of a graph replay has no layouts: the graph derives them")
+        return self.layout
+
+    @property
+    def verify_layout(self) -> BatchLayout:
+        return self.layouts.verify
+
+    @property
+    def single_layout(self) -> BatchLayout:
+        return self.layouts.single
 
     def verify_flat_index(self) -> torch.Tensor:
         """[T] index into a [B, k + 1] grid for each token of the ragged verify layout."""
@@ -86,5 +114,39 @@ class DecodeContext:
         """[B, k + 1] flat token row of (request b, verify position j); positions past num_draft[b] repeat its
         last row (their values are never used)."""
         lay = self.verify_layout
-        j = torch.arange(self.k + 1, device=self.device).unsqueeze(0)
+        j = torch.arange(self.k + 1, device=self.start.device).unsqueeze(0)
         return lay.q_index.gather(1, torch.minimum(j, (lay.q_lens - 1).unsqueeze(1)))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """A decode step as the host planned it (`StepEngine.plan_decode`, on the scheduler thread): the host rows
+    it was built from, how it runs (eagerly, or replaying the captured graph `graph_kind`), and its uploaded
+    `inputs`. The verify layout (q = num_draft + 1 per request) is shared by verify and the proposer's refill."""
+
+    seqs: list[SeqState]
+    num_draft: np.ndarray  # [B] int64, <= k
+    base_pos: np.ndarray  # [B] int64: position of each request's last token (host copy of inputs.start)
+    input_grid: np.ndarray  # [B, k + 1] host: last token, then host drafts (n-gram) where known
+    inputs: DecodeInputs
+    chain: Chain | None = None  # rows whose start/last token come from the previous, still running step
+    page_tables: np.ndarray | None = None  # [B, P] host copy, only for attention backends that plan (FlashInfer)
+    graph_kind: str | None = None  # the registered graph it replays (flavour and page-table width); None: eager
+    tp_message: Any = None  # tensor parallelism: the leader's description of this step for the followers
+
+    @property
+    def k(self) -> int:
+        return self.inputs.k
+
+    @property
+    def refill(self) -> bool:
+        return self.inputs.refill
+
+    @property
+    def graph(self) -> bool:
+        """Replay a captured graph (uniform q = k + 1 per lane, fixed page-table width)."""
+        return self.graph_kind is not None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs)

@@ -40,7 +40,7 @@ from specstep.engine.rejection_sampler import rejection_sample
 from specstep.engine.sampler import sample
 from specstep.engine.sampling_params import SamplingFlags, SamplingTensors
 from specstep.engine.staging import Staging
-from specstep.engine.step_context import Chain, DecodeContext, SeqState
+from specstep.engine.step_context import Chain, DecodeInputs, DecodePlan, GraphTable, SeqState, StepLayouts
 from specstep.engine.step_graphs import graph_for, graph_inputs, register_decode_graphs
 from specstep.traces import ranges
 from specstep.traces.ranges import DEVICE_TRACK
@@ -186,9 +186,9 @@ class StepEngine:
             self.proposer.catch_up(seqs, draft_lens)
 
     def decode_context(self, seqs: list[SeqState], num_draft: np.ndarray, host_drafts: list[list[int]] | None = None,
-                       chain: Chain | None = None, refill: bool = True) -> DecodeContext:
+                       chain: Chain | None = None, refill: bool = True) -> DecodePlan:
         """Host-side batch preparation for a decode step (runs on the scheduler thread, overlapping the
-        previous step's device work when chained)."""
+        previous step's device work when chained): the plan, and its inputs uploaded."""
         b = len(seqs)
         k = int(num_draft.max(initial=0))
         base = np.array([s.num_computed for s in seqs], dtype=np.int64)
@@ -221,22 +221,20 @@ class StepEngine:
         for name, group in host.items():
             dev[name], i = flat[i: i + len(group)], i + len(group)
         start, slots, num_draft_dev, grid_dev = dev["inputs"]
-        st = SamplingTensors.from_tensors(dev["sampling"], params, self.vocab_size)
-        if chain is not None:
-            chain.src_dev, chain.dst_dev = dev["chain"]
-        graph_table = dev["graph_table"][0] if graph else None
-        verify_layout = None if graph else layout_from(dev["verify"], self.page_size, dense_v)
-        single_layout = None if graph else layout_from(dev["single"], self.page_size, dense_s)
+        chain_src, chain_dst = dev["chain"] if chain is not None else (None, None)
+        layout = (GraphTable(dev["graph_table"][0]) if graph else
+                  StepLayouts(verify=layout_from(dev["verify"], self.page_size, dense_v),
+                              single=layout_from(dev["single"], self.page_size, dense_s)))
+        inputs = DecodeInputs(
+            k=k, start=start, st=SamplingTensors.from_tensors(dev["sampling"], params, self.vocab_size), slots=slots,
+            num_draft=num_draft_dev, grid=grid_dev, layout=layout, refill=refill, uniform=graph,
+            chain_src=chain_src, chain_dst=chain_dst)
         host_tables = page_table_array(tables, max(len(t) for t in tables)) if self.plans_attention else None
-        return DecodeContext(
-            seqs=seqs, k=k, num_draft=num_draft, base_pos=base, start=start, st=st, slots=slots,
-            verify_layout=verify_layout, single_layout=single_layout, device=self.device, input_grid=grid,
-            num_draft_dev=num_draft_dev, chain=chain, refill=refill, graph=graph, page_tables=host_tables,
-            graph_kind=kind, graph_page_table=graph_table, input_grid_dev=grid_dev,
-        )
+        return DecodePlan(seqs=seqs, num_draft=num_draft, base_pos=base, input_grid=grid, inputs=inputs, chain=chain,
+                          page_tables=host_tables, graph_kind=kind)
 
     def plan_decode(self, seqs: list[SeqState], num_draft: np.ndarray, chain: Chain | None = None,
-                    refill: bool = True) -> DecodeContext:
+                    refill: bool = True) -> DecodePlan:
         num_draft = np.asarray(num_draft, dtype=np.int64).copy()
         if self.proposer is None:
             return self.decode_context(seqs, np.zeros_like(num_draft), None, chain, refill)
@@ -245,53 +243,52 @@ class StepEngine:
         num_draft, host_drafts = self.proposer.plan_drafts(seqs, num_draft, refill)
         return self.decode_context(seqs, num_draft, host_drafts, chain, refill)
 
-    def run_decode(self, ctx: DecodeContext) -> StepOutput:
+    def run_decode(self, plan: DecodePlan) -> StepOutput:
         """The device part of a decode step (no host sync): patch a chained step's inputs, then run the body
         eagerly or as a graph replay."""
-        b, k = ctx.batch_size, ctx.k
-        grid = ctx.input_grid_dev
+        b, k, inputs = plan.batch_size, plan.k, plan.inputs
         plans = self.plans_attention
         if plans:
             # Outside the DECODE range: the device idles while a chained step waits for the previous step's
             # lengths and plans, and the trace should show that gap.
-            self._patch(ctx, grid)
-            self._plan_attention(ctx)
-        with self.tracer.range(ranges.DECODE, track=DEVICE_TRACK, batch=b, k=k, graph=ctx.graph):
+            self._patch(plan)
+            self._plan_attention(plan)
+        with self.tracer.range(ranges.DECODE, track=DEVICE_TRACK, batch=b, k=k, graph=plan.graph):
             if not plans:
-                self._patch(ctx, grid)
-            if ctx.graph:
-                outs = self.graphs.run(ctx.graph_kind, k + 1, graph_inputs(ctx, grid, ctx.graph_page_table), b)
+                self._patch(plan)
+            if plan.graph:
+                outs = self.graphs.run(plan.graph_kind, k + 1, graph_inputs(inputs), b)
                 # Static outputs are rewritten by the next replay, which may run before the host reads these:
                 # packing them is the copy.
                 out, accepted = outs["out_tokens"], outs["num_accepted"]
             else:
-                out, accepted = self.decode_body(ctx, grid)
-            return StepOutput.packed(out, accepted, ctx.num_draft, ctx.start)
+                out, accepted = self.decode_body(inputs)
+            return StepOutput.packed(out, accepted, plan.num_draft, inputs.start)
 
     @staticmethod
-    def _patch(ctx: DecodeContext, grid: torch.Tensor) -> None:
+    def _patch(plan: DecodePlan) -> None:
         """A chained step's starts and last tokens from the previous step's outputs, on the device."""
-        if ctx.chain is not None:
-            c, prev = ctx.chain, ctx.chain.prev.result()
-            src, dst = c.src_dev, c.dst_dev
+        if plan.chain is not None:
+            inputs, prev = plan.inputs, plan.chain.prev.result()
+            src, dst = inputs.chain_src, inputs.chain_dst
             acc = prev.num_accepted[src]
-            ctx.start[dst] = prev.start[src] + acc + 1
-            grid[dst, 0] = prev.out_tokens[src, acc]
+            inputs.start[dst] = prev.start[src] + acc + 1
+            inputs.grid[dst, 0] = prev.out_tokens[src, acc]
 
-    def _plan_attention(self, ctx: DecodeContext) -> None:
+    def _plan_attention(self, plan: DecodePlan) -> None:
         """Plan every forward of the step with exact host lengths. A chained step's starts exist only on the
         device until the previous step finishes: read them back first (a host sync; see flashinfer_backend)."""
-        base = ctx.base_pos
-        if ctx.chain is not None:
+        base = plan.base_pos
+        if plan.chain is not None:
             with self.tracer.range(ranges.WAIT, chained=True):
-                base = ctx.start.cpu().numpy()
-        with self.tracer.range(ranges.PLAN, batch=ctx.batch_size, k=ctx.k):
-            b, k = ctx.batch_size, ctx.k
-            lanes = self.graphs.bucket_for(b) if ctx.graph else None
-            q = np.full(b, k + 1, np.int64) if ctx.graph else ctx.num_draft + 1
-            self.target.attention.plan("verify", q, base + q, ctx.page_tables, lanes)
+                base = plan.inputs.start.cpu().numpy()
+        with self.tracer.range(ranges.PLAN, batch=plan.batch_size, k=plan.k):
+            b, k = plan.batch_size, plan.k
+            lanes = self.graphs.bucket_for(b) if plan.graph else None
+            q = np.full(b, k + 1, np.int64) if plan.graph else plan.num_draft + 1
+            self.target.attention.plan("verify", q, base + q, plan.page_tables, lanes)
             if self.proposer is not None:
-                self.proposer.plan_attention(ctx, base, q, lanes)
+                self.proposer.plan_attention(plan, base, q, lanes)
 
     def plan_graph_padding(self, k: int, lanes: int, refill: bool) -> None:
         """Before capturing a decode graph: plan each of its forwards for an all-padding batch, so the graph
@@ -300,16 +297,16 @@ class StepEngine:
         if self.proposer is not None:
             self.proposer.plan_padding(k, lanes, refill)
 
-    def decode_body(self, ctx: DecodeContext, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_body(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """draft -> verify -> accept -> refill over tensors only (graph-capturable)."""
-        b, k = ctx.batch_size, ctx.k
+        b, k, grid = inputs.batch_size, inputs.k, inputs.grid
         # A compiled step (`--graphs compiled`) is traced once; recorded ranges inside it would break the graph.
         tr = NULL_TRACER if torch.compiler.is_compiling() else self.tracer
         dev = DEVICE_TRACK
         drafts = draft_probs = None
         if k > 0 and not self.proposer.drafts_on_host:
             with tr.range(ranges.DRAFT, track=dev):
-                drafts, draft_probs = self.proposer.propose(ctx)
+                drafts, draft_probs = self.proposer.propose(inputs)
                 if self.leader_drafts:
                     drafts = self.tp.broadcast(drafts.contiguous())  # the verify batch's drafts, from rank 0
             grid[:, 1:] = drafts
@@ -317,24 +314,24 @@ class StepEngine:
             drafts = grid[:, 1:]  # written by the host when it built the step
         with tr.range(ranges.VERIFY, track=dev):
             # [last, d1 .. d_num_draft] per request, drafts plugged in on device.
-            ids = grid.reshape(-1) if ctx.graph else grid.reshape(-1)[ctx.verify_flat_index()]
-            hidden = self.target(ForwardBatch.derive(ctx.verify_layout, ctx.start, ids, slot="verify"), self.pool)
+            ids = grid.reshape(-1) if inputs.uniform else grid.reshape(-1)[inputs.verify_flat_index()]
+            hidden = self.target(ForwardBatch.derive(inputs.verify_layout, inputs.start, ids, slot="verify"), self.pool)
         with tr.range(ranges.ACCEPT, track=dev):
-            first_pos = ctx.start + 1
+            first_pos = inputs.start + 1
             if k == 0:
-                out = sample(self.target.compute_logits(hidden), ctx.st, first_pos).unsqueeze(1)
+                out = sample(self.target.compute_logits(hidden), inputs.st, first_pos).unsqueeze(1)
                 accepted = torch.zeros(b, dtype=torch.long, device=self.device)
             else:
-                logits = self.target.compute_logits(hidden)[ctx.verify_rows()]  # [B, k + 1, V]
+                logits = self.target.compute_logits(hidden)[inputs.verify_rows()]  # [B, k + 1, V]
                 if self.leader_drafts and self.tp.rank != 0:
                     # Only the leader has the draft's distributions: its acceptance arrives below.
                     out = torch.zeros(b, k + 1, dtype=torch.long, device=self.device)
                     accepted = torch.zeros(b, dtype=torch.long, device=self.device)
                 else:
-                    out, accepted = rejection_sample(drafts, draft_probs, logits, ctx.num_draft_dev, ctx.st,
+                    out, accepted = rejection_sample(drafts, draft_probs, logits, inputs.num_draft, inputs.st,
                                                      first_pos)
                 if self.leader_drafts:
                     out, accepted = self.tp.broadcast(out.contiguous()), self.tp.broadcast(accepted.contiguous())
         if self.proposer is not None:
-            self.proposer.after_verify(ctx, out, accepted, hidden, tr)
+            self.proposer.after_verify(inputs, out, accepted, hidden, tr)
         return out, accepted

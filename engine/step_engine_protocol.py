@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from specstep.engine.parallel.group import TPGroup
     from specstep.engine.proposers.base import Proposer
-    from specstep.engine.step_context import Chain, DecodeContext, SeqState
+    from specstep.engine.step_context import Chain, DecodePlan, SeqState
     from specstep.engine.step_engine import StepOutput
 
 
@@ -55,12 +55,12 @@ class StepEngineProtocol(Protocol):
         ...
 
     def plan_decode(self, seqs: list[SeqState], num_draft: np.ndarray, chain: Chain | None = None,
-                    refill: bool = True) -> DecodeContext:
+                    refill: bool = True) -> DecodePlan:
         """Host-side preparation of a decode step drafting `num_draft[i]` tokens for request i (may draft fewer:
-        the context's `num_draft` is what runs)."""
+        the plan's `num_draft` is what runs)."""
         ...
 
-    def run_decode(self, ctx: DecodeContext) -> StepOutput:
+    def run_decode(self, plan: DecodePlan) -> StepOutput:
         """The device part of a planned decode step; no host sync (read the result with `StepOutput.read`)."""
         ...
 

@@ -33,7 +33,7 @@ from specstep.cuda_graphs.contract import BufferSpec, GraphKey, StepKind
 from specstep.engine.forward_batch import uniform_layout
 from specstep.engine.kv_cache import DUMMY_PAGE
 from specstep.engine.sampling_params import SamplingFlags, SamplingTensors
-from specstep.engine.step_context import DecodeContext
+from specstep.engine.step_context import DecodeInputs, GraphTable, StepLayouts
 
 if TYPE_CHECKING:
     from specstep.cuda_graphs.runner import GraphRunner
@@ -96,11 +96,13 @@ def decode_inputs(max_pages: int, vocab_size: int, scratch_slot: int):
     return specs
 
 
-def graph_inputs(ctx: DecodeContext, grid: torch.Tensor, page_table: torch.Tensor) -> dict[str, torch.Tensor]:
-    st = ctx.st
-    return {"start": ctx.start, "grid": grid, "page_table": page_table, "slots": ctx.slots,
-            "num_draft": ctx.num_draft_dev, "temperature": st.temperature, "top_k": st.top_k, "top_p": st.top_p,
-            "greedy": st.greedy, "seeds": st.seeds}
+def graph_inputs(inputs: DecodeInputs) -> dict[str, torch.Tensor]:
+    """A replay's inputs (`decode_inputs`' buffers) from the host side of the step, whose layout is the page table."""
+    assert isinstance(inputs.layout, GraphTable), "an eager step's inputs: it replays no graph"
+    st = inputs.st
+    return {"start": inputs.start, "grid": inputs.grid, "page_table": inputs.layout.page_table,
+            "slots": inputs.slots, "num_draft": inputs.num_draft, "temperature": st.temperature, "top_k": st.top_k,
+            "top_p": st.top_p, "greedy": st.greedy, "seeds": st.seeds}
 
 
 def decode_step_fn(engine: StepEngine):
@@ -113,12 +115,11 @@ def decode_step_fn(engine: StepEngine):
         st = SamplingTensors(temperature=inp["temperature"], top_k=inp["top_k"], top_p=inp["top_p"],
                              greedy=inp["greedy"], seeds=inp["seeds"], all_greedy=greedy, any_greedy=True,
                              needs_filter=name.startswith("general"))
-        ctx = DecodeContext(
-            seqs=None, k=key.q - 1, num_draft=None, base_pos=None, start=inp["start"], st=st, slots=inp["slots"],
-            verify_layout=uniform_layout(inp["page_table"], key.q, ps, inp["num_draft"] + 1),
-            single_layout=uniform_layout(inp["page_table"], 1, ps), device=inp["start"].device, input_grid=None,
-            num_draft_dev=inp["num_draft"], refill=not name.endswith("norefill"), graph=True)
-        out, accepted = engine.decode_body(ctx, inp["grid"])
+        layouts = StepLayouts(verify=uniform_layout(inp["page_table"], key.q, ps, inp["num_draft"] + 1),
+                              single=uniform_layout(inp["page_table"], 1, ps))
+        inputs = DecodeInputs(k=key.q - 1, start=inp["start"], st=st, slots=inp["slots"], num_draft=inp["num_draft"],
+                              grid=inp["grid"], layout=layouts, refill=not name.endswith("norefill"), uniform=True)
+        out, accepted = engine.decode_body(inputs)
         return {"out_tokens": out, "num_accepted": accepted}
     return step
 

@@ -144,6 +144,7 @@ def test_a_graph_step_uploads_only_the_page_table_of_its_layout(tiny_target, mon
     the layout (before: all six layout arrays, five of them unused)."""
     import numpy as np
 
+    from specstep.engine.step_context import GraphTable
     from specstep.scheduler.request import Request
 
     core = make_core(tiny_target, graphs="on", max_batch_size=4, overlap=False)
@@ -154,7 +155,7 @@ def test_a_graph_step_uploads_only_the_page_table_of_its_layout(tiny_target, mon
     upload = core.engine.staging.upload
     monkeypatch.setattr(core.engine.staging, "upload", lambda arrays: (uploads.append(len(arrays)), upload(arrays))[1])
     ctx = core.engine.plan_decode(core.running, np.zeros(2, np.int64))
-    assert ctx.graph and ctx.verify_layout is None and ctx.graph_page_table.shape[0] == 2
+    assert ctx.graph and isinstance(ctx.inputs.layout, GraphTable) and ctx.inputs.layout.page_table.shape[0] == 2
     # One upload: start, slots, num_draft, the token grid, five sampling rows, the page table.
     assert uploads == [10], uploads
     out = core.engine.run_decode(ctx)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,7 +34,7 @@ import torch
 from specstep.engine.parallel.group import TPGroup
 from specstep.engine.proposers.base import Proposer
 from specstep.engine.sampling_params import SamplingParams
-from specstep.engine.step_context import Chain, DecodeContext, SeqState
+from specstep.engine.step_context import Chain, DecodeInputs, DecodePlan, SeqState
 
 if TYPE_CHECKING:
     from specstep.engine.step_engine import StepEngine, StepOutput
@@ -156,22 +156,21 @@ class LeaderEngine:
         return self.local.can_chain(num_draft)
 
     def plan_decode(self, seqs: list[SeqState], num_draft: np.ndarray, chain: Chain | None = None,
-                    refill: bool = True) -> DecodeContext:
-        ctx = self.local.plan_decode(seqs, num_draft, chain, refill)
+                    refill: bool = True) -> DecodePlan:
+        plan = self.local.plan_decode(seqs, num_draft, chain, refill)
         host_drafts = None
-        if ctx.k > 0 and self.local.proposer.drafts_on_host:
-            host_drafts = [row[1: 1 + n].tolist() for row, n in zip(ctx.input_grid, ctx.num_draft)]
+        if plan.k > 0 and self.local.proposer.drafts_on_host:
+            host_drafts = [row[1: 1 + n].tolist() for row, n in zip(plan.input_grid, plan.num_draft)]
         chain_rows = None if chain is None else (chain.src, chain.dst)
         # Built now, from the host state this step was planned on; sent when the step runs (job order).
-        ctx.tp_message = self._message("decode", self._sync.snapshot(seqs), ctx.num_draft.copy(), host_drafts,
-                                       chain_rows, refill)
-        return ctx
+        return replace(plan, tp_message=self._message("decode", self._sync.snapshot(seqs), plan.num_draft.copy(),
+                                                      host_drafts, chain_rows, refill))
 
-    def run_decode(self, ctx: DecodeContext) -> StepOutput:
-        if ctx.tp_message is None:  # built by the wrapped engine directly: the followers would not know the step
+    def run_decode(self, plan: DecodePlan) -> StepOutput:
+        if plan.tp_message is None:  # built by the wrapped engine directly: the followers would not know the step
             raise RuntimeError("at tensor-parallel size > 1 a decode step must be planned with plan_decode")
-        self._send(ctx.tp_message)
-        return self.local.run_decode(ctx)
+        self._send(plan.tp_message)
+        return self.local.run_decode(plan)
 
     def close(self, failed: bool = False) -> None:
         """Release the followers (they exit their loop) and leave the group. After a failure the followers may
@@ -214,8 +213,8 @@ def follow(engine, tp: TPGroup) -> None:
         elif kind == "decode":
             snapshot, num_draft, host_drafts, chain_rows, refill = payload
             chain = None if chain_rows is None else Chain(prev=_Done(last_out), src=chain_rows[0], dst=chain_rows[1])
-            ctx = engine.decode_context(mirror.apply(snapshot), num_draft, host_drafts, chain, refill)
-            last_out = engine.run_decode(ctx)
+            plan = engine.decode_context(mirror.apply(snapshot), num_draft, host_drafts, chain, refill)
+            last_out = engine.run_decode(plan)
         else:
             raise RuntimeError(f"unknown tensor-parallel message {kind!r}")
 
@@ -233,5 +232,5 @@ class LeaderDraft(Proposer):
         self.kv_lookahead = kv_lookahead  # the leader's draft writes past the verify window: same page widths
         self.device = device
 
-    def propose(self, ctx: DecodeContext) -> tuple[torch.Tensor, None]:
-        return torch.zeros(ctx.batch_size, ctx.k, dtype=torch.long, device=self.device), None
+    def propose(self, inputs: DecodeInputs) -> tuple[torch.Tensor, None]:
+        return torch.zeros(inputs.batch_size, inputs.k, dtype=torch.long, device=self.device), None

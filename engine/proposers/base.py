@@ -25,7 +25,7 @@ from specstep.engine.kv_cache import KVPool
 from specstep.engine.random import DRAFT
 from specstep.engine.sampler import processed_probs, sample_from_probs
 from specstep.engine.sampling_params import SamplingTensors
-from specstep.engine.step_context import DecodeContext, SeqState
+from specstep.engine.step_context import DecodeInputs, DecodePlan, SeqState
 from specstep.traces.tracer import Tracer
 
 
@@ -65,7 +65,7 @@ class Proposer(ABC):
         """The longest sequence the proposer drafts within (a draft model's own context); None: no limit."""
         return None
 
-    def plan_attention(self, ctx: DecodeContext, base: np.ndarray, verify_q: np.ndarray, lanes: int | None) -> None:
+    def plan_attention(self, plan: DecodePlan, base: np.ndarray, verify_q: np.ndarray, lanes: int | None) -> None:
         """Plan the proposer's forwards of a decode step (backends that need exact host lengths, FlashInfer);
         nothing without a network."""
 
@@ -105,11 +105,11 @@ class Proposer(ABC):
         else None (`propose` drafts them on the device). By default: as asked, on the device."""
         return num_draft, None
 
-    def propose(self, ctx: DecodeContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [B, k] and their distributions [B, k, V] (None when every request is greedy)."""
         raise NotImplementedError(f"{self.kind} proposes on the host (propose_host)")
 
-    def refill(self, ctx: DecodeContext, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
+    def refill(self, inputs: DecodeInputs, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
                target_hidden: torch.Tensor) -> None:
         """Bring the draft's KV and carried state up to date with the tokens just emitted."""
 
@@ -118,13 +118,13 @@ class Proposer(ABC):
         """A prefill chunk (or a mixed step's decode row) ran without the proposer: keep what `catch_up` will
         need (device only)."""
 
-    def after_verify(self, ctx: DecodeContext, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
+    def after_verify(self, inputs: DecodeInputs, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
                      target_hidden: torch.Tensor, tracer: Tracer) -> None:
         """The proposer's part of a decode step after acceptance (device only, graph-capturable): `refill` where
-        the step keeps it current (`ctx.refill`), else `keep`; `tracer` records the refill's range. Nothing
+        the step keeps it current (`inputs.refill`), else `keep`; `tracer` records the refill's range. Nothing
         without a network."""
 
-    def keep(self, ctx: DecodeContext, target_hidden: torch.Tensor) -> None:
+    def keep(self, inputs: DecodeInputs, target_hidden: torch.Tensor) -> None:
         """A step ran without refill: keep what `catch_up` will need and the host will not have (device only)."""
 
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:

@@ -23,7 +23,7 @@ from specstep.engine.forward_batch import ForwardBatch
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.proposers.base import Proposer, draw
 from specstep.engine.staging import Staging
-from specstep.engine.step_context import DecodeContext, SeqState
+from specstep.engine.step_context import DecodeInputs, DecodePlan, SeqState
 from specstep.traces import ranges
 from specstep.traces.ranges import DEVICE_TRACK
 from specstep.traces.tracer import Tracer
@@ -62,15 +62,15 @@ class ModelProposer(Proposer):
     def attention(self) -> AttentionBackend:
         return self.network.attention
 
-    def plan_attention(self, ctx: DecodeContext, base: np.ndarray, verify_q: np.ndarray, lanes: int | None) -> None:
+    def plan_attention(self, plan: DecodePlan, base: np.ndarray, verify_q: np.ndarray, lanes: int | None) -> None:
         """Plan the draft loop's and the refill's forwards of a decode step whose requests' last tokens sit at
         `base` (exact host positions); mirrors `propose` and `refill` below."""
         attn, ones = self.attention, np.ones(len(base), np.int64)
-        for j in range(1, ctx.k):
-            pos = np.where(ctx.num_draft > j, base + (j - self.shift), base)
-            attn.plan(f"draft.{j}", ones, pos + 1, ctx.page_tables, lanes)
-        if ctx.refill:
-            attn.plan("refill", verify_q, base + (1 - self.shift) + verify_q, ctx.page_tables, lanes)
+        for j in range(1, plan.k):
+            pos = np.where(plan.num_draft > j, base + (j - self.shift), base)
+            attn.plan(f"draft.{j}", ones, pos + 1, plan.page_tables, lanes)
+        if plan.refill:
+            attn.plan("refill", verify_q, base + (1 - self.shift) + verify_q, plan.page_tables, lanes)
 
     def plan_padding(self, k: int, lanes: int, refill: bool) -> None:
         """Plans for an all-padding batch (graph capture), slot by slot as `plan_attention`."""
@@ -138,36 +138,36 @@ class ModelProposer(Proposer):
         hidden = self.forward(fb, hidden_in)
         self._carry(hidden, last_rows, slots)
 
-    def propose(self, ctx: DecodeContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        slots = ctx.slots
-        token, q = draw(self.carried_logits[slots], ctx.st, ctx.start + 1)
+    def propose(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        slots = inputs.slots
+        token, q = draw(self.carried_logits[slots], inputs.st, inputs.start + 1)
         drafts, probs = [token], [q]
         hidden = self.carried_hidden[slots]
-        for j in range(1, ctx.k):
+        for j in range(1, inputs.k):
             # A request drafting fewer than k tokens has no pages reserved past its own drafts: its lane keeps
             # the batch's shape but reads at its start and writes the dummy page.
-            more = ctx.num_draft_dev > j
-            pos = torch.where(more, ctx.start + (j - self.shift), ctx.start)
-            fb = ForwardBatch.derive(ctx.single_layout, pos, token, write=more, slot=f"draft.{j}")
+            more = inputs.num_draft > j
+            pos = torch.where(more, inputs.start + (j - self.shift), inputs.start)
+            fb = ForwardBatch.derive(inputs.single_layout, pos, token, write=more, slot=f"draft.{j}")
             hidden = self.forward(fb, hidden)
-            token, q = draw(self.compute_logits(hidden), ctx.st, ctx.start + (j + 1))
+            token, q = draw(self.compute_logits(hidden), inputs.st, inputs.start + (j + 1))
             drafts.append(token)
             probs.append(q)
         draft_probs = None if probs[0] is None else torch.stack(probs, dim=1)
         return torch.stack(drafts, dim=1), draft_probs
 
-    def after_verify(self, ctx: DecodeContext, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
+    def after_verify(self, inputs: DecodeInputs, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
                      target_hidden: torch.Tensor, tracer: Tracer) -> None:
-        if ctx.refill:
+        if inputs.refill:
             with tracer.range(ranges.REFILL, track=DEVICE_TRACK):
-                self.refill(ctx, out_tokens, num_accepted, target_hidden)
+                self.refill(inputs, out_tokens, num_accepted, target_hidden)
         else:
-            self.keep(ctx, target_hidden)
+            self.keep(inputs, target_hidden)
 
-    def refill(self, ctx: DecodeContext, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
+    def refill(self, inputs: DecodeInputs, out_tokens: torch.Tensor, num_accepted: torch.Tensor,
                target_hidden: torch.Tensor) -> None:
-        ids = out_tokens.reshape(-1)[ctx.verify_flat_index()]
-        fb = ForwardBatch.derive(ctx.verify_layout, ctx.start + (1 - self.shift), ids, slot="refill")
+        ids = out_tokens.reshape(-1)[inputs.verify_flat_index()]
+        fb = ForwardBatch.derive(inputs.verify_layout, inputs.start + (1 - self.shift), ids, slot="refill")
         hidden = self.forward(fb, target_hidden)
-        carry_rows = ctx.verify_layout.q_index[:, 0] + num_accepted
-        self._carry(hidden, carry_rows, ctx.slots)
+        carry_rows = inputs.verify_layout.q_index[:, 0] + num_accepted
+        self._carry(hidden, carry_rows, inputs.slots)

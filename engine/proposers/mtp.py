@@ -21,7 +21,7 @@ from specstep.engine.models.llama import LlamaForCausalLM
 from specstep.engine.models.mtp_head import MTPHead
 from specstep.engine.proposers.draft_vocab import ReducedLMHead
 from specstep.engine.proposers.model_proposer import ModelProposer
-from specstep.engine.step_context import DecodeContext, SeqState
+from specstep.engine.step_context import DecodeInputs, SeqState
 
 HISTORY = 256  # target hidden states kept per slot while refill is dropped
 
@@ -60,10 +60,10 @@ class MTPProposer(ModelProposer):
             return self.reduced_head(hidden)
         return self.target.compute_logits(hidden)
 
-    def keep(self, ctx: DecodeContext, target_hidden: torch.Tensor) -> None:
+    def keep(self, inputs: DecodeInputs, target_hidden: torch.Tensor) -> None:
         # Without refill nobody drafted (k = 0): one verify row per request, the target's hidden state at `start`.
-        rows = ctx.verify_layout.q_index[:, 0]
-        self.history[ctx.slots, ctx.start % HISTORY] = target_hidden[rows]  # same dtype (no cast: see _carry)
+        rows = inputs.verify_layout.q_index[:, 0]
+        self.history[inputs.slots, inputs.start % HISTORY] = target_hidden[rows]  # same dtype (no cast: see _carry)
 
     def keep_prefill(self, seqs: list[SeqState], start: np.ndarray, q_lens: np.ndarray,
                      target_hidden: torch.Tensor) -> None:
