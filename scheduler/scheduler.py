@@ -193,7 +193,7 @@ class Scheduler:
             if fits:
                 return StepPlan(StepKind.DECODE, decode=tuple(self.queues.running), decision=decision,
                                 catch_up=stale_lanes(self.queues.running, decision))
-            self.drop(decision)  # not run: decided again for the batch left after preempting
+            # Not run (nothing of it was counted): decided again for the batch left after preempting.
             if self.queues.prefilling:  # the newest work: a prompt part-way through its chunks
                 self.queues.preempt(self.queues.prefilling[-1])
                 continue
@@ -226,8 +226,7 @@ class Scheduler:
         lanes = decision.catch_up if decision.catch_up is not None else np.ones(len(batch), dtype=bool)
         if ((decision.refill and lag is not None and (lanes & (lag > 0)).any()) or not can_chain(decision.num_draft)
                 or not self.reserve_pages(batch, decision.num_draft, pending)):
-            self.drop(decision)
-            return None
+            return None  # never committed: the policy saw nothing of it
         refilled = prev_refilled[src] if lag is not None else np.zeros(len(batch), dtype=bool)
         return StepPlan(StepKind.DECODE, decode=tuple(batch), decision=decision, chain_src=src,
                         chain_refilled=refilled.copy())
@@ -243,16 +242,13 @@ class Scheduler:
         max_len = min(self.config.max_model_len, self.config.spec_max_len or self.config.max_model_len)
         room = draft_room(reqs, extra, max_len, self.step_tokens)
         lag = draft_lag(reqs, extra, current or set()) if self.facts.has_draft_model else None
-        decision = self.policy.choose([r.acceptance for r in reqs], [r.num_spec_tokens for r in reqs], room, lag)
+        decision = self.policy.choose([r.acceptance for r in reqs], [r.num_spec_tokens for r in reqs], room, lag,
+                                      commit=False)
         if not self.facts.has_draft_model and decision.refill:
             decision = replace(decision, refill=False)
         if self.tracer.recording:
             self.tracer.instant("spec_decision", batch=b, governor=self.policy.governor_state, **decision.to_log())
         return decision
-
-    def drop(self, decision: Decision) -> None:
-        """A decision that will not run (its plan was dropped): un-count it, so a probe in it stays due."""
-        self.policy.retract(decision)
 
     def reserve_pages(self, reqs: list[Request], num_draft: np.ndarray, pending: np.ndarray | None = None) -> bool:
         """Grow each page table to hold its step's writes: current tokens, what a step in flight may still add
@@ -270,8 +266,11 @@ class Scheduler:
 
     def launched(self, plan: StepPlan, num_draft: np.ndarray) -> np.ndarray:
         """A decode plan was launched, drafting `num_draft` (n-gram may match fewer than decided, a stale draft
-        none): its requests are in flight. Returns the lanes whose draft is current after the step."""
+        none): its requests are in flight, and its decision counts (`AdaptivePolicy.commit`: the only place a
+        decision changes the policy). Returns the lanes whose draft is current after the step."""
         d = plan.decision
+        if self.facts.has_proposer:
+            self.policy.commit(d)
         if plan.chain_refilled is not None:
             refilled = plan.chain_refilled.copy()
         else:

@@ -18,8 +18,8 @@ realised ratio is R = sum(T) / sum(P), with the delta-method standard error
 While on, samples older than `max_age` steps run (judged or not) drop out. While off, every step is plain
 except probes: at most one in every ceil(1 / epsilon) steps, and never before epsilon of the off device time
 since the last probe has paid for that probe's overhead (its catch-up plus its time beyond the plain time of the
-tokens it emitted: a probe that paid owes nothing). A probe decided for a step that does not run as decided
-(a chained step that must drain first) is given back (`snapshot`/`restore`), so it is not lost.
+tokens it emitted: a probe that paid owes nothing). A probe is spent only when its step runs (`peek` decides,
+`commit_tick` spends): one decided for a chained step that is re-planned stays due, so it is not lost.
 
 The bound. The loss against plain decoding is about
     delta      while on, beyond the one-off exploration and the min_samples..window steps it takes to be confident,
@@ -125,13 +125,6 @@ class Governor:
         counted, probe = self.peek()
         self.commit_tick(counted, probe)
         return probe
-
-    def snapshot(self) -> tuple[int, int, int]:
-        """The probe clock, so a decision that never runs can give back what `tick` spent on it."""
-        return self._since_probe, self.probes, self.off_steps
-
-    def restore(self, snap: tuple[int, int, int]) -> None:
-        self._since_probe, self.probes, self.off_steps = snap
 
     def observe_plain(self, bucket: int, seconds: float) -> None:
         """A step in which nobody drafted: the governor's own plain baseline, apart from the cost model's."""

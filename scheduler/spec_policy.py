@@ -151,7 +151,6 @@ class AdaptivePolicy:
         self._since_probe = 0  # steps since auto requests last drafted (the global probe clock)
         self.reasons: Counter[str] = Counter()  # decisions by reason, for metrics
         self._explore_tries: Counter[int] = Counter()  # k > 0: tries of k; -bucket: tries of plain in it
-        self._undo = self.governor.snapshot()
         self.catch_up_rate: float | None = None  # seconds per token a stale draft catches up (EMA)
         self._probe_lanes_seen = [0, 0]  # this step's probing lanes and their accepted drafts (observe_request)
         self._unobserved: deque[int | None] = deque()  # decisions not yet observed: the k each explores (or None)
@@ -299,7 +298,6 @@ class AdaptivePolicy:
 
     def commit(self, decision: Decision) -> None:
         """The decision's step runs: count it and apply its effects (call once per decision)."""
-        self._undo = self.governor.snapshot()  # for `retract`
         self.steps += 1
         self.reasons[decision.reason] += 1
         self._unobserved.append(decision.k if decision.reason == "explore" else None)
@@ -449,20 +447,6 @@ class AdaptivePolicy:
         nd = np.minimum(nd, np.where(auto, ln.room, nd))
         reason = "probe" if probing.any() and not speculating else "model"
         return self._decision(nd, auto, reason, best.expected_tokens, best.expected_cost, probing)
-
-    def retract(self, decision: Decision) -> None:
-        """Deprecated: plan with `choose(commit=False)` and `commit` the decision when its step runs; a decision
-        never committed needs no retraction. For a decision made with commit=True that will not run as decided
-        (a chained step that must drain first): give back its probe and its count, so the re-made decision
-        probes instead (else, on the overlap path, every probe is spent on a step that never runs)."""
-        self.governor.restore(self._undo)
-        self.reasons[decision.reason] -= 1
-        self.steps -= 1
-        if self._unobserved:
-            self._unobserved.pop()
-        fx = decision.effects
-        if fx is not None and fx.explore_key is not None:
-            self._explore_tries[fx.explore_key] -= 1
 
     def _budget_ok(self, b: int, nd: np.ndarray, refill: bool) -> bool:
         if self.cfg.objective != "latency" or not nd.any():

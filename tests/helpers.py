@@ -99,8 +99,14 @@ class ScriptedPolicy(AdaptivePolicy):
     def proposer_current(self) -> bool:
         return self.prefill
 
-    def choose(self, accs, overrides, room, behind=None):
+    def choose(self, accs, overrides, room, behind=None, commit=True):
         on = self.pattern[self.i % len(self.pattern)]
-        self.i += 1
         nd = np.minimum(np.full(len(accs), self.k if on else 0), np.asarray(room)).clip(0)
-        return Decision(nd, int(nd.max(initial=0)), bool(on or self.off_refill), 0.0, 0.0, "model")
+        d = Decision(nd, int(nd.max(initial=0)), bool(on or self.off_refill), 0.0, 0.0, "model")
+        if commit:
+            self.commit(d)
+        return d
+
+    def commit(self, decision):  # the pattern advances per step that runs, not per decision made
+        self.i += 1
+        super().commit(decision)
