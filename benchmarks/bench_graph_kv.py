@@ -20,7 +20,7 @@ from specstep.engine.engine_config import EngineConfig
 from specstep.engine.model_source import default_target, resolve_model
 from specstep.engine.sampling_params import SamplingParams
 from specstep.scheduler.build import build_engine
-from specstep.scheduler.request import Request
+from specstep.scheduler.core.request import Request
 
 
 def build(model: str, batch: int, max_len: int, one_width: bool):

@@ -36,7 +36,7 @@ from specstep.engine.model_source import pretrained_gguf, resolve_model
 from specstep.engine.sampling_params import SamplingParams
 from specstep.engine.tokenizer import Tokenizer
 from specstep.scheduler.build import build_engine
-from specstep.scheduler.request import Request
+from specstep.scheduler.core.request import Request
 
 SETTINGS = ("off", "k1", "k2", "k4", "adaptive", "latency")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)

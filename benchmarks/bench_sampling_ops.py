@@ -16,7 +16,7 @@ from specstep.engine.engine_config import EngineConfig
 from specstep.engine.model_source import default_target, resolve_model
 from specstep.engine.sampling_params import SamplingParams
 from specstep.scheduler.build import build_engine
-from specstep.scheduler.request import Request
+from specstep.scheduler.core.request import Request
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),

@@ -31,7 +31,7 @@ from specstep.engine.engine_config import EngineConfig
 from specstep.engine.model_source import default_draft, default_target, resolve_model
 from specstep.engine.sampling_params import SamplingParams
 from specstep.scheduler.build import build_engine
-from specstep.scheduler.request import Request
+from specstep.scheduler.core.request import Request
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:

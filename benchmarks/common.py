@@ -22,7 +22,7 @@ from rich.table import Table  # noqa: E402
 from specstep.engine.engine_config import DEFAULT_TARGET, EngineConfig  # noqa: E402
 from specstep.engine.sampling_params import SamplingParams  # noqa: E402
 from specstep.scheduler.build import build_engine  # noqa: E402
-from specstep.scheduler.request import Request  # noqa: E402
+from specstep.scheduler.core.request import Request  # noqa: E402
 
 console = Console()
 

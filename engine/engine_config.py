@@ -16,7 +16,7 @@ from specstep.engine.model_source import default_draft, resolve_model
 
 SPEC_KINDS = ("none", "draft_model", "mtp", "ngram")
 SPEC_POLICIES = ("fixed", "adaptive")
-SPEC_OBJECTIVES = ("throughput", "latency")  # `scheduler.spec_policy.OBJECTIVES`
+SPEC_OBJECTIVES = ("throughput", "latency")  # `scheduler.spec.policy.OBJECTIVES`
 # `serve`'s chunked prefill: a mixed step may cost this many of the running batch's plain decode steps. A step
 # costs its decode part plus the chunk, so a long prompt's time to first token is at best 1 + 1/(X - 1) times a
 # whole-prompt prefill's (1.5 at 3) while the streams' gaps grow to about X times their median: 3 is where the
@@ -159,9 +159,9 @@ class EngineConfig:
     max_batch_size: int = option(64, "most requests decoding at once", check=_positive, rule=">= 1")
     max_prefill_tokens: int = option(4096, "most prompt tokens in a whole-prompt prefill step, and the ceiling of a "
                                            "calibrated chunked-prefill budget", check=_positive, rule=">= 1")
-    # Chunked prefill (`scheduler/prefill_budget.py`): every running request decodes one token in each step and
+    # Chunked prefill (`scheduler/core/prefill_budget.py`): every running request decodes one token in each step and
     # prompt chunks fill the rest of its budget, as in vLLM. max_num_batched_tokens N: a fixed budget of N
-    # tokens a step (0: off). Unset: calibrated at start-up (and paced live, `scheduler/prefill_pacer.py`) so a
+    # tokens a step (0: off). Unset: calibrated at start-up (and paced live, `scheduler/core/prefill_pacer.py`) so a
     # mixed step costs at most max_step_latency of the running batch's plain decode steps, or off when that is
     # unset too (the library's and `generate`'s default; `serve` sets it). Off: a prompt is prefilled whole in a
     # step of its own while running requests wait. A budget below the running batch is allowed: prompts still

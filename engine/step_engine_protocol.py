@@ -2,8 +2,8 @@
 leader (`engine.parallel.tp_engine.LeaderEngine`, which announces each device call to the followers first) both
 implement it, member by member; nothing is probed with `getattr` or forwarded by `__getattr__`.
 
-Callers: `scheduler.engine_core.EngineCore` (and its chunked-prefill and stopping parts), and the prefill
-budget's start-up timing (`scheduler.prefill_budget.measure_step_costs`). Start-up (`scheduler.build`) builds the
+Callers: `scheduler.core.engine_core.EngineCore` (and its chunked-prefill and stopping parts), and the prefill
+budget's start-up timing (`scheduler.core.prefill_budget.measure_step_costs`). Start-up (`scheduler.build`) builds the
 local engine itself and may use more of it (graphs, memory planning) before the core exists.
 
 Threading: `plan_decode` runs on the scheduler thread (host work only); `prefill`, `catch_up` and `run_decode`

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from specstep.scheduler.protocol import (
+from specstep.scheduler.server.protocol import (
     AbortRequest,
     Delta,
     Error,
@@ -30,7 +30,7 @@ from specstep.scheduler.protocol import (
     decode_server,
     encode,
 )
-from specstep.scheduler.sockets import make_socket
+from specstep.scheduler.server.sockets import make_socket
 
 Event = Delta | Final | Error
 CLIENT_TIMEOUT = 0  # an error code of our own (the server's codes start at 1): no answer within the timeout

@@ -30,7 +30,7 @@ import numpy as np
 
 from specstep.loadgen.client import Client, Result
 from specstep.loadgen.runner import LoadPoint, RunResult
-from specstep.scheduler.protocol import GenerateRequest
+from specstep.scheduler.server.protocol import GenerateRequest
 
 if TYPE_CHECKING:
     from specstep.loadgen.router import Router

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import zmq.asyncio
 
 from specstep.loadgen.client import CLIENT_TIMEOUT, Client, Result
-from specstep.scheduler.protocol import Error, ErrorCode, GenerateRequest, HealthReply, StatsReply
+from specstep.scheduler.server.protocol import Error, ErrorCode, GenerateRequest, HealthReply, StatsReply
 
 NO_REPLICA = -1  # an error code of our own: every replica was down when the request was to be sent
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from specstep.loadgen.client import Client, Result
-from specstep.scheduler.protocol import GenerateRequest
+from specstep.scheduler.server.protocol import GenerateRequest
 
 if TYPE_CHECKING:
     from specstep.loadgen.router import Router

@@ -14,7 +14,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from specstep.scheduler.protocol import GenerateRequest
+from specstep.scheduler.server.protocol import GenerateRequest
 
 WORKLOADS = ("code", "random", "mix")
 

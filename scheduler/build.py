@@ -36,12 +36,12 @@ from specstep.engine.proposers.ngram import NgramProposer  # noqa: E402
 from specstep.engine.step_engine import StepEngine  # noqa: E402
 from specstep.engine.stream import make_stream  # noqa: E402
 from specstep.engine.tokenizer import Tokenizer  # noqa: E402
-from specstep.scheduler.engine_core import EngineCore, SchedulerConfig  # noqa: E402
-from specstep.scheduler.page_allocator import PageAllocator  # noqa: E402
-from specstep.scheduler.prefill_budget import resolve_budget  # noqa: E402
-from specstep.scheduler.spec_governor import GovernorConfig  # noqa: E402
-from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig  # noqa: E402
-from specstep.scheduler.tp_group import start_tp_group  # noqa: E402
+from specstep.scheduler.core.engine_core import EngineCore, SchedulerConfig  # noqa: E402
+from specstep.scheduler.core.page_allocator import PageAllocator  # noqa: E402
+from specstep.scheduler.core.prefill_budget import resolve_budget  # noqa: E402
+from specstep.scheduler.parallel.tp_group import start_tp_group  # noqa: E402
+from specstep.scheduler.spec.governor import GovernorConfig  # noqa: E402
+from specstep.scheduler.spec.policy import AdaptivePolicy, PolicyConfig  # noqa: E402
 from specstep.traces.tracer import NULL_TRACER, Tracer  # noqa: E402
 
 log = logging.getLogger("specstep.build")
@@ -88,7 +88,7 @@ class StepEngineParts:
 
 
 def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[EngineCore, Tokenizer | None, EngineInfo]:
-    """The leader's engine: with tensor parallelism it first starts the follower ranks (`scheduler.tp_group`),
+    """The leader's engine: with tensor parallelism it first starts the follower ranks (`scheduler.parallel.tp_group`),
     which build the same step engine on their shards and replay its steps."""
     if cfg.tensor_parallel_size > 1 and cfg.device.startswith("cuda:"):
         raise ConfigError(f"--device {cfg.device} with --tensor-parallel-size {cfg.tensor_parallel_size}: rank r "
@@ -250,7 +250,7 @@ def plan_memory_within(cfg: EngineConfig, engine: StepEngine, pools: list[KVPool
 
 def policy_config(cfg: EngineConfig, k_max: int, candidates: tuple[int, ...] | None) -> PolicyConfig:
     """The speculation policy for an engine: n-gram's eager ragged verify costs per draft row; model proposers
-    and captured graphs pay per lane (see scheduler.spec_costs)."""
+    and captured graphs pay per lane (see scheduler.spec.costs)."""
     latency = cfg.spec_objective == "latency"
     epsilon = cfg.spec_epsilon if cfg.spec_epsilon is not None else (0.005 if latency else 0.02)
     return PolicyConfig(kind=cfg.spec_policy, k_max=k_max, candidates=candidates, objective=cfg.spec_objective,

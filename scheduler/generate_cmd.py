@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from specstep.engine.sampling_params import SamplingParams
     from specstep.scheduler.build import build_engine
-    from specstep.scheduler.request import Request
+    from specstep.scheduler.core.request import Request
 
     items = read_inputs(args)
     resolve_model_arg(args)

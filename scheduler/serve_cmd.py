@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import uvloop
 
-    from specstep.scheduler.frontend import Frontend, FrontendConfig
+    from specstep.scheduler.server.frontend import Frontend, FrontendConfig
 
     fcfg = FrontendConfig(address=args.address, engine=dataclasses.asdict(cfg), model_name=name, model_origin=origin,
                           max_tokens=args.max_tokens_limit, max_prompt_len=args.max_prompt_len,

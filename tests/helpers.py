@@ -15,10 +15,10 @@ import torch  # noqa: E402
 from specstep.engine.engine_config import EngineConfig  # noqa: E402
 from specstep.engine.sampling_params import SamplingParams  # noqa: E402
 from specstep.scheduler.build import build_engine  # noqa: E402
-from specstep.scheduler.engine_core import EngineCore  # noqa: E402
-from specstep.scheduler.request import Request  # noqa: E402
-from specstep.scheduler.spec_decision import Decision  # noqa: E402
-from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig  # noqa: E402
+from specstep.scheduler.core.engine_core import EngineCore  # noqa: E402
+from specstep.scheduler.core.request import Request  # noqa: E402
+from specstep.scheduler.spec.decision import Decision  # noqa: E402
+from specstep.scheduler.spec.policy import AdaptivePolicy, PolicyConfig  # noqa: E402
 
 TINY_VOCAB = 320
 

@@ -23,10 +23,10 @@ from specstep.engine.parallel.group import SINGLE, TPGroup
 from specstep.engine.sampling_params import SamplingParams
 from specstep.engine.step_engine import StepOutput
 from specstep.engine.stream import DeviceStream, StepHandle, ThreadStream
-from specstep.scheduler.engine_core import EngineCore, SchedulerConfig
-from specstep.scheduler.page_allocator import PageAllocator
-from specstep.scheduler.request import Request
-from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig
+from specstep.scheduler.core.engine_core import EngineCore, SchedulerConfig
+from specstep.scheduler.core.page_allocator import PageAllocator
+from specstep.scheduler.core.request import Request
+from specstep.scheduler.spec.policy import AdaptivePolicy, PolicyConfig
 
 
 class SimClock:

@@ -20,7 +20,7 @@ from specstep.engine.model_source import pretrained_gguf, resolve_model
 from specstep.engine.sampling_params import SamplingParams
 from specstep.engine.tokenizer import Tokenizer
 from specstep.scheduler.build import build_engine
-from specstep.scheduler.request import Request
+from specstep.scheduler.core.request import Request
 
 GGUF = pretrained_gguf()
 if GGUF is None:

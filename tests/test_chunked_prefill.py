@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specstep.engine.sampling_params import SamplingParams
-from specstep.scheduler.request import Request, Status
+from specstep.scheduler.core.request import Request, Status
 from tests.fixtures_models import make_mtp_head
 from tests.helpers import make_core
 

@@ -21,7 +21,7 @@ from specstep.engine.engine_config import (
 from specstep.engine.errors import ConfigError
 from specstep.scheduler import cli
 from specstep.scheduler.engine_options import engine_config_from_args
-from specstep.scheduler.spec_policy import OBJECTIVES
+from specstep.scheduler.spec.policy import OBJECTIVES
 
 COMMANDS = ("generate", "serve")
 FIELDS = dataclasses.fields(EngineConfig)

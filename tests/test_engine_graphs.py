@@ -125,7 +125,7 @@ def test_temperature_only_graphs_do_not_sort_the_vocabulary(tiny_target, tmp_pat
 
     core = make_core(tiny_target, spec="mtp", draft=str(make_mtp_head(tmp_path / "head", tiny_target)),
                      num_spec_tokens=2, graphs="on", max_batch_size=4, overlap=False)
-    from specstep.scheduler.request import Request
+    from specstep.scheduler.core.request import Request
 
     for i in range(2):
         core.add_request(Request(str(i), [3, 1, 4, 1, 5], params, seed=i))
@@ -145,7 +145,7 @@ def test_a_graph_step_uploads_only_the_page_table_of_its_layout(tiny_target, mon
     import numpy as np
 
     from specstep.engine.step_context import GraphTable
-    from specstep.scheduler.request import Request
+    from specstep.scheduler.core.request import Request
 
     core = make_core(tiny_target, graphs="on", max_batch_size=4, overlap=False)
     for i in range(2):

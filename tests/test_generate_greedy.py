@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specstep.engine.sampling_params import SamplingParams
-from specstep.scheduler.request import FinishReason, Request
+from specstep.scheduler.core.request import FinishReason, Request
 from tests.fixtures_models import fragment, hf_model, is_fragmented
 from tests.helpers import make_checkpoint, make_core, run_to_completion
 

@@ -106,7 +106,7 @@ def test_cuda_steady_state_decode_syncs_only_in_its_readback(tiny_target, tmp_pa
     """Steady-state decode steps under sync debug mode "error": every input is staged (pinned, non-blocking)
     and nothing synchronises except the one documented readback, `StepOutput.read`."""
     from specstep.engine.step_engine import StepOutput
-    from specstep.scheduler.request import Request
+    from specstep.scheduler.core.request import Request
 
     draft = str(make_mtp_head(tmp_path / "head", tiny_target)) if spec == "mtp" else None
     core = make_core(tiny_target, device=CUDA, dtype="float32", spec=spec, draft=draft, num_spec_tokens=3,

@@ -11,7 +11,7 @@ import pytest
 from specstep.engine.engine_config import EngineConfig
 from specstep.engine.sampling_params import SamplingParams
 from specstep.scheduler.build import build_engine
-from specstep.scheduler.request import Request
+from specstep.scheduler.core.request import Request
 from tests import fake_flashinfer
 from tests.fixtures_models import make_mtp_head
 from tests.helpers import make_core, run_to_completion
@@ -82,7 +82,7 @@ def test_a_refill_step_without_drafts_replays_the_smallest_k(tiny_target, tmp_pa
 
 def test_ready_line_states_graph_count_and_capture_seconds(tiny_target, tmp_path, capsys):
     from specstep.scheduler.cli import main
-    from specstep.scheduler.scheduler_process import ready_message
+    from specstep.scheduler.server.scheduler_process import ready_message
 
     prompts = tmp_path / "in.jsonl"
     prompts.write_text('{"prompt_token_ids": [1, 2, 3]}\n')

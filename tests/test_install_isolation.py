@@ -4,7 +4,7 @@ folders behind.
 The server is started through the installed `specstep` console script from a directory holding decoy
 `scheduler/`, `engine/` and `specstep/` packages that leave a marker file when imported: none may be imported,
 by the server, by the scheduler process it starts (before the fix, that child ran `python -m
-scheduler.scheduler_process`, and the current directory came first on its `sys.path`), or, at TP = 2, by the
+scheduler.server.scheduler_process`, and the current directory came first on its `sys.path`), or, at TP = 2, by the
 tensor-parallel follower that the scheduler process starts in turn (in the same directory)."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 
 from specstep.loadgen.client import Client
 from specstep.loadgen.server import ServerProcess
-from specstep.scheduler.protocol import GenerateRequest
-from specstep.scheduler.sockets import ipc_address, pid_alive, remove_stale_ipc
+from specstep.scheduler.server.protocol import GenerateRequest
+from specstep.scheduler.server.sockets import ipc_address, pid_alive, remove_stale_ipc
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "specstep"
 DECOYS = ["scheduler", "engine", "specstep", "specstep/scheduler", "specstep/engine"]

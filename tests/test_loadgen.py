@@ -26,7 +26,7 @@ from specstep.loadgen.router import NO_REPLICA, Router
 from specstep.loadgen.runner import LoadPoint, RunResult, run_point
 from specstep.loadgen.server import ServerProcess
 from specstep.loadgen.workloads import Workload, build_requests
-from specstep.scheduler.protocol import Error, ErrorCode, Final, GenerateRequest, SpecStats, Timings, Usage
+from specstep.scheduler.server.protocol import Error, ErrorCode, Final, GenerateRequest, SpecStats, Timings, Usage
 from tests.helpers import make_core, run_to_completion
 
 ROOT = Path(__file__).resolve().parent.parent

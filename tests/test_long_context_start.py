@@ -21,7 +21,7 @@ from specstep.loadgen.client import Client
 from specstep.loadgen.server import ServerProcess
 from specstep.scheduler import build
 from specstep.scheduler.build import build_engine
-from specstep.scheduler.protocol import GenerateRequest
+from specstep.scheduler.server.protocol import GenerateRequest
 from tests.helpers import make_checkpoint
 
 LONG = 131072

@@ -195,7 +195,7 @@ def test_cuda_warm_up_out_of_memory_is_a_typed_error(tiny_target, monkeypatch):
 
 def test_ready_lines_carry_the_plan(tiny_target, tmp_path, capsys):
     from specstep.scheduler.cli import main
-    from specstep.scheduler.scheduler_process import ready_message
+    from specstep.scheduler.server.scheduler_process import ready_message
 
     prompts = tmp_path / "in.jsonl"
     prompts.write_text('{"prompt_token_ids": [1, 2, 3]}\n')

@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specstep.loadgen.client import Client
 from specstep.loadgen.server import ServerProcess
-from specstep.scheduler.metrics import ServerMetrics
-from specstep.scheduler.protocol import EngineStats, ErrorCode, GenerateRequest
+from specstep.scheduler.server.metrics import ServerMetrics
+from specstep.scheduler.server.protocol import EngineStats, ErrorCode, GenerateRequest
 
 
 def complete_all(address: str, reqs: list[GenerateRequest]):

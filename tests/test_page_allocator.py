@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from specstep.engine.errors import OutOfPagesError
 from specstep.engine.kv_cache import DUMMY_PAGE
 from specstep.engine.sampling_params import SamplingParams
-from specstep.scheduler.page_allocator import PageAllocator
+from specstep.scheduler.core.page_allocator import PageAllocator
 from tests.helpers import make_core, run_to_completion
 
 
@@ -172,7 +172,7 @@ def test_engine_scenarios_keep_integrity_and_survive_preemption(tiny_target):
 
 def test_prompt_larger_than_the_cache_is_rejected_not_hung(tiny_target):
     from specstep.engine.errors import InvalidRequestError
-    from specstep.scheduler.request import Request
+    from specstep.scheduler.core.request import Request
 
     core = make_core(tiny_target, page_size=4, num_pages=5)  # 16 token slots
     with pytest.raises(InvalidRequestError, match="does not fit the KV cache"):

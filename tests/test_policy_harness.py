@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specstep.scheduler.spec_policy import PolicyConfig
+from specstep.scheduler.spec.policy import PolicyConfig
 from tests.sim_engine import Scenario, simulate
 
 MS = 1e-3

@@ -1,4 +1,4 @@
-"""Chunked prefill's step budget (`scheduler/prefill_budget.py`, `prefill_pacer.py`): the cost model's fit and
+"""Chunked prefill's step budget (`scheduler/core/prefill_budget.py`, `prefill_pacer.py`): the cost model's fit and
 inverse, the budget a step-latency multiple chooses, the share a prompt keeps when decode rows fill the budget,
 the live pacing of mixed steps, the start-up timing driven with an injected clock (no wall time anywhere), and
 `serve`'s default of a calibrated budget."""
@@ -15,9 +15,9 @@ import torch
 from specstep.engine.sampling_params import SamplingParams
 from specstep.scheduler import generate_cmd, serve_cmd
 from specstep.scheduler.build import build_engine
-from specstep.scheduler.engine_core import EngineCore, SchedulerConfig
-from specstep.scheduler.page_allocator import PageAllocator
-from specstep.scheduler.prefill_budget import (
+from specstep.scheduler.core.engine_core import EngineCore, SchedulerConfig
+from specstep.scheduler.core.page_allocator import PageAllocator
+from specstep.scheduler.core.prefill_budget import (
     MIN_BUDGET,
     PrefillBudget,
     StepCostModel,
@@ -25,8 +25,8 @@ from specstep.scheduler.prefill_budget import (
     fit_costs,
     measure_step_costs,
 )
-from specstep.scheduler.prefill_pacer import HEADROOM, WINDOW, PrefillPacer
-from specstep.scheduler.request import Request
+from specstep.scheduler.core.prefill_pacer import HEADROOM, WINDOW, PrefillPacer
+from specstep.scheduler.core.request import Request
 from tests.sim_engine import Scenario, SimClock, SimStepEngine
 
 MODEL = StepCostModel(fixed=0.05, per_token=0.006, per_key=4e-6, per_context=2e-5)

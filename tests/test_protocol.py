@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specstep.engine.tokenizer import Tokenizer
-from specstep.scheduler.detokenize import TextStream
-from specstep.scheduler.protocol import (
+from specstep.scheduler.server.detokenize import TextStream
+from specstep.scheduler.server.protocol import (
     CLIENT_TYPES,
     FROM_ENGINE_TYPES,
     MAX_FRAME_BYTES,
@@ -43,7 +43,7 @@ from specstep.scheduler.protocol import (
     encode,
     encode_engine,
 )
-from specstep.scheduler.validate import Limits, validate_generate
+from specstep.scheduler.server.validate import Limits, validate_generate
 from tests.helpers import write_tokenizer
 
 
@@ -251,8 +251,8 @@ def test_stop_strings_cut_text_even_across_tokens(tokenizer, chunk):
 
 
 def test_frontend_process_imports_no_torch():
-    code = ("import sys; import scheduler.frontend, scheduler.serve_cmd, scheduler.supervisor, loadgen.client; "
-            "sys.exit('torch' in sys.modules)")
+    code = ("import sys; import scheduler.server.frontend, scheduler.serve_cmd, scheduler.server.supervisor, "
+            "loadgen.client; sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -260,7 +260,7 @@ def test_a_prompt_too_long_for_any_tokenization_is_rejected_before_encoding(tiny
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models
 
-    from specstep.scheduler.validate import Limits, validate_generate
+    from specstep.scheduler.server.validate import Limits, validate_generate
 
     tok = Tokenizer.from_folder(tiny_target)  # byte-level BPE
     assert tok.max_token_chars is not None

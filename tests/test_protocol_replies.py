@@ -14,13 +14,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from specstep.scheduler.frontend import Frontend, FrontendConfig
-from specstep.scheduler.protocol import MAX_FRAME_BYTES, ErrorCode, MsgType
-from specstep.scheduler.sockets import make_socket
+from specstep.scheduler.server.frontend import Frontend, FrontendConfig
+from specstep.scheduler.server.protocol import MAX_FRAME_BYTES, ErrorCode, MsgType
+from specstep.scheduler.server.sockets import make_socket
 
 STAND_IN = """
 import os, sys, msgspec, zmq
-from specstep.scheduler.protocol import *
+from specstep.scheduler.server.protocol import *
 cfg = msgspec.json.decode(sys.argv[-1], type=SchedulerProcessConfig)
 ctx = zmq.Context()
 pull = ctx.socket(zmq.PULL); pull.connect(cfg.input_address)
@@ -62,7 +62,7 @@ class Server:
 
 
 async def start(monkeypatch, mode: str) -> tuple[Server, asyncio.Task]:
-    import specstep.scheduler.supervisor as supervisor
+    import specstep.scheduler.server.supervisor as supervisor
 
     monkeypatch.setenv("STAND_IN", mode)
     monkeypatch.setattr(supervisor, "module_command", lambda _: [sys.executable, "-c", STAND_IN])

@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from specstep.loadgen.client import Client
-from specstep.scheduler.protocol import (
+from specstep.scheduler.server.protocol import (
     AbortRequest,
     Error,
     ErrorCode,
@@ -22,7 +22,7 @@ from specstep.scheduler.protocol import (
     decode_server,
     encode,
 )
-from specstep.scheduler.sockets import make_socket
+from specstep.scheduler.server.sockets import make_socket
 
 # The shared fixtures are imported by name (pytest finds them in the module); tests take them as
 # arguments, which ruff reads as redefinitions.

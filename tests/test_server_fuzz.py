@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from specstep.loadgen.client import Client
-from specstep.scheduler.protocol import (
+from specstep.scheduler.server.protocol import (
     CLIENT_TYPES,
     Delta,
     Error,
@@ -28,7 +28,7 @@ from specstep.scheduler.protocol import (
     decode_server,
     encode,
 )
-from specstep.scheduler.sockets import make_socket
+from specstep.scheduler.server.sockets import make_socket
 
 # The shared fixtures are imported by name (pytest finds them in the module); tests take them as
 # arguments, which ruff reads as redefinitions.

@@ -9,7 +9,7 @@ import random
 from specstep.engine.sampling_params import SamplingParams
 from specstep.loadgen.client import Client
 from specstep.loadgen.server import ServerProcess
-from specstep.scheduler.protocol import GenerateRequest
+from specstep.scheduler.server.protocol import GenerateRequest
 from tests.helpers import make_core, run_to_completion
 
 NUM_REQUESTS = 8

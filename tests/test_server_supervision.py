@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from specstep.loadgen.client import Client
 from specstep.loadgen.server import ServerProcess
-from specstep.scheduler.protocol import (
+from specstep.scheduler.server.protocol import (
     Delta,
     Error,
     ErrorCode,
@@ -24,8 +24,8 @@ from specstep.scheduler.protocol import (
     ProtocolError,
     SchedulerProcessConfig,
 )
-from specstep.scheduler.sockets import pid_alive
-from specstep.scheduler.supervisor import SchedulerSupervisor
+from specstep.scheduler.server.sockets import pid_alive
+from specstep.scheduler.server.supervisor import SchedulerSupervisor
 
 LONG = 400  # tokens: still running when the test acts
 
@@ -106,7 +106,7 @@ async def test_sigterm_drains_in_flight_requests_then_exits(server):
 # A stand-in scheduler: connects, announces itself, then reads and ignores everything (no torch, starts fast).
 FAKE_SCHEDULER = """
 import os, sys, msgspec, zmq
-from specstep.scheduler.protocol import Ready, SchedulerProcessConfig, encode_engine
+from specstep.scheduler.server.protocol import Ready, SchedulerProcessConfig, encode_engine
 cfg = msgspec.json.decode(sys.argv[-1], type=SchedulerProcessConfig)
 ctx = zmq.Context()
 pull = ctx.socket(zmq.PULL); pull.connect(cfg.input_address)
@@ -205,7 +205,7 @@ async def test_stop_during_start_cancels_the_start(monkeypatch):
 async def test_restarts_that_cannot_start_end_failed_not_stuck(failure, monkeypatch):
     """The scheduler dies and its successors cannot even be started (ipc bind fails, or the command cannot be
     spawned): the supervisor ends `failed` (waiting requests get UNAVAILABLE) and leaves no socket open."""
-    import specstep.scheduler.supervisor as sup_mod
+    import specstep.scheduler.server.supervisor as sup_mod
 
     ctx, rec = zmq.asyncio.Context(), Recorder()
     sup = supervisor(ctx, rec, [sys.executable, "-c", FAKE_SCHEDULER], startup_timeout_s=30, max_restarts=2,

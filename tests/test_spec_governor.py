@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specstep.scheduler.spec_governor import Governor, GovernorConfig
+from specstep.scheduler.spec.governor import Governor, GovernorConfig
 
 
 def feed(gov: Governor, ratio: float, steps: int, rng, batch: int = 4) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specstep.engine.sampling_params import SamplingParams
-from specstep.scheduler.request import Request
+from specstep.scheduler.core.request import Request
 from tests.helpers import make_core
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specstep.scheduler.spec_decision import RequestAcceptance
-from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig, expected_tokens
+from specstep.scheduler.spec.decision import RequestAcceptance
+from specstep.scheduler.spec.policy import AdaptivePolicy, PolicyConfig, expected_tokens
 
 
 def policy_with_costs(cost, batch: int, k_max: int = 6, candidates=None, plain_cost=None, **kw) -> AdaptivePolicy:
@@ -180,7 +180,7 @@ def test_latency_objective_keeps_speculative_steps_within_the_itl_budget():
 
 def test_bad_policy_settings_are_typed_errors():
     from specstep.engine.engine_config import EngineConfig
-    from specstep.scheduler.spec_governor import GovernorConfig
+    from specstep.scheduler.spec.governor import GovernorConfig
 
     with pytest.raises(ValueError, match="spec-objective"):
         PolicyConfig(objective="fast")

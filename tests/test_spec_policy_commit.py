@@ -11,8 +11,8 @@ from collections import Counter, deque
 import numpy as np
 import pytest
 
-from specstep.scheduler.spec_decision import Decision
-from specstep.scheduler.spec_policy import AdaptivePolicy
+from specstep.scheduler.spec.decision import Decision
+from specstep.scheduler.spec.policy import AdaptivePolicy
 from tests.sim_engine import Scenario, simulate
 from tests.test_policy_harness import adaptive, mtp_cost, ngram_cost
 

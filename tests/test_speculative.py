@@ -13,8 +13,8 @@ import torch
 from specstep.engine.batch_builder import build_forward_batch
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.sampling_params import SamplingParams
-from specstep.scheduler.request import Request
-from specstep.scheduler.spec_counters import SpecCounters
+from specstep.scheduler.core.request import Request
+from specstep.scheduler.spec.counters import SpecCounters
 from tests.fixtures_models import fragment, make_mtp_head, make_permuted_draft, make_perturbed_copy
 from tests.helpers import make_checkpoint, make_core, run_to_completion
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from specstep.engine.sampling_params import SamplingParams
-from specstep.scheduler.page_allocator import PageAllocator
-from specstep.scheduler.request import Request
-from specstep.scheduler.scheduler import ModelFacts, Scheduler, SchedulerConfig
-from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig
-from specstep.scheduler.step_plan import StepKind
+from specstep.scheduler.core.page_allocator import PageAllocator
+from specstep.scheduler.core.request import Request
+from specstep.scheduler.core.scheduler import ModelFacts, Scheduler, SchedulerConfig
+from specstep.scheduler.core.step_plan import StepKind
+from specstep.scheduler.spec.policy import AdaptivePolicy, PolicyConfig
 from tests.sim_engine import Scenario, simulate
 from tests.test_policy_harness import adaptive, mtp_cost, ngram_cost
 

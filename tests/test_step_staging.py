@@ -18,7 +18,7 @@ import torch
 from specstep.engine import batch_builder
 from specstep.engine.sampling_params import SamplingParams
 from specstep.engine.staging import Staging
-from specstep.scheduler.request import Request
+from specstep.scheduler.core.request import Request
 from tests.fixtures_models import make_mtp_head
 from tests.helpers import make_core
 

@@ -21,8 +21,8 @@ from specstep.engine.errors import ConfigError, ParallelError
 from specstep.engine.sampling_params import SamplingParams
 from specstep.loadgen.client import Client
 from specstep.loadgen.server import ServerProcess
-from specstep.scheduler import tp_group
-from specstep.scheduler.protocol import Delta, Error, ErrorCode, GenerateRequest
+from specstep.scheduler.parallel import tp_group
+from specstep.scheduler.server.protocol import Delta, Error, ErrorCode, GenerateRequest
 from tests.fixtures_models import make_mtp_head
 from tests.helpers import make_checkpoint, make_core, run_to_completion
 

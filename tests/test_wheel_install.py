@@ -26,7 +26,7 @@ import pytest
 from specstep.engine.model_source import pretrained_gguf
 from specstep.loadgen.client import Client
 from specstep.loadgen.server import ServerProcess
-from specstep.scheduler.protocol import GenerateRequest
+from specstep.scheduler.server.protocol import GenerateRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_INSTALLED = {"tests", "benchmarks"}  # packages of the checkout that are deliberately not in the wheel

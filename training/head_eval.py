@@ -66,7 +66,7 @@ def engine_acceptance(target_dir: Path, head_dir: Path, prompts: list[list[int]]
     from specstep.engine.engine_config import EngineConfig
     from specstep.engine.sampling_params import SamplingParams
     from specstep.scheduler.build import build_engine
-    from specstep.scheduler.request import Request
+    from specstep.scheduler.core.request import Request
 
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
 

@@ -114,7 +114,7 @@ class LeaderEngine:
     def __init__(self, engine: StepEngine, tp: TPGroup, group=None) -> None:
         self.local = engine
         self.tp = tp
-        self._group = group  # the follower processes (`scheduler.tp_group.TPGroupHandle`): stop / kill
+        self._group = group  # the follower processes (`scheduler.parallel.tp_group.TPGroupHandle`): stop / kill
         self._sync = SeqSync()
         self._seq = 0
         self._lock = threading.Lock()  # messages are numbered in the order they are built

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specstep.scheduler.request import Request
-from specstep.scheduler.spec_decision import Decision
-from specstep.scheduler.stopping import RequestOutput
+from specstep.scheduler.core.request import Request
+from specstep.scheduler.core.stopping import RequestOutput
+from specstep.scheduler.spec.decision import Decision
 
 
 class StepKind(str, enum.Enum):

@@ -1,5 +1,5 @@
 """The scheduler: request queues, admission, page reservation, preemption by recompute and stop conditions.
-`schedule()` returns the next step as a frozen `StepPlan`; the engine core (`scheduler/engine_core.py`)
+`schedule()` returns the next step as a frozen `StepPlan`; the engine core (`scheduler/core/engine_core.py`)
 launches it and hands the step's results back through `launched` and `finish_*`. It never calls the step
 engine: what it must know of it comes in `ModelFacts`.
 
@@ -17,17 +17,17 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from specstep.engine.errors import InvalidRequestError
-from specstep.scheduler.chunked_prefill import ChunkPlanner
-from specstep.scheduler.draft_lanes import draft_lag, draft_room, stale_lanes
-from specstep.scheduler.page_allocator import PageAllocator
-from specstep.scheduler.prefill_budget import PrefillBudget
-from specstep.scheduler.prefill_pacer import PrefillPacer
-from specstep.scheduler.request import FinishReason, Request, Status
-from specstep.scheduler.request_queues import RequestQueues
-from specstep.scheduler.spec_decision import Decision
-from specstep.scheduler.spec_policy import AdaptivePolicy
-from specstep.scheduler.step_plan import StepKind, StepPlan
-from specstep.scheduler.stopping import RequestOutput, append_tokens
+from specstep.scheduler.core.chunked_prefill import ChunkPlanner
+from specstep.scheduler.core.draft_lanes import draft_lag, draft_room, stale_lanes
+from specstep.scheduler.core.page_allocator import PageAllocator
+from specstep.scheduler.core.prefill_budget import PrefillBudget
+from specstep.scheduler.core.prefill_pacer import PrefillPacer
+from specstep.scheduler.core.request import FinishReason, Request, Status
+from specstep.scheduler.core.request_queues import RequestQueues
+from specstep.scheduler.core.step_plan import StepKind, StepPlan
+from specstep.scheduler.core.stopping import RequestOutput, append_tokens
+from specstep.scheduler.spec.decision import Decision
+from specstep.scheduler.spec.policy import AdaptivePolicy
 from specstep.traces.tracer import NULL_TRACER, Tracer
 
 log = logging.getLogger("specstep.engine")

@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from specstep.scheduler.prefill_budget import MIN_BUDGET, PrefillBudget, StepCostModel
+from specstep.scheduler.core.prefill_budget import MIN_BUDGET, PrefillBudget, StepCostModel
 
 MIN_CHUNK_SHARE = 4  # a step's first prompt chunk may take a quarter of an empty step's room, whatever is left
 WINDOW = 32  # mixed steps the live model is fitted over

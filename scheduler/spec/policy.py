@@ -38,9 +38,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from specstep.scheduler.spec_costs import StepCosts, bucket
-from specstep.scheduler.spec_decision import Decision, Effects, RequestAcceptance
-from specstep.scheduler.spec_governor import Governor, GovernorConfig
+from specstep.scheduler.spec.costs import StepCosts, bucket
+from specstep.scheduler.spec.decision import Decision, Effects, RequestAcceptance
+from specstep.scheduler.spec.governor import Governor, GovernorConfig
 
 OBJECTIVES = ("throughput", "latency")
 

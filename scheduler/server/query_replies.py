@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from specstep.scheduler.protocol import Error, ErrorCode, Wire
+from specstep.scheduler.server.protocol import Error, ErrorCode, Wire
 
 log = logging.getLogger("specstep.frontend")
 

@@ -1,7 +1,7 @@
-"""A follower rank of a tensor-parallel group (started by `scheduler.tp_group`): join, build this rank's step
+"""A follower rank of a tensor-parallel group (started by `scheduler.parallel.tp_group`): join, build this rank's step
 engine on its shard, replay the leader's steps until it says stop.
 
-    python -m specstep.scheduler.tp_follower CONFIG_JSON RANK WORLD_SIZE INIT_METHOD
+    python -m specstep.scheduler.parallel.tp_follower CONFIG_JSON RANK WORLD_SIZE INIT_METHOD
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
     from specstep.engine.parallel.group import init_tp_group
     from specstep.engine.parallel.tp_engine import follow
     from specstep.scheduler.build import build_step_engine, resolve_device
-    from specstep.scheduler.tp_group import COLLECTIVE_TIMEOUT_S, JOIN_TIMEOUT_S
+    from specstep.scheduler.parallel.tp_group import COLLECTIVE_TIMEOUT_S, JOIN_TIMEOUT_S
 
     cfg = EngineConfig(**config)
     device = resolve_device(cfg.device, rank)

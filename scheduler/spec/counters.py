@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from specstep.scheduler.protocol import SpecStats
+    from specstep.scheduler.server.protocol import SpecStats
 
 
 @dataclass(slots=True)
@@ -71,7 +71,7 @@ class SpecCounters:
         }
 
     def to_wire(self) -> SpecStats:
-        from specstep.scheduler.protocol import SpecStats  # serving only (msgspec)
+        from specstep.scheduler.server.protocol import SpecStats  # serving only (msgspec)
 
         fields = SpecStats.__struct_fields__
         return SpecStats(**{k: v for k, v in self.to_dict().items() if k in fields})

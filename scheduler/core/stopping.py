@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specstep.scheduler.request import FinishReason, Request
+from specstep.scheduler.core.request import FinishReason, Request
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
 """Chunked prefill's step budget: how many prompt tokens a mixed step takes beside the running requests' decode
-tokens (`scheduler/chunked_prefill.py`).
+tokens (`scheduler/core/chunked_prefill.py`).
 
 A fixed budget (`--max-num-batched-tokens N`) counts tokens, as vLLM's does. A calibrated one
 (`--max-step-latency X`) bounds a mixed step's cost at X of the running batch's decode steps, from costs timed
@@ -31,7 +31,7 @@ import numpy as np
 
 from specstep.engine.engine_config import EngineConfig
 from specstep.engine.sampling_params import SamplingParams
-from specstep.scheduler.request import Request
+from specstep.scheduler.core.request import Request
 
 MIN_BUDGET = 16  # a calibrated budget's floor, in tokens at context 0: smaller chunks pay the fixed cost per token
 

@@ -11,8 +11,8 @@ import random
 from dataclasses import dataclass
 
 from specstep.engine.tokenizer import Tokenizer
-from specstep.scheduler.decode_errors import MAX_REQUEST_ID_LEN
-from specstep.scheduler.protocol import EngineRequest, ErrorCode, GenerateRequest, ProtocolError, Ready
+from specstep.scheduler.server.decode_errors import MAX_REQUEST_ID_LEN
+from specstep.scheduler.server.protocol import EngineRequest, ErrorCode, GenerateRequest, ProtocolError, Ready
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256

@@ -1,4 +1,4 @@
-"""Chunked prefill mixed with decoding (`scheduler/prefill_budget.py`): which prompt chunks share a step with
+"""Chunked prefill mixed with decoding (`scheduler/core/prefill_budget.py`): which prompt chunks share a step with
 the running requests, each of which decodes one token in it. A prompt part-way through its chunks is
 `Status.PREFILLING` in the scheduler's `prefilling` list: it holds a slot and the pages of the chunks run so far.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from specstep.scheduler.page_allocator import PageAllocator
-from specstep.scheduler.prefill_pacer import PrefillPacer
-from specstep.scheduler.request import Request
+from specstep.scheduler.core.page_allocator import PageAllocator
+from specstep.scheduler.core.prefill_pacer import PrefillPacer
+from specstep.scheduler.core.request import Request
 
 Chunk = tuple[Request, int]  # (request, prompt tokens in this step)
 

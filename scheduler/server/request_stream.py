@@ -10,9 +10,17 @@ import asyncio
 from dataclasses import dataclass, field
 
 from specstep.engine.tokenizer import Tokenizer
-from specstep.scheduler.detokenize import TextStream
-from specstep.scheduler.protocol import Delta, EngineOutput, EngineRequest, Final, GenerateRequest, Timings, Usage
-from specstep.scheduler.spec_counters import SpecCounters
+from specstep.scheduler.server.detokenize import TextStream
+from specstep.scheduler.server.protocol import (
+    Delta,
+    EngineOutput,
+    EngineRequest,
+    Final,
+    GenerateRequest,
+    Timings,
+    Usage,
+)
+from specstep.scheduler.spec.counters import SpecCounters
 
 
 @dataclass(eq=False, slots=True)

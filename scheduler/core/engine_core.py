@@ -1,4 +1,4 @@
-"""The engine core: the loop that launches the scheduler's plans (`scheduler/scheduler.py`) on the device
+"""The engine core: the loop that launches the scheduler's plans (`scheduler/core/scheduler.py`) on the device
 stream, chains decode steps, and hands each step's results back.
 
 `step()` returns the outputs of one finished step. Prefill steps, and with a token budget the mixed steps of
@@ -27,11 +27,11 @@ import numpy as np
 from specstep.engine.step_context import Chain
 from specstep.engine.step_engine import StepEngine, StepOutput
 from specstep.engine.stream import DeviceStream, InlineStream, StepHandle
-from specstep.scheduler.page_allocator import PageAllocator
-from specstep.scheduler.scheduler import ModelFacts, Scheduler, SchedulerConfig
-from specstep.scheduler.spec_policy import AdaptivePolicy, PolicyConfig
-from specstep.scheduler.step_plan import StepKind, StepPlan
-from specstep.scheduler.stopping import RequestOutput
+from specstep.scheduler.core.page_allocator import PageAllocator
+from specstep.scheduler.core.scheduler import ModelFacts, Scheduler, SchedulerConfig
+from specstep.scheduler.core.step_plan import StepKind, StepPlan
+from specstep.scheduler.core.stopping import RequestOutput
+from specstep.scheduler.spec.policy import AdaptivePolicy, PolicyConfig
 from specstep.traces import ranges
 from specstep.traces.tracer import NULL_TRACER, Tracer
 

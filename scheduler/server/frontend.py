@@ -26,8 +26,8 @@ import zmq
 import zmq.asyncio
 
 from specstep.engine.tokenizer import Tokenizer
-from specstep.scheduler.metrics import ServerMetrics
-from specstep.scheduler.protocol import (
+from specstep.scheduler.server.metrics import ServerMetrics
+from specstep.scheduler.server.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
     EngineAbort,
@@ -47,11 +47,11 @@ from specstep.scheduler.protocol import (
     decode_client,
     encode,
 )
-from specstep.scheduler.query_replies import QueryReplies
-from specstep.scheduler.request_stream import RequestStream
-from specstep.scheduler.sockets import ROUTER_HWM, bound_address, make_socket, send_now
-from specstep.scheduler.supervisor import SchedulerSupervisor
-from specstep.scheduler.validate import Limits, check_request_id, validate_generate
+from specstep.scheduler.server.query_replies import QueryReplies
+from specstep.scheduler.server.request_stream import RequestStream
+from specstep.scheduler.server.sockets import ROUTER_HWM, bound_address, make_socket, send_now
+from specstep.scheduler.server.supervisor import SchedulerSupervisor
+from specstep.scheduler.server.validate import Limits, check_request_id, validate_generate
 from specstep.traces.ranges import DETOKENIZE, SEND
 from specstep.traces.tracer import Tracer, TraceRecorder
 

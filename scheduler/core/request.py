@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 
 from specstep.engine.sampling_params import SamplingParams
-from specstep.scheduler.spec_counters import SpecCounters
-from specstep.scheduler.spec_decision import RequestAcceptance
+from specstep.scheduler.spec.counters import SpecCounters
+from specstep.scheduler.spec.decision import RequestAcceptance
 
 
 class Status(enum.IntEnum):

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from specstep.scheduler.page_allocator import PageAllocator
-from specstep.scheduler.request import FinishReason, Request, Status
+from specstep.scheduler.core.page_allocator import PageAllocator
+from specstep.scheduler.core.request import FinishReason, Request, Status
 
 
 class RequestQueues:

@@ -1,5 +1,5 @@
 """Starting and stopping a tensor-parallel group: the leader (this process) spawns one follower process per
-other rank (`scheduler.tp_follower`), each on its own device, and joins them in a torch.distributed group.
+other rank (`scheduler.parallel.tp_follower`), each on its own device, and joins them in a torch.distributed group.
 
 Followers log to the leader's stderr (the scheduler process's log under `serve`), each line tagged with its
 rank; their stdout goes nowhere (the leader's is where `generate` writes its JSONL).
@@ -105,9 +105,8 @@ def start_tp_group(cfg: EngineConfig) -> TPGroupHandle:
     env = {**os.environ, "SPECSTEP_TP_PARENT": str(os.getpid())}
     handle = TPGroupHandle(None)
     for rank in range(1, n):
-        handle.procs.append(subprocess.Popen(module_command("specstep.scheduler.tp_follower", config, str(rank),
-                                                            str(n), init_method),
-                                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env))
+        cmd = module_command("specstep.scheduler.parallel.tp_follower", config, str(rank), str(n), init_method)
+        handle.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env))
     try:
         device = "cuda" if cfg.device in ("auto", "cuda") and _cuda() else "cpu"
         handle.tp = init_tp_group(n, 0, init_method, device=device, join_timeout_s=JOIN_TIMEOUT_S,

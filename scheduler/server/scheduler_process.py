@@ -4,8 +4,8 @@
     frontend PULL ◀── PUSH ◀─[send thread: encode]─────────────────────────────────────────────────┘
 
 Socket I/O and (de)serialisation live in two threads, so the loop only moves Python objects through queues.
-Started by the supervisor as `python -m specstep.scheduler.scheduler_process CONFIG_JSON`; it connects both sockets,
-builds the engine, and announces itself with a Ready message carrying the values learned at start-up.
+Started by the supervisor as `python -m specstep.scheduler.server.scheduler_process CONFIG_JSON`; it connects both
+sockets, builds the engine, and announces itself with a Ready message carrying the values learned at start-up.
 SIGTERM (or a SHUTDOWN message) drains: new requests are rejected, running ones finish, then it exits.
 SIGINT is ignored: the frontend coordinates shutdown. If the frontend dies, it exits at once.
 """
@@ -33,8 +33,9 @@ from specstep.engine.engine_config import EngineConfig  # noqa: E402
 from specstep.engine.errors import InvalidRequestError  # noqa: E402
 from specstep.engine.sampling_params import SamplingParams  # noqa: E402
 from specstep.scheduler.build import build_engine  # noqa: E402
-from specstep.scheduler.engine_core import EngineCore, RequestOutput  # noqa: E402
-from specstep.scheduler.protocol import (  # noqa: E402
+from specstep.scheduler.core.engine_core import EngineCore, RequestOutput  # noqa: E402
+from specstep.scheduler.core.request import Request  # noqa: E402
+from specstep.scheduler.server.protocol import (  # noqa: E402
     PROTOCOL_VERSION,
     EngineAbort,
     EngineOutput,
@@ -51,8 +52,7 @@ from specstep.scheduler.protocol import (  # noqa: E402
     decode_to_engine,
     encode_engine,
 )
-from specstep.scheduler.request import Request  # noqa: E402
-from specstep.scheduler.sockets import make_socket, remove_ipc  # noqa: E402
+from specstep.scheduler.server.sockets import make_socket, remove_ipc  # noqa: E402
 from specstep.traces.ranges import SEND  # noqa: E402
 from specstep.traces.tracer import NULL_TRACER, Tracer, TraceRecorder  # noqa: E402
 
@@ -302,7 +302,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=os.environ.get("SPECSTEP_LOG_LEVEL", "INFO"),
                         format=f"specstep scheduler[{os.getpid()}] %(levelname)s: %(message)s")
     if len(argv) != 2:
-        print("usage: python -m specstep.scheduler.scheduler_process CONFIG_JSON (started by `specstep serve`)",
+        print("usage: python -m specstep.scheduler.server.scheduler_process CONFIG_JSON (started by `specstep serve`)",
               file=sys.stderr)
         return 2
     return run(msgspec.json.decode(argv[1], type=SchedulerProcessConfig))

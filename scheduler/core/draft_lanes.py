@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from specstep.scheduler.request import Request
-from specstep.scheduler.spec_decision import Decision
+from specstep.scheduler.core.request import Request
+from specstep.scheduler.spec.decision import Decision
 
 
 def draft_room(reqs: Sequence[Request], pending: np.ndarray, max_len: int,

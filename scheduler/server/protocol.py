@@ -13,7 +13,7 @@ import enum
 
 import msgspec
 
-from specstep.scheduler.decode_errors import describe, guess_request_id
+from specstep.scheduler.server.decode_errors import describe, guess_request_id
 
 PROTOCOL_VERSION = 1
 

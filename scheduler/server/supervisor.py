@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from specstep.scheduler.launch import module_command
-from specstep.scheduler.protocol import (
+from specstep.scheduler.server.protocol import (
     EngineOutputs,
     EngineReject,
     EngineShutdown,
@@ -40,7 +40,7 @@ from specstep.scheduler.protocol import (
     decode_from_engine,
     encode_engine,
 )
-from specstep.scheduler.sockets import ipc_address, make_socket, remove_ipc, remove_stale_ipc
+from specstep.scheduler.server.sockets import ipc_address, make_socket, remove_ipc, remove_stale_ipc
 
 log = logging.getLogger("specstep.supervisor")
 
@@ -69,7 +69,7 @@ class SchedulerSupervisor:
                  restart_window_s: float = 300.0, command: list[str] | None = None) -> None:
         self.ctx = ctx
         # How to start a scheduler process; its config (JSON) is appended as the last argument.
-        self.command = command or module_command("specstep.scheduler.scheduler_process")
+        self.command = command or module_command("specstep.scheduler.server.scheduler_process")
         self.make_config = make_config
         self.handler = handler
         self.startup_timeout_s = startup_timeout_s

@@ -13,7 +13,7 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
-from specstep.scheduler.protocol import EngineStats, ErrorCode, Final
+from specstep.scheduler.server.protocol import EngineStats, ErrorCode, Final
 
 log = logging.getLogger("specstep.metrics")
 

@@ -1,0 +1,2 @@
+"""Tensor parallelism from the scheduler's side: starting the follower ranks and their loop.
+"""
