@@ -71,12 +71,11 @@ def test_acceptance_dropping_from_0_8_to_0_4(overlap):
     plain = simulate(scenario, None, arrivals, max_tokens, overlap=overlap)
     ada = simulate(scenario, "mtp", arrivals, max_tokens, adaptive("mtp"), overlap=overlap)
     assert ada.tokens == plain.tokens
-    # After the drop only (over the whole run the good part hides it): 0.94-0.95x here, NOT yet the issue's
-    # 0.97x goal. What is left: ~20 steps of k = 4 while the acceptance estimate (own EMA pulled toward the slower
-    # global one) falls, whole-step probes at 1 in 16-64 steps at 1.6x a plain step each, and a resume now and
-    # then on three lucky probes.
+    # After the drop only (over the whole run the good part hides it). Each request probing on its own clock made
+    # four times the whole-step probes, at 1.6x a plain step each: 0.944x inline, 0.934x overlap. With every lane
+    # joining the probe that is due (a model proposer's lanes pay its draft loop together): 0.971x and 0.975x.
     r = ada.throughput_from(2000) / plain.throughput_from(2000)
-    assert r >= 0.93, f"{r:.3f}x plain after the drop"
+    assert r >= 0.97, f"{r:.3f}x plain after the drop"
     assert ada.speculating(0.0, 0.2) > 0.7, "did not speculate while it paid"
     drop = next(i for i, (t, _) in enumerate(ada.trace) if t >= 2000)
     late = ada.steps[drop + 100:]

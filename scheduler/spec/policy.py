@@ -408,8 +408,13 @@ class AdaptivePolicy:
         for i, (a, interval) in enumerate(zip(accs, intervals)):
             if interval != a.probe_interval:
                 px.acceptance[i] = (a, None, interval)
-        due = np.array([a.idle_steps >= n for a, n in zip(accs, intervals)], dtype=bool)
-        due &= ln.auto & (nd == 0) & (ln.room > 0)
+        eligible = ln.auto & (nd == 0) & (ln.room > 0)
+        due = np.array([a.idle_steps >= n for a, n in zip(accs, intervals)], dtype=bool) & eligible
+        if cfg.cost_shape == "lanes" and due.any() and not speculating:
+            # Every lane pays a model proposer's draft loop and refill once one drafts, so every lane joins the
+            # probe that is due: the batch's probes share steps instead of each request taking its own (four
+            # requests probing in turn made four times the probe steps: 0.94x plain after an acceptance drop).
+            due = eligible
         px.probe_clock_reset = speculating
         since_probe = 0 if speculating else self._since_probe + 1
         # The latency objective also keeps them to epsilon of the steps while on (each may exceed the budget).
