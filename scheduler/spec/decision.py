@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,6 +54,25 @@ class Effects:
     next_remeasure: tuple[int, int] | None = None  # (bucket, its step counter at the next re-measurement)
     # (request, idle_steps, probe_interval) to set: probe intervals clamped, lanes a subset probe covers backed off
     acceptance: tuple[tuple[RequestAcceptance, int, int], ...] = ()
+
+
+@dataclass(slots=True)
+class PendingEffects:
+    """The effects of the decision being made, gathered while choosing and frozen into `Decision.effects`."""
+
+    bucket: int | None = None
+    governor_counted: bool = False
+    governor_probe: bool = False
+    explore_key: int | None = None
+    current_k: int | None = None
+    probe_clock_reset: bool | None = None
+    next_remeasure: tuple[int, int] | None = None
+    acceptance: dict[int, tuple[RequestAcceptance, int | None, int]] = field(default_factory=dict)
+
+    def freeze(self) -> Effects:
+        return Effects(self.bucket, self.governor_counted, self.governor_probe, self.explore_key, self.current_k,
+                       self.probe_clock_reset, self.next_remeasure,
+                       tuple(self.acceptance[i] for i in sorted(self.acceptance)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ With the defaults (delta = epsilon = 0.02) that is about 2-4%. It assumes:
     own acceptance estimate first, and the governor follows once the old samples age out, `max_age` steps run);
   - a probe's catch-up small against epsilon x the off time before it. The policy makes it so: a probe from plain
     decoding catches up only the lanes it drafts with (those cheapest to catch up, as many as
-    `AdaptivePolicy.PROBE_CATCH_UP` of a plain step buys, at least one), so its catch-up no longer grows with
+    `probes.PROBE_CATCH_UP` of a plain step buys, at least one), so its catch-up no longer grows with
     batch x steps off; such a subset probe is judged for the whole batch (B x (1 + accepted per probed lane)
     tokens), which assumes the probed lanes' acceptance stands for the others';
   - on the overlap path, the probe clock given back whenever a chained decision is dropped (above).
