@@ -133,4 +133,4 @@ async def test_a_wheel_installs_and_serves_the_default_model_from_outside_the_ch
         assert "SmolLM2-135M-Instruct" in srv.log()  # the ready line names the default model it serves
     finally:
         assert srv.stop() == 0, srv.log()[-4000:]
-    assert compiled(site, "specstep/scheduler/scheduler_process")  # the child ran the wheel's code too
+    assert compiled(site, "specstep/scheduler/server/scheduler_process")  # the child ran the wheel's code too
