@@ -85,8 +85,8 @@ def test_a_draft_with_a_shorter_context_stops_drafting_past_it(tmp_path):
     assert spec.config.max_model_len == 64 and spec.config.spec_max_len == 32
     decisions, decide = [], spec.scheduler.decide
 
-    def recording(reqs, pending=None, current=None):
-        d = decide(reqs, pending, current)
+    def recording(reqs, pending=None, lag=None):
+        d = decide(reqs, pending, lag)
         decisions.extend(zip([len(r.token_ids) for r in reqs], d.num_draft.tolist()))
         return d
     spec.scheduler.decide = recording

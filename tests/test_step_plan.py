@@ -56,7 +56,7 @@ def test_a_plan_is_frozen_and_its_decision_counted_only_at_launch():
         plan.kind = StepKind.DECODE  # frozen
     sched.finish_prefill(plan, [5, 6])
     plan = sched.schedule()
-    assert plan.kind is StepKind.DECODE and plan.num_draft.tolist() == [3, 3]
+    assert plan.kind is StepKind.DECODE and plan.decision.num_draft.tolist() == [3, 3]
     assert sched.last_decision is None  # decided, not launched
     sched.launched(plan, np.array([2, 3]))
     assert sched.last_decision.num_draft.tolist() == [2, 3] and sched.last_decision.k == 3  # as it ran

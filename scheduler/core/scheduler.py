@@ -221,8 +221,8 @@ class Scheduler:
         src = np.array([row[id(r)] for r in batch], dtype=np.int64)
         pending = prev_num_draft[src].astype(np.int64) + 1
         current = {id(r) for r, f in zip(prev.decode, prev_refilled) if f}
-        decision = self.decide(batch, pending, current)
         lag = draft_lag(batch, pending, current) if self.facts.has_draft_model else None
+        decision = self.decide(batch, pending, lag)
         lanes = decision.catch_up if decision.catch_up is not None else np.ones(len(batch), dtype=bool)
         if ((decision.refill and lag is not None and (lanes & (lag > 0)).any()) or not can_chain(decision.num_draft)
                 or not self.reserve_pages(batch, decision.num_draft, pending)):
@@ -231,17 +231,18 @@ class Scheduler:
         return StepPlan(StepKind.DECODE, decode=tuple(batch), decision=decision, chain_src=src,
                         chain_refilled=refilled.copy())
 
-    def decide(self, reqs: list[Request], pending: np.ndarray | None = None, current: set[int] | None = None
+    def decide(self, reqs: list[Request], pending: np.ndarray | None = None, lag: np.ndarray | None = None
                ) -> Decision:
-        """The policy's k per request, capped by `draft_room`. `pending`, `current`: a chained step's, after
-        the step in flight (see `draft_lanes`)."""
+        """The policy's k per request, capped by `draft_room`. `pending`, `lag`: a chained step's, after the step
+        in flight (see `draft_lanes`); `lag` None: from the host state."""
         b = len(reqs)
         if not self.facts.has_proposer:
             return Decision(np.zeros(b, dtype=np.int64), 0, False, 0.0, 0.0, "none")
         extra = pending if pending is not None else np.zeros(b, dtype=np.int64)
         max_len = min(self.config.max_model_len, self.config.spec_max_len or self.config.max_model_len)
         room = draft_room(reqs, extra, max_len, self.step_tokens)
-        lag = draft_lag(reqs, extra, current or set()) if self.facts.has_draft_model else None
+        if lag is None and self.facts.has_draft_model:
+            lag = draft_lag(reqs, extra, set())
         decision = self.policy.choose([r.acceptance for r in reqs], [r.num_spec_tokens for r in reqs], room, lag,
                                       commit=False)
         if not self.facts.has_draft_model and decision.refill:

@@ -42,9 +42,3 @@ class StepPlan:
     @property
     def chained(self) -> bool:
         return self.chain_src is not None
-
-    @property
-    def num_draft(self) -> np.ndarray:
-        if self.decision is None:
-            return np.zeros(len(self.decode), dtype=np.int64)
-        return self.decision.num_draft
