@@ -19,6 +19,7 @@ from specstep.engine.errors import ConfigError
 
 LINEAR_MODES = ("auto", "matmul", "onednn")
 HALF_CHOICES = ("auto", "off")
+QUANTIZATION_CHOICES = ("auto", "gguf", "none")
 # bf16 must be this much faster than fp32 (decode and verify rows together) to be taken: it changes the numerics.
 BF16_MARGIN = 0.95
 
@@ -27,17 +28,22 @@ BF16_MARGIN = 0.95
 class CpuKernels:
     """linear: auto | matmul | onednn (`--cpu-linear`); half: auto (bf16 linear weights where this CPU's
     oneDNN runs them faster: `--dtype auto`) | off (fp32 exactly: `--dtype float32`); batch_invariant: see the
-    module docstring."""
+    module docstring; quantization (`--quantization`): auto (a GGUF checkpoint's linears read its Q4_1 / Q8_0
+    blocks in `engine.models.gguf_linear`'s kernel where it runs here) | gguf (that, or an error) | none (fp32)."""
 
     linear: str = "auto"
     half: str = "off"
     batch_invariant: bool = True
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.linear not in LINEAR_MODES:
             raise ValueError(f"cpu linear mode must be one of {', '.join(LINEAR_MODES)}, got {self.linear!r}")
         if self.half not in HALF_CHOICES:
             raise ValueError(f"half must be one of {', '.join(HALF_CHOICES)}, got {self.half!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
 
 
 @dataclass(frozen=True, slots=True)

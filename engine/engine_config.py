@@ -231,6 +231,12 @@ class EngineConfig:
               "fastest kernel per row count (on an AVX2 host a plain decode step measured 1.09-1.26x with it on: "
               "oneDNN's one-row linear is slower than MKL's and the invariant attention runs more ops)")
 
+    quantization: str = option(
+        "auto", "CPU, GGUF checkpoints: auto runs the file's Q4_1 / Q8_0 weights as they are in specstep's AVX2 "
+                "kernel (batch-invariant; built with g++ at the first start) where this host has AVX2, FMA and "
+                "F16C, else fp32; gguf: that kernel or an error; none: the dequantised fp32 weights",
+        choices=("auto", "gguf", "none"))
+
     def __post_init__(self) -> None:
         for f in fields(self):
             check_option(f, getattr(self, f.name))
@@ -246,7 +252,8 @@ class EngineConfig:
     def cpu_kernels(self) -> CpuKernels:
         """What the CPU's linears and attention may run; `--dtype auto` lets linears take bf16 weights where this
         CPU runs them faster, `--dtype float32` keeps them exact."""
-        return CpuKernels(self.cpu_linear, "auto" if self.dtype == "auto" else "off", self.batch_invariant)
+        return CpuKernels(self.cpu_linear, "auto" if self.dtype == "auto" else "off", self.batch_invariant,
+                          self.quantization)
 
     @property
     def draft_path(self) -> str | None:

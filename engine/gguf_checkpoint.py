@@ -101,6 +101,29 @@ def convert(gguf_path: Path, out: Path) -> None:
          "file_type": _field(reader, "general.file_type"), "converter_version": CONVERTER_VERSION}, indent=2) + "\n")
 
 
+def quantized_blocks(gguf_path: Path, formats: tuple[str, ...]) -> dict[str, tuple[str, torch.Tensor]]:
+    """The file's 2-D weights stored in one of `formats` (GGML type names), as they are: Hugging Face name ->
+    (type, blocks [out_features, in_features / 32 blocks] uint8), rows in the converted checkpoint's order (a
+    llama q/k weight's rows un-permuted, as `convert` does: a row is whole blocks, so rows move exactly). For
+    kernels that read the quantised weights (`engine.models.gguf_linear`)."""
+    reader = _reader(gguf_path)
+    arch = _field(reader, "general.architecture")
+    heads = {"q_proj.weight": _field(reader, f"{arch}.attention.head_count"),
+             "k_proj.weight": _field(reader, f"{arch}.attention.head_count_kv")
+             or _field(reader, f"{arch}.attention.head_count")}
+    out = {}
+    for t in reader.tensors:
+        if t.tensor_type.name not in formats or len(t.shape) != 2:
+            continue
+        name = _hf_name(t.name, gguf_path)
+        rows = torch.from_numpy(np.array(t.data)).reshape(int(t.shape[1]), -1)  # a copy: the file is a memmap
+        suffix = name.rpartition("self_attn.")[2]
+        if arch == "llama" and suffix in heads:
+            rows = _unpermute(rows, int(heads[suffix])).contiguous()
+        out[name] = (t.tensor_type.name, rows)
+    return out
+
+
 def _config(reader, arch: str, path: Path) -> dict:
     def need(key: str):
         v = _field(reader, f"{arch}.{key}")

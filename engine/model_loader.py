@@ -5,6 +5,7 @@ model whose heads do not split over the group fails here with `ParallelError`, b
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -12,10 +13,11 @@ import torch
 from specstep.engine.attention.torch_backend import TorchAttention
 from specstep.engine.config import ModelConfig
 from specstep.engine.cpu_kernels import CpuKernels
-from specstep.engine.errors import CheckpointError
+from specstep.engine.errors import CheckpointError, ConfigError
 from specstep.engine.loader import load_state_dict, resolve_dtype
 from specstep.engine.model_source import resolve_model
 from specstep.engine.models.cpu_linear import describe_linears, plan_linears
+from specstep.engine.models.gguf_linear import use_gguf_linears
 from specstep.engine.models.llama import LlamaForCausalLM
 from specstep.engine.models.mtp_head import MTPHead
 from specstep.engine.parallel.group import SINGLE, TPGroup
@@ -41,8 +43,23 @@ def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str
     model.rotary.build_tables()
     model = model.to(device).eval().requires_grad_(False)  # serving weights; training heads keep the target frozen
     if device.type == "cpu":
+        model.gguf_note = _quantized(model, folder, cpu_linear, tp)
         use_cpu_kernels(model, cpu_linear)
     return model
+
+
+def _quantized(model: LlamaForCausalLM, folder: Path, kernels: str | CpuKernels, tp: TPGroup) -> str:
+    """Read a GGUF checkpoint's quantised blocks as they are where `kernels.quantization` allows it (a bare
+    `--cpu-linear` mode keeps the fp32 plans it names); the ready line's note."""
+    source = folder / "specstep_source.json"
+    if not isinstance(kernels, CpuKernels) or kernels.quantization == "none" or not source.is_file():
+        return ""
+    if tp.world_size > 1:  # shards would cut blocks: tensor-parallel ranks keep fp32 weights
+        if kernels.quantization == "gguf":
+            raise ConfigError("--quantization gguf does not run with --tensor-parallel-size > 1")
+        return "fp32 weights (GGUF blocks are not sharded across tensor-parallel ranks)"
+    gguf_path = Path(json.loads(source.read_text())["gguf"])
+    return use_gguf_linears(model, folder, gguf_path, required=kernels.quantization == "gguf")
 
 
 def use_cpu_kernels(net: torch.nn.Module, kernels: str | CpuKernels) -> None:
@@ -55,7 +72,7 @@ def use_cpu_kernels(net: torch.nn.Module, kernels: str | CpuKernels) -> None:
 
 def describe_cpu_kernels(net: torch.nn.Module) -> str:
     """For the ready line: a CPU model's linears (dtype, kernel, why) and attention; "" elsewhere."""
-    linears = describe_linears(net)
+    linears = "; ".join(x for x in (getattr(net, "gguf_note", ""), describe_linears(net)) if x)
     if not linears:
         return ""
     att = net.attention

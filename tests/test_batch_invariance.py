@@ -11,10 +11,14 @@ import torch
 from specstep.engine.batch_builder import build_forward_batch
 from specstep.engine.cpu_kernels import CpuKernels
 from specstep.engine.errors import ConfigError
+from specstep.engine.gguf_checkpoint import converted_folder
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.model_loader import describe_cpu_kernels, load_model, load_mtp_head
 from specstep.engine.models.cpu_linear import onednn_available
+from specstep.engine.models.gguf_kernel import unavailable as gguf_unavailable
+from specstep.engine.models.gguf_linear import GGUFLinear
 from specstep.engine.sampling_params import SamplingParams
+from tests.fixtures_gguf import write_gguf
 from tests.fixtures_models import make_mtp_head
 from tests.helpers import make_core, run_to_completion
 
@@ -46,10 +50,20 @@ def decode_then_verify(net, step):
     return torch.stack(single), verify
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_target, tmp_path_factory):
+    """The tiny target as a Q4_1 GGUF file, converted (its linears read the file's blocks: `GGUFLinear`)."""
+    if gguf_unavailable():
+        pytest.skip(f"GGUF kernel unavailable: {gguf_unavailable()}")
+    tmp = tmp_path_factory.mktemp("gguf")
+    return converted_folder(write_gguf(tmp / "t.gguf", tiny_target, qtype="Q4_1"), cache=tmp)
+
+
 @pytest.mark.parametrize("plan", PLANS)
-@pytest.mark.parametrize("network", ["target", "draft_model"])
-def test_verify_rows_are_the_decode_steps_bitwise(plan, network, tiny_target, tiny_draft):
-    net = load_model(tiny_target if network == "target" else tiny_draft, "cpu", "float32", CpuKernels(plan))
+@pytest.mark.parametrize("network", ["target", "draft_model", "gguf_q4_1"])
+def test_verify_rows_are_the_decode_steps_bitwise(plan, network, request, tiny_target, tiny_draft):
+    model = {"target": tiny_target, "draft_model": tiny_draft}.get(network) or request.getfixturevalue("tiny_gguf")
+    net = load_model(model, "cpu", "float32", CpuKernels(plan))
     single, verify = decode_then_verify(net, lambda pool, lanes: forward(net, pool, lanes))
     assert torch.equal(net.compute_logits(verify), net.compute_logits(single))
     assert "batch-invariant" in describe_cpu_kernels(net) and "not batch-invariant" not in describe_cpu_kernels(net)
@@ -110,11 +124,15 @@ def proposers(tiny_target, tmp_path_factory):
             "mtp": dict(spec="mtp", draft=str(make_mtp_head(tmp_path_factory.mktemp("h") / "h", tiny_target)))}
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft_model", "mtp"])
-def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, tiny_target):
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model", "mtp", "ngram_gguf_q4_1"])
+def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, request, tiny_target):
     """Each verify row whose inputs are plain decoding's (every earlier draft of its step accepted) has plain
     decoding's logits at that position, bitwise: the target's own draft accepts all (draft_model), n-gram
-    drafts from a repetitive prompt, the random MTP head mostly only the first row."""
+    drafts from a repetitive prompt, the random MTP head mostly only the first row; and n-gram on a Q4_1 GGUF
+    target whose linears read its blocks."""
+    gguf = proposer == "ngram_gguf_q4_1"
+    if gguf:
+        tiny_target, proposer = request.getfixturevalue("tiny_gguf"), "ngram"
     prompt = [7, 8, 9, 10] * 3
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain_core = make_core(tiny_target, page_size=PAGE)
@@ -122,6 +140,7 @@ def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, tiny_
     (plain,) = run_to_completion(plain_core, [prompt], params)
     core = make_core(tiny_target, page_size=PAGE, num_spec_tokens=4, spec_policy="fixed", **proposers[proposer])
     spec_logits = record_target_logits(core)
+    assert gguf == any(isinstance(m, GGUFLinear) for m in core.engine.target.modules())
     (spec,) = run_to_completion(core, [prompt], params)
     assert spec.output_token_ids == plain.output_token_ids
     tokens = prompt + plain.output_token_ids

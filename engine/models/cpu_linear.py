@@ -122,6 +122,8 @@ def plan_linears(module: nn.Module, kernels: CpuKernels | str = "auto") -> dict[
         kernels = CpuKernels(kernels, batch_invariant=False)
     shared = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     found = _linears(module)
+    if not found:  # every linear reads GGUF blocks (`gguf_linear`), or there are none
+        return {}
     choice = linear_dtype([child for *_, child in found], kernels)
     plans: dict[str, LinearPlan] = {}
     for full, parent, child_name, child in found:

@@ -1,0 +1,140 @@
+// GGUF's quantised blocks times fp32 activations on x86 AVX2 (+FMA, F16C): y = x @ W.T (+ bias), where W is a
+// weight matrix stored as llama.cpp's Q4_1 or Q8_0 blocks, read as they are (5 or 8.5 bits a weight against
+// fp32's 32: a batch-1 decode step is a pass over the weights, so this is what sets its speed).
+//
+// Every output y[m, n] is computed the same way whatever the number of rows M, the tiling and the threads, so a
+// row's bits never depend on the rows beside it (batch invariance: a verify row's logits are bitwise the plain
+// decode step's at that position). Per 32-weight block b of weight row n, lane-wise over the block's four
+// 8-value chunks c (q: the block's quantised values as fp32, exact small integers; d, m: its scale and offset):
+//     s = q0 x0;  s = fma(q1, x1, s);  s = fma(q2, x2, s);  s = fma(q3, x3, s)
+//     acc = fma(d, s, acc);  acc = fma(m, xsum_b, acc)        (Q4_1 only; xsum_b = ((x0 + x1) + (x2 + x3)))
+// in block order, then a fixed horizontal sum of acc's 8 lanes and the bias. That is sum_k x_k (d q_k + m), the
+// dequantised weights' dot product with fp32 roundings in another order (as close to the fp64 result as MKL's
+// fp32 GEMV on these weights, measured), with d and m applied once a block rather than once a weight.
+//
+// Threads split the weight rows (OpenMP, the process's runtime: torch's libgomp is loaded first and has the same
+// soname), so each weight byte is read once per call whatever M is.
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+namespace {
+constexpr int QK = 32;  // weights a block
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+// Q4_1: fp16 d, fp16 m, 16 bytes; byte j holds weight j in its low nibble and weight j + 16 in its high one.
+struct Q41 {
+    static constexpr int bytes = 20;
+    static constexpr bool has_min = true;
+    static inline void load(const uint8_t *blk, __m256 q[4], __m256 &d, __m256 &m) {
+        d = _mm256_set1_ps(half_to_float(blk));
+        m = _mm256_set1_ps(half_to_float(blk + 2));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4));
+        const __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    }
+};
+
+// Q8_0: fp16 d, 32 int8 weights.
+struct Q80 {
+    static constexpr int bytes = 34;
+    static constexpr bool has_min = false;
+    static inline void load(const uint8_t *blk, __m256 q[4], __m256 &d, __m256 &m) {
+        d = _mm256_set1_ps(half_to_float(blk));
+        m = _mm256_setzero_ps();
+        for (int c = 0; c < 4; c++)
+            q[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * c))));
+    }
+};
+
+// Rows [0, MT) of x (row stride K) times weight row n: each block's values are converted once for MT rows.
+template <class F, int MT>
+inline void rows_times_weight_row(const float *x, const float *xsum, int64_t K, const uint8_t *wrow, float *y,
+                                  int64_t N, int64_t n, const float *bias) {
+    const int64_t nblk = K / QK;
+    __m256 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblk; b++) {
+        __m256 q[4], d, m;
+        F::load(wrow + b * F::bytes, q, d, m);
+        for (int i = 0; i < MT; i++) {
+            const float *xb = x + i * K + b * QK;
+            __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+            s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), s);
+            s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), s);
+            s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), s);
+            acc[i] = _mm256_fmadd_ps(d, s, acc[i]);
+            if (F::has_min) acc[i] = _mm256_fmadd_ps(m, _mm256_load_ps(xsum + (i * nblk + b) * 8), acc[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) y[i * N + n] = hsum(acc[i]) + (bias ? bias[n] : 0.f);
+}
+
+template <class F>
+void run(const float *x, float *xsum, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
+         float *y, int threads) {
+    const int64_t nblk = K / QK, row_bytes = nblk * F::bytes;
+    #pragma omp parallel num_threads(threads)
+    {
+        if (F::has_min) {
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < M * nblk; i++) {
+                const float *xb = x + i * QK;
+                const __m256 a = _mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8));
+                const __m256 b = _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24));
+                _mm256_store_ps(xsum + i * 8, _mm256_add_ps(a, b));
+            }
+        }
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *wrow = w + n * row_bytes;
+            int64_t m = 0;
+            for (; m + 4 <= M; m += 4)
+                rows_times_weight_row<F, 4>(x + m * K, xsum + m * nblk * 8, K, wrow, y + m * N, N, n, bias);
+            for (; m + 2 <= M; m += 2)
+                rows_times_weight_row<F, 2>(x + m * K, xsum + m * nblk * 8, K, wrow, y + m * N, N, n, bias);
+            if (m < M) rows_times_weight_row<F, 1>(x + m * K, xsum + m * nblk * 8, K, wrow, y + m * N, N, n, bias);
+        }
+    }
+}
+}  // namespace
+
+extern "C" {
+// The kernel's version: bump it with any change to the arithmetic above (the build cache keys on the source too).
+int gguf_kernel_version(void) { return 1; }
+
+// x [M, K] fp32 contiguous; w [N, K / 32 blocks] of `fmt` (0: Q4_1, 1: Q8_0); bias [N] or null; y [M, N].
+// Returns 0, or -1 if K is not a multiple of 32 or fmt is unknown, -2 if the scratch cannot be allocated.
+int gguf_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int fmt, const float *bias,
+                float *y, int threads) {
+    if (K % QK != 0 || (fmt != 0 && fmt != 1)) return -1;
+    float *xsum = nullptr;
+    if (fmt == 0) {
+        xsum = (float *)aligned_alloc(32, (size_t)(M * (K / QK) * 8) * sizeof(float) + 32);
+        if (!xsum) return -2;
+    }
+    if (fmt == 0) run<Q41>(x, xsum, M, K, w, N, bias, y, threads);
+    else run<Q80>(x, xsum, M, K, w, N, bias, y, threads);
+    free(xsum);
+    return 0;
+}
+}

@@ -1,0 +1,132 @@
+"""Linears that read a GGUF checkpoint's quantised blocks as they are (`--quantization auto|gguf`, CPU).
+
+A GGUF file is converted once into an fp32 checkpoint (`engine.gguf_checkpoint`): every weight d * q + m of a
+Q4_1 block becomes 4 bytes. A batch-1 decode step reads every weight once, so on a CPU its cost is the bytes
+read: SmolLM2-135M is 538 MB in fp32 and 96 MB in its file's Q4_1 / Q8_0 blocks. `use_gguf_linears` swaps each
+`nn.Linear` whose weight the file stores in a format the kernel reads for a `GGUFLinear` over the file's blocks
+(merged q/k/v and gate/up projections concatenate their pieces' rows; a tied `lm_head` reads the embedding's
+blocks), and drops the fp32 copy. The embedding keeps its fp32 rows (a lookup reads a few).
+
+Same weights, other roundings: the kernel computes each output as the dequantised weights' dot product in fp32,
+in a fixed order of its own (`gguf_kernel.cpp`), so its results differ from an fp32 GEMM's by rounding only, and
+every row's bits are independent of the rows beside it (batch-invariant by construction, at every row count).
+`--quantization none` keeps the fp32 weights and the oneDNN / MKL linears. The loader checks the blocks
+against the converted checkpoint's weights (leading rows of each, bitwise) before it drops them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specstep.engine.errors import CheckpointError, ConfigError
+from specstep.engine.gguf_checkpoint import quantized_blocks
+from specstep.engine.loader import _MERGED  # merged projection -> its Hugging Face pieces, in row order
+from specstep.engine.models.gguf_kernel import BLOCK, FORMATS, gguf_linear, unavailable
+from specstep.engine.models.gguf_op import gguf_linear_op
+
+CHECK_ROWS = 4  # rows of each weight compared bitwise with the converted checkpoint at load
+
+
+def dequantize(fmt: str, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The fp32 weights of `blocks` [rows, bytes] (the `gguf` package's dequantiser: what the checkpoint holds)."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = quants.dequantize(blocks.numpy(), GGMLQuantizationType[fmt])
+    return torch.from_numpy(np.ascontiguousarray(w.reshape(blocks.shape[0], in_features), dtype=np.float32))
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W.T + b with W read from GGUF blocks (`blocks` [out_features, in_features / 32 blocks], uint8)."""
+
+    def __init__(self, fmt: str, blocks: torch.Tensor, in_features: int, bias: nn.Parameter | None,
+                 tied: nn.Parameter | None = None) -> None:
+        super().__init__()
+        if in_features % BLOCK:
+            raise CheckpointError(f"a {fmt} weight's input width {in_features} is not a multiple of {BLOCK}")
+        self.fmt = fmt
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.bias = bias
+        self._tied = [tied]  # a list: not registered (the embedding owns it)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The fp32 weights (a tied embedding's own, else dequantised on demand: e.g. a drafter's reduced
+        vocabulary takes rows of it at load)."""
+        tied = self._tied[0]
+        return tied if tied is not None else dequantize(self.fmt, self.blocks, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:  # training through it: the kernel has no backward
+            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():  # a compiled step calls it as an opaque op
+            return gguf_linear_op(x, self.blocks, self.out_features, self.fmt, self.bias)
+        return gguf_linear(x, self.blocks, self.out_features, self.fmt, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.fmt}"
+
+
+def _pieces(name: str, tied: bool) -> list[str]:
+    """A linear's Hugging Face weight names, in row order: `layers.3.self_attn.qkv_proj` -> its q, k, v."""
+    if name == "lm_head":
+        return ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    parts = name.split(".")
+    layer, sub = ".".join(parts[:2]), ".".join(parts[2:])
+    if parts[0] == "layers" and sub in _MERGED:
+        return [f"model.{layer}.{piece}.weight" for piece in _MERGED[sub]]
+    return [f"model.{name}.weight"]
+
+
+def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    return [(f"{prefix}.{child_name}".lstrip("."), parent, child_name, child)
+            for prefix, parent in model.named_modules() for child_name, child in parent.named_children()
+            if type(child) is nn.Linear]
+
+
+def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: bool) -> str:
+    """Swap the model's linears for `GGUFLinear`s over `gguf_path`'s blocks where the file stores them in a format
+    the kernel reads; returns the ready line's note ("" if none). `required` (`--quantization gguf`): where the
+    kernel cannot run, an error rather than the fp32 weights."""
+    why = unavailable()
+    if why:
+        if required:
+            raise ConfigError(f"--quantization gguf: the GGUF kernel cannot run here: {why}")
+        return f"fp32 weights (GGUF kernel unavailable: {why})"
+    if not gguf_path.is_file():
+        if required:
+            raise ConfigError(f"--quantization gguf: {folder} was converted from {gguf_path}, which is gone")
+        return f"fp32 weights ({gguf_path} is gone)"
+    blocks = quantized_blocks(gguf_path, tuple(FORMATS))
+    tied = bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
+    embed = getattr(model, "embed_tokens", None)
+    swapped: dict[str, int] = {}
+    nbytes = 0
+    for name, parent, child_name, child in _linears(model):
+        pieces = _pieces(name, tied)
+        if not all(p in blocks for p in pieces) or len({blocks[p][0] for p in pieces}) != 1:
+            continue
+        fmt = blocks[pieces[0]][0]
+        rows = torch.cat([blocks[p][1] for p in pieces]) if len(pieces) > 1 else blocks[pieces[0]][1]
+        if tuple(rows.shape[:1]) != (child.out_features,):
+            raise CheckpointError(f"{gguf_path}: {name}'s blocks have {rows.shape[0]} rows, the model "
+                                  f"{child.out_features}")
+        got = dequantize(fmt, rows[:CHECK_ROWS], child.in_features)
+        if not torch.equal(got, child.weight.detach()[:CHECK_ROWS].float()):
+            raise CheckpointError(f"{gguf_path}: {name}'s {fmt} blocks do not hold the converted checkpoint's "
+                                  "weights (a stale conversion? delete it from the cache)")
+        is_tied = tied and name == "lm_head" and embed is not None
+        setattr(parent, child_name, GGUFLinear(fmt, rows, child.in_features, child.bias,
+                                               embed.weight if is_tied else None))
+        swapped[fmt] = swapped.get(fmt, 0) + 1
+        nbytes += rows.numel()
+    if not swapped:
+        return ""
+    kinds = ", ".join(f"{n} {fmt}" for fmt, n in sorted(swapped.items()))
+    return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB) in specstep's AVX2 kernel, "
+            "batch-invariant; --quantization none for fp32 weights")

@@ -1,0 +1,111 @@
+"""The GGUF kernel (`engine/models/gguf_kernel.cpp`) and the linears that use it: results are the dequantised
+weights' products up to fp32 rounding, every row's bits are independent of the rows beside it and of the threads,
+a GGUF checkpoint loads onto it (and off it with `--quantization none`), and its greedy output is the fp32
+model's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specstep.engine.cpu_kernels import CpuKernels
+from specstep.engine.errors import ConfigError
+from specstep.engine.model_loader import describe_cpu_kernels, load_model
+from specstep.engine.models import gguf_kernel
+from specstep.engine.models.gguf_kernel import gguf_linear, unavailable
+from specstep.engine.models.gguf_linear import GGUFLinear, dequantize
+from specstep.engine.sampling_params import SamplingParams
+from tests.fixtures_gguf import write_gguf
+from tests.helpers import make_checkpoint, make_core, run_to_completion
+
+pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"GGUF kernel unavailable: {unavailable()}")
+
+FORMATS = ["Q4_1", "Q8_0"]
+
+
+def quantised(fmt: str, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    import gguf
+
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    blocks = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt]))
+    return blocks, dequantize(fmt, blocks, cols)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_is_the_dequantised_product_to_fp32_rounding(fmt):
+    blocks, w = quantised(fmt, 200, 576)
+    x, bias = torch.randn(9, 576), torch.randn(200)
+    ref = x.double() @ w.double().T + bias.double()
+    got = gguf_linear(x, blocks, 200, fmt, bias)
+    fp32 = torch.nn.functional.linear(x, w, bias)
+    # as close to the fp64 result as torch's own fp32 linear on the same weights (within 2x)
+    assert (got.double() - ref).abs().max() <= 2 * (fp32.double() - ref).abs().max() + 1e-6
+    assert got.shape == (9, 200) and got.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(fmt):
+    """Every row count a step can have (1 to 40: decode, verify, mixed) and a prompt's 130, every row position,
+    1 and 2 threads: bitwise the row computed alone."""
+    blocks, _ = quantised(fmt, 67, 192, seed=1)  # 67 rows: a partial last work item
+    x = torch.randn(130, 192)
+    alone = torch.cat([gguf_linear(x[i: i + 1], blocks, 67, fmt, threads=1) for i in range(130)])
+    for m in [*range(1, 18), 40, 130]:
+        for start in {0, 3, 130 - m}:
+            if start + m <= 130:
+                got = gguf_linear(x[start: start + m], blocks, 67, fmt, threads=2)
+                assert torch.equal(got, alone[start: start + m]), (m, start)
+
+
+def test_kernel_rejects_a_width_that_is_not_whole_blocks():
+    blocks, _ = quantised("Q8_0", 4, 64)
+    with pytest.raises(gguf_kernel.KernelError, match="returned -1"):
+        gguf_linear(torch.randn(2, 48), blocks, 4, "Q8_0")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTEP_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("fmt,tied", [("Q4_1", False), ("Q4_1", True), ("Q8_0", False)])
+def test_a_gguf_checkpoint_loads_onto_the_kernel_and_computes_the_fp32_models_logits(tmp_path, cache, fmt, tied):
+    src = make_checkpoint(tmp_path / "src", seed=5, tokenizer=True, tie_word_embeddings=tied)
+    path = write_gguf(tmp_path / "m.gguf", src, qtype=fmt)
+    quant = load_model(path, "cpu", "float32", CpuKernels(quantization="gguf"))
+    fp32 = load_model(path, "cpu", "float32", CpuKernels(quantization="none"))
+    linears = [m for m in quant.modules() if isinstance(m, GGUFLinear)]
+    assert len(linears) == 2 * len(quant.layers) * 2 + 1  # qkv, o, gate_up, down a layer, and lm_head
+    assert not any(isinstance(m, GGUFLinear) for m in fp32.modules())
+    assert f"{fmt} linears" in describe_cpu_kernels(quant) and "batch-invariant" in describe_cpu_kernels(quant)
+    if tied:  # the lm_head reads the embedding's blocks; its fp32 weight is the embedding's own
+        assert quant.lm_head.weight is quant.embed_tokens.weight
+    ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7, 8]])
+    with torch.inference_mode():
+        a = quant.compute_logits(quant.forward_dense(ids))
+        b = fp32.compute_logits(fp32.forward_dense(ids))
+    assert (a - b).abs().max() < 1e-4 * b.abs().max()
+
+
+def test_greedy_output_on_the_kernel_is_the_fp32_models(tmp_path, cache):
+    src = make_checkpoint(tmp_path / "src", seed=6, tokenizer=True)
+    path = write_gguf(tmp_path / "m.gguf", src, qtype="Q4_1")
+    prompts = [[5, 17, 99, 3, 250, 41], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for q in ("gguf", "none"):
+        reqs = run_to_completion(make_core(path, quantization=q), prompts, params)
+        outs[q] = [r.output_token_ids for r in reqs]
+    assert outs["gguf"] == outs["none"]
+
+
+def test_quantization_gguf_where_the_kernel_cannot_run_is_a_config_error(tmp_path, cache, monkeypatch):
+    src = make_checkpoint(tmp_path / "src", seed=5, tokenizer=True)
+    path = write_gguf(tmp_path / "m.gguf", src, qtype="Q4_1")
+    monkeypatch.setattr("specstep.engine.models.gguf_linear.unavailable", lambda: "this CPU lacks AVX2")
+    with pytest.raises(ConfigError, match="lacks AVX2"):
+        load_model(path, "cpu", "float32", CpuKernels(quantization="gguf"))
+    auto = load_model(path, "cpu", "float32", CpuKernels(quantization="auto"))
+    assert not any(isinstance(m, GGUFLinear) for m in auto.modules())
+    assert "GGUF kernel unavailable: this CPU lacks AVX2" in describe_cpu_kernels(auto)
