@@ -137,7 +137,7 @@ def run_llamacpp(gguf: Path | None, sets: dict, new_tokens: int, k: int, only: s
         return {**json.loads(res.read_text()), "threads": threads}
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the serving default target")
     ap.add_argument("--new-tokens", type=int, default=96)
@@ -154,7 +154,11 @@ def main() -> None:
                     "others as llamacpp-Nt")
     ap.add_argument("--repeats", type=int, default=1, help="whole sweeps; tables report the median time")
     ap.add_argument("--json", help="write every figure here")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = _parser().parse_args()
     reference = args.model or default_target().reference
     model = str(resolve_model(reference))
     args.gguf = Path(reference) if Path(reference).is_file() else gguf_file_in(Path(reference))
@@ -172,6 +176,17 @@ def main() -> None:
     rounds = []
     for _ in range(args.repeats):  # whole sweeps, one after another: every setting sees the machine's moods
         rounds.append(one_round(args, model, sets, b1, params, only, skip))
+    results.update(median_of_rounds(rounds))
+    report(results)
+    print(markdown(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def median_of_rounds(rounds: list[dict]) -> dict:
+    """Per engine, the first round's figures with its times replaced by the median over rounds (all kept in
+    `seconds_all`), and whether every round produced the same tokens."""
+    results: dict = {}
     for engine in rounds[0]:
         results[engine] = {}
         for key, v in rounds[0][engine].items():
@@ -184,10 +199,7 @@ def main() -> None:
             if "prompt_seconds" in v:
                 results[engine][key]["prompt_seconds"] = statistics.median(r[engine][key]["prompt_seconds"]
                                                                            for r in rounds)
-    report(results)
-    print(markdown(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
 
 
 def one_round(args, model: str, sets: dict, b1: dict, params: SamplingParams, only: set | None,

@@ -100,7 +100,7 @@ class StepTimer:
         self.core.stream.close()
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the serving default target")
     ap.add_argument("--batches", default="1,8")
@@ -113,55 +113,21 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=None,
                     help="GB/s for the floor (default: measured here, `read_bandwidth`)")
     ap.add_argument("--json", help="write the figures here")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = _parser().parse_args()
     model = str(resolve_model(args.model or default_target().reference))
     head = default_draft("mtp", resolve_model(model))
     batches = [int(b) for b in args.batches.split(",")]
-    modes = args.modes.split(",")
     prompts = code_prompts(max(batches), args.prompt_tokens, seed=3, model=model)
     # The host is shared: its load average before and after says how much the figures can be trusted.
     results: dict = {"machine": machine(), "model": model, "k": args.k, "rows": {},
                      "load_average": {"before": os.getloadavg()}}
     rows = []
     for b in batches:
-        # Target steps through the n-gram proposer (host drafts: the step is the target's alone); the MTP head's
-        # draft cost from an engine with the head, on the last mode's kernels.
-        def timer(m: str, spec: str, b: int = b) -> StepTimer:
-            linear, _, invariant = m.partition("/")
-            return StepTimer(EngineConfig(model=model, spec=spec, num_spec_tokens=args.k, overlap=False,
-                                          threads=args.threads, cpu_linear=linear,
-                                          batch_invariant=invariant != "off", max_batch_size=max(batches)),
-                             prompts[:b], args.k)
-
-        timers = {m: timer(m, "ngram") for m in modes}
-        mtp = timer(modes[-1], "mtp") if head is not None else None
-        if "bandwidth_gb_s" not in results:  # once the engines set torch's threads
-            results["bandwidth_gb_s"] = args.bandwidth or read_bandwidth()
-        floor_s = weight_bytes(timers[modes[0]].engine.target) / (results["bandwidth_gb_s"] * 1e9)
-        samples: dict = {m: {"decode": [], "verify": [], "draft": []} for m in modes}
-        for t in timers.values():
-            t.step(0), t.step(args.k)  # warm-up
-        for _ in range(args.reps):
-            for m, t in timers.items():  # alternate settings and step kinds every repetition
-                samples[m]["decode"].append(t.step(0))
-                samples[m]["verify"].append(t.step(args.k))
-            if mtp is not None:
-                samples[modes[-1]]["draft"].append(mtp.draft_forward())
-        for m, t in timers.items():
-            med = {kind: statistics.median(v) for kind, v in samples[m].items() if v}
-            spread = {kind: (min(v), max(v)) for kind, v in samples[m].items() if v}
-            ratio = med["verify"] / med["decode"]
-            draft = med.get("draft")
-            rows.append([m, b, med["decode"] * 1e3, med["verify"] * 1e3, ratio,
-                         f"{100 * floor_s / med['decode']:.0f}%" if b == 1 else "",
-                         f"{draft / med['decode']:.3f}" if draft else "-"])
-            results["rows"][f"{m}_b{b}"] = {"decode_ms": med["decode"] * 1e3, "verify_ms": med["verify"] * 1e3,
-                                             "verify_over_decode": ratio, "floor_ms": floor_s * 1e3,
-                                             "draft_over_decode": draft / med["decode"] if draft else None,
-                                             "spread_ms": {k: [x * 1e3 for x in v] for k, v in spread.items()}}
-            t.close()
-        if mtp is not None:
-            mtp.close()
+        rows += _measure_batch(args, model, head is not None, prompts, b, max(batches), results)
     results["load_average"]["after"] = os.getloadavg()
     load = ", ".join(f"{k} {v[0]:.1f}" for k, v in results["load_average"].items())
     table(f"step costs, k={args.k} (verify = k + 1 tokens per request), medians of {args.reps} ({machine()}; "
@@ -171,6 +137,60 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts: list[list[int]], b: int,
+                   max_batch: int, results: dict) -> list[list]:
+    """Table rows for batch size `b`, one per mode; its figures go into `results` (and, on the first call, the
+    bandwidth the floor is taken at)."""
+    modes = args.modes.split(",")
+
+    # Target steps through the n-gram proposer (host drafts: the step is the target's alone); the MTP head's
+    # draft cost from an engine with the head, on the last mode's kernels.
+    def timer(m: str, spec: str) -> StepTimer:
+        linear, _, invariant = m.partition("/")
+        return StepTimer(EngineConfig(model=model, spec=spec, num_spec_tokens=args.k, overlap=False,
+                                      threads=args.threads, cpu_linear=linear,
+                                      batch_invariant=invariant != "off", max_batch_size=max_batch),
+                         prompts[:b], args.k)
+
+    timers = {m: timer(m, "ngram") for m in modes}
+    mtp = timer(modes[-1], "mtp") if with_mtp else None
+    if "bandwidth_gb_s" not in results:  # once the engines set torch's threads
+        results["bandwidth_gb_s"] = args.bandwidth or read_bandwidth()
+    floor_s = weight_bytes(timers[modes[0]].engine.target) / (results["bandwidth_gb_s"] * 1e9)
+    samples = _sample(timers, mtp, modes[-1], args.reps, args.k)
+    rows = []
+    for m, t in timers.items():
+        med = {kind: statistics.median(v) for kind, v in samples[m].items() if v}
+        spread = {kind: (min(v), max(v)) for kind, v in samples[m].items() if v}
+        ratio = med["verify"] / med["decode"]
+        draft = med.get("draft")
+        rows.append([m, b, med["decode"] * 1e3, med["verify"] * 1e3, ratio,
+                     f"{100 * floor_s / med['decode']:.0f}%" if b == 1 else "",
+                     f"{draft / med['decode']:.3f}" if draft else "-"])
+        results["rows"][f"{m}_b{b}"] = {"decode_ms": med["decode"] * 1e3, "verify_ms": med["verify"] * 1e3,
+                                         "verify_over_decode": ratio, "floor_ms": floor_s * 1e3,
+                                         "draft_over_decode": draft / med["decode"] if draft else None,
+                                         "spread_ms": {k: [x * 1e3 for x in v] for k, v in spread.items()}}
+        t.close()
+    if mtp is not None:
+        mtp.close()
+    return rows
+
+
+def _sample(timers: dict[str, StepTimer], mtp: StepTimer | None, mtp_mode: str, reps: int, k: int) -> dict:
+    """Seconds per step, by mode and kind (decode, verify; draft under `mtp_mode`, with an MTP engine)."""
+    samples: dict = {m: {"decode": [], "verify": [], "draft": []} for m in timers}
+    for t in timers.values():
+        t.step(0), t.step(k)  # warm-up
+    for _ in range(reps):
+        for m, t in timers.items():  # alternate settings and step kinds every repetition
+            samples[m]["decode"].append(t.step(0))
+            samples[m]["verify"].append(t.step(k))
+        if mtp is not None:
+            samples[mtp_mode]["draft"].append(mtp.draft_forward())
+    return samples
 
 
 if __name__ == "__main__":

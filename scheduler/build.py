@@ -143,11 +143,7 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
     """Threads, device, target (this rank's shard) and proposer, memory plan and KV pools, graphs."""
     device = resolve_device(cfg.device, tp.rank)
     if device.type == "cpu":
-        # With overlap, the scheduler thread and the stream's worker thread each take a core: one intra-op
-        # thread. Inline, both cores go to the matmuls (measured faster from batch 1 up on this machine kind).
-        # Tensor-parallel ranks share the machine's cores.
-        threads = cfg.threads or (1 if cfg.overlap else 2)
-        torch.set_num_threads(max(1, threads // tp.world_size) if cfg.threads is None else threads)
+        set_cpu_threads(cfg, tp)
     planned = cfg.num_pages is None and cfg.kv_cache_tokens is None
     # The CPU budget is a share of the RAM available before the weights load: they come out of it.
     ram = host_ram_available() // tp.world_size if planned and device.type == "cpu" else 0
@@ -164,6 +160,28 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
     k_max = cfg.num_spec_tokens if proposer else 0
     attention = install_attention(cfg, step_engine, step_engine.max_kv_len(max_len, k_max), dtype, device)
     ks = graph_ks(k_max)
+    use_graphs = wants_graphs(cfg, device, tp)
+    pools = [pool] + ([proposer.pool] if proposer is not None and proposer.pool is not None else [])
+    memory, max_len = plan_memory_within(cfg, step_engine, pools, max_len, k_max, ram, ks if use_graphs else None)
+    pages = tp.min(memory.num_pages)  # every rank addresses the same pages: the smallest plan wins
+    if pages != memory.num_pages:
+        memory = dataclasses.replace(memory, num_pages=pages, limit="the smallest tensor-parallel rank's plan")
+    for p in pools:
+        p.allocate(memory.num_pages)
+    capture = capture_graphs(cfg, step_engine, ks, max_len, k_max) if use_graphs else None
+    return StepEngineParts(step_engine, memory, capture, attention, max_len, ks)
+
+
+def set_cpu_threads(cfg: EngineConfig, tp: TPGroup) -> None:
+    # With overlap, the scheduler thread and the stream's worker thread each take a core: one intra-op
+    # thread. Inline, both cores go to the matmuls (measured faster from batch 1 up on this machine kind).
+    # Tensor-parallel ranks share the machine's cores.
+    threads = cfg.threads or (1 if cfg.overlap else 2)
+    torch.set_num_threads(max(1, threads // tp.world_size) if cfg.threads is None else threads)
+
+
+def wants_graphs(cfg: EngineConfig, device: torch.device, tp: TPGroup) -> bool:
+    """Whether steps run as captured graphs (`--graphs`); ConfigError for a combination that cannot."""
     use_graphs = cfg.graphs in ("on", "compiled") or (cfg.graphs == "auto" and device.type == "cuda")
     if cfg.graphs == "compiled" and device.type != "cpu":
         raise ConfigError("--graphs compiled is the CPU counterpart of graph capture; on CUDA use --graphs on")
@@ -172,27 +190,22 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
         # buffers past the call, so it cannot check these steps. CUDA graphs capture NCCL collectives.
         raise ConfigError("--graphs on with --tensor-parallel-size > 1 needs CUDA (the CPU graph stand-in cannot "
                           "check steps with gloo collectives)")
-    pools = [pool] + ([proposer.pool] if proposer is not None and proposer.pool is not None else [])
-    memory, max_len = plan_memory_within(cfg, step_engine, pools, max_len, k_max, ram, ks if use_graphs else None)
-    pages = tp.min(memory.num_pages)  # every rank addresses the same pages: the smallest plan wins
-    if pages != memory.num_pages:
-        memory = dataclasses.replace(memory, num_pages=pages, limit="the smallest tensor-parallel rank's plan")
-    for p in pools:
-        p.allocate(memory.num_pages)
-    capture = None
-    if use_graphs:
-        from specstep.cuda_graphs.runner import GraphConfig, GraphRunner
+    return use_graphs
 
-        backend = None  # the device's own: CUDA graphs, or the contract-checking stand-in on CPU
-        if cfg.graphs == "compiled":
-            from specstep.cuda_graphs.cpu_compiled import CompiledBackend
-            from specstep.engine.model_source import cache_root
 
-            backend = CompiledBackend(cache_root=cache_root())  # the engine's cache (cuda_graphs cannot import it)
-        runner = GraphRunner(device, GraphConfig(max_batch=cfg.max_batch_size), backend)
-        capture = step_engine.use_graphs(runner, ks, max_len, scratch_slot=cfg.max_batch_size,
-                                         drops_refill=policy_config(cfg, k_max, ks).drops_refill)
-    return StepEngineParts(step_engine, memory, capture, attention, max_len, ks)
+def capture_graphs(cfg: EngineConfig, engine: StepEngine, ks: tuple[int, ...], max_len: int, k_max: int):
+    """Capture the step graphs over batch buckets and `ks`, once the KV pools are allocated; the CaptureInfo."""
+    from specstep.cuda_graphs.runner import GraphConfig, GraphRunner
+
+    backend = None  # the device's own: CUDA graphs, or the contract-checking stand-in on CPU
+    if cfg.graphs == "compiled":
+        from specstep.cuda_graphs.cpu_compiled import CompiledBackend
+        from specstep.engine.model_source import cache_root
+
+        backend = CompiledBackend(cache_root=cache_root())  # the engine's cache (cuda_graphs cannot import it)
+    runner = GraphRunner(engine.device, GraphConfig(max_batch=cfg.max_batch_size), backend)
+    return engine.use_graphs(runner, ks, max_len, scratch_slot=cfg.max_batch_size,
+                             drops_refill=policy_config(cfg, k_max, ks).drops_refill)
 
 
 def plan_memory(cfg: EngineConfig, engine: StepEngine, pools: list[KVPool], max_len: int, k_max: int,

@@ -90,42 +90,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from specstep.engine.sampling_params import SamplingParams
     from specstep.scheduler.build import build_engine
-    from specstep.scheduler.core.request import Request
 
     items = read_inputs(args)
     resolve_model_arg(args)
     recorder, tracer = make_tracer(args.trace)
     core, tokenizer, info = build_engine(engine_config_from_args(args), tracer)
-    reqs = []
-    for i, item in enumerate(items):
-        where = item.get("_where", "--prompt")
-        if "prompt" in item:
-            if not isinstance(item["prompt"], str) or not item["prompt"]:
-                raise SpecstepError(f"{where}: 'prompt' must be a non-empty string")
-            if tokenizer is None:
-                raise SpecstepError(f"{args.model}: no tokenizer.json; give prompt_token_ids instead")
-            ids = tokenizer.encode(item["prompt"])
-        else:
-            ids = item["prompt_token_ids"]
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                               for t in ids):
-                raise SpecstepError(f"{where}: 'prompt_token_ids' must be a non-empty list of integers")
-            bad = [t for t in ids if not 0 <= t < info.vocab_size]
-            if bad:
-                raise SpecstepError(f"{where}: token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}")
-        seed = item.get("seed", args.seed)
-        params = SamplingParams(temperature=item.get("temperature", args.temperature),
-                                top_p=item.get("top_p", args.top_p), top_k=item.get("top_k", args.top_k),
-                                max_tokens=item.get("max_tokens", args.max_tokens), seed=seed,
-                                ignore_eos=args.ignore_eos)
-        try:
-            req = Request(str(i), ids, params, seed=seed if seed is not None else random.getrandbits(63))
-            core.add_request(req)
-        except SpecstepError as e:
-            raise SpecstepError(f"{where}: {e}") from None
-        reqs.append(req)
+    reqs = _add_requests(core, items, args, tokenizer, info.vocab_size)
 
     # After every input is checked (an input error stays a one-line message), before the first step.
     print(f"specstep generate: ready ({ready_text(info)})", file=sys.stderr, flush=True)
@@ -138,7 +109,55 @@ def _run(args: argparse.Namespace) -> int:
     if recorder is not None:
         recorder.save(args.trace)
 
-    out = open(args.output, "w") if args.output else sys.stdout
+    _write_outputs(reqs, tokenizer, args.output)
+    total = sum(r.num_output_tokens for r in reqs)
+    print(f"{len(reqs)} requests, {total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s), spec={info.spec}",
+          file=sys.stderr)
+    return 0
+
+
+def _add_requests(core, items: list[dict], args: argparse.Namespace, tokenizer, vocab_size: int) -> list:
+    """One request per input, added to the engine core; per-line fields override the command line's."""
+    from specstep.engine.sampling_params import SamplingParams
+    from specstep.scheduler.core.request import Request
+
+    reqs = []
+    for i, item in enumerate(items):
+        where = item.get("_where", "--prompt")
+        ids = _prompt_ids(item, where, tokenizer, vocab_size, args.model)
+        seed = item.get("seed", args.seed)
+        params = SamplingParams(temperature=item.get("temperature", args.temperature),
+                                top_p=item.get("top_p", args.top_p), top_k=item.get("top_k", args.top_k),
+                                max_tokens=item.get("max_tokens", args.max_tokens), seed=seed,
+                                ignore_eos=args.ignore_eos)
+        try:
+            req = Request(str(i), ids, params, seed=seed if seed is not None else random.getrandbits(63))
+            core.add_request(req)
+        except SpecstepError as e:
+            raise SpecstepError(f"{where}: {e}") from None
+        reqs.append(req)
+    return reqs
+
+
+def _prompt_ids(item: dict, where: str, tokenizer, vocab_size: int, model: str) -> list[int]:
+    if "prompt" in item:
+        if not isinstance(item["prompt"], str) or not item["prompt"]:
+            raise SpecstepError(f"{where}: 'prompt' must be a non-empty string")
+        if tokenizer is None:
+            raise SpecstepError(f"{model}: no tokenizer.json; give prompt_token_ids instead")
+        return tokenizer.encode(item["prompt"])
+    ids = item["prompt_token_ids"]
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise SpecstepError(f"{where}: 'prompt_token_ids' must be a non-empty list of integers")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise SpecstepError(f"{where}: token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return ids
+
+
+def _write_outputs(reqs: list, tokenizer, output: str | None) -> None:
+    """One JSONL line per request, in input order, to `output` (default: stdout)."""
+    out = open(output, "w") if output else sys.stdout
     try:
         for req in reqs:
             line = {
@@ -152,10 +171,6 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         if out is not sys.stdout:
             out.close()
-    total = sum(r.num_output_tokens for r in reqs)
-    print(f"{len(reqs)} requests, {total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s), spec={info.spec}",
-          file=sys.stderr)
-    return 0
 
 
 def ready_text(info) -> str:

@@ -13,7 +13,6 @@ aborted. No torch in this process.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import os
@@ -26,20 +25,19 @@ import zmq
 import zmq.asyncio
 
 from specstep.engine.tokenizer import Tokenizer
+from specstep.scheduler.server.inflight import InflightRequests
 from specstep.scheduler.server.metrics import ServerMetrics
 from specstep.scheduler.server.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
     EngineAbort,
-    EngineOutputs,
-    EngineReject,
     Error,
     ErrorCode,
-    Final,
     GenerateRequest,
     HealthReply,
     HealthRequest,
     ProtocolError,
+    Ready,
     SchedulerProcessConfig,
     StatsReply,
     StatsRequest,
@@ -56,7 +54,6 @@ from specstep.traces.ranges import DETOKENIZE, SEND
 from specstep.traces.tracer import Tracer, TraceRecorder
 
 log = logging.getLogger("specstep.frontend")
-DIED = object()  # queue item: the scheduler incarnation serving this request died
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +79,7 @@ class Frontend:
         self.tokenizer = tokenizer
         self.recorder = TraceRecorder() if cfg.trace else None
         self.tracer = Tracer(self.recorder)
-        self.requests: dict[tuple[bytes, str], RequestStream] = {}
-        self.by_engine_id: dict[str, RequestStream] = {}
-        self._ids = itertools.count(1)
+        self.requests = InflightRequests()
         self.draining = False
         self._done: asyncio.Event | None = None
         self.metrics = ServerMetrics()
@@ -98,8 +93,9 @@ class Frontend:
         self.router = make_socket(self.ctx, zmq.ROUTER, bind=self.cfg.address, hwm=ROUTER_HWM,
                                   router_mandatory=True)
         self.address = bound_address(self.router)
-        self.supervisor = SchedulerSupervisor(self.ctx, self._process_config, self, self.cfg.startup_timeout_s,
-                                              self.cfg.max_restarts, self.cfg.restart_window_s)
+        self.supervisor = SchedulerSupervisor(self.ctx, self._process_config, self.requests,
+                                              self.cfg.startup_timeout_s, self.cfg.max_restarts,
+                                              self.cfg.restart_window_s)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.begin_drain)
         loop.add_signal_handler(signal.SIGINT, self._on_sigint)
@@ -119,14 +115,8 @@ class Frontend:
                 on_listening("specstep serve: error: the scheduler process did not start (see its log above)")
                 code = 1
         else:
-            ready = self.supervisor.ready
-            kv = f"; {ready.kv_cache}" if ready.kv_cache else ""
-            kv += f"; {ready.graphs}" if ready.graphs else ""
-            kv += f"; {ready.prefill}" if ready.prefill else ""
-            if ready.tensor_parallel_size > 1:
-                kv += f"; tensor-parallel {ready.tensor_parallel_size} ranks"
-            on_listening(f"specstep serve: ready ({self.cfg.model_origin or self.cfg.model_name}; spec {ready.spec}, "
-                         f"{ready.num_pages} KV pages{kv}) on {self.address}")
+            on_listening(_ready_line(self.supervisor.ready, self.cfg.model_origin or self.cfg.model_name,
+                                     self.address))
             await self._done.wait()
             code = 0
         router_task.cancel()
@@ -134,7 +124,8 @@ class Frontend:
         await self.supervisor.stop(drain=False, timeout_s=5.0)
         self.router.close(linger=0)
         self.ctx.destroy(linger=0)
-        self._save_trace()
+        if self.recorder is not None and self.cfg.trace:
+            _save_trace(self.recorder, Path(self.cfg.trace))
         return code
 
     def begin_drain(self) -> None:
@@ -146,8 +137,7 @@ class Frontend:
 
     def _on_sigint(self) -> None:
         if self.draining:  # a second Ctrl-C: stop now
-            for st in list(self.requests.values()):
-                self._cancel(st, "shutdown")
+            self.requests.cancel_all("shutdown")
             self._done.set()
         self.begin_drain()
 
@@ -158,8 +148,7 @@ class Frontend:
         deadline = time.monotonic() + self.cfg.drain_timeout_s
         while self.requests and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        for st in list(self.requests.values()):
-            self._cancel(st, "shutdown")
+        self.requests.cancel_all("shutdown")
         await asyncio.sleep(0)  # let the cancelled tasks send their errors
         await self.supervisor.stop(drain=True, timeout_s=10.0)
         self._done.set()
@@ -168,15 +157,6 @@ class Frontend:
         return SchedulerProcessConfig(engine=self.cfg.engine, input_address=input_address,
                                       output_address=output_address, parent_pid=os.getpid(),
                                       max_prompt_len=self.cfg.max_prompt_len, trace=self.cfg.trace)
-
-    def _save_trace(self) -> None:
-        """Our ranges go into the scheduler's trace file (one file, one pid per process)."""
-        if self.recorder is None or not self.cfg.trace:
-            return
-        path = Path(self.cfg.trace)
-        data = json.loads(path.read_text()) if path.is_file() else {"traceEvents": [], "displayTimeUnit": "ms"}
-        data["traceEvents"].extend(self.recorder.to_json()["traceEvents"])
-        path.write_text(json.dumps(data))
 
     # ---- messages from clients -----------------------------------------------------------------------------
     async def _router_loop(self) -> None:
@@ -194,9 +174,9 @@ class Frontend:
             if isinstance(msg, GenerateRequest):
                 self._on_generate(identity, msg)
             elif isinstance(msg, AbortRequest):
-                st = self.requests.get((identity, msg.request_id))
+                st = self.requests.get(identity, msg.request_id)
                 if st is not None:  # aborting an unknown or finished request is a no-op
-                    self._cancel(st, "abort")
+                    st.cancel("abort")
             elif isinstance(msg, HealthRequest):
                 if self.queries.pending(identity):  # replies to one client's queries go out in order
                     self.queries.queue(identity, self._health_async)
@@ -209,9 +189,8 @@ class Frontend:
 
     def _on_generate(self, identity: bytes, msg: GenerateRequest) -> None:
         check_request_id(msg.request_id)
-        key = (identity, msg.request_id)
         # Duplicates first: any other error carrying a running request's id would end it for the client.
-        if key in self.requests:
+        if self.requests.get(identity, msg.request_id) is not None:
             raise ProtocolError(ErrorCode.DUPLICATE_REQUEST_ID, f"request_id: {msg.request_id!r} is already in "
                                 "flight on this connection; that request continues", msg.request_id)
         if self.draining:
@@ -219,9 +198,7 @@ class Frontend:
         if len(self.requests) >= self.cfg.max_inflight:
             raise ProtocolError(ErrorCode.OVERLOADED, f"{len(self.requests)} requests in flight; retry later",
                                 msg.request_id)
-        st = RequestStream(identity, msg, str(next(self._ids)), time.monotonic())
-        self.requests[key] = st
-        self.by_engine_id[st.engine_id] = st
+        st = self.requests.add(identity, msg, time.monotonic())
         st.task = asyncio.get_running_loop().create_task(self._serve_request(st))
         st.task.add_done_callback(lambda _, st=st: self._on_task_done(st))
 
@@ -265,23 +242,6 @@ class Frontend:
         with self.tracer.range(SEND):
             return send_now(self.router, [identity, *encode(msg)])
 
-    # ---- messages from the scheduler (via the supervisor's reader task) ---------------------------------------
-    def on_outputs(self, msg: EngineOutputs) -> None:
-        for out in msg.outputs:
-            st = self.by_engine_id.get(out.request_id)
-            if st is not None:
-                st.queue.put_nowait(out)
-
-    def on_reject(self, msg: EngineReject) -> None:
-        st = self.by_engine_id.get(msg.request_id)
-        if st is not None:
-            st.queue.put_nowait(msg)
-
-    def on_engine_died(self, incarnation: int) -> None:
-        for st in self.by_engine_id.values():
-            if st.incarnation == incarnation:
-                st.queue.put_nowait(DIED)
-
     # ---- one request ---------------------------------------------------------------------------------------
     async def _serve_request(self, st: RequestStream) -> None:
         try:
@@ -299,7 +259,7 @@ class Frontend:
                 while not st.queue.empty():  # merge whatever piled up into one delta
                     items.append(st.queue.get_nowait())
                 with self.tracer.range(DETOKENIZE):
-                    final = self._consume(st, items)
+                    final = st.consume(items, time.monotonic(), self.metrics)
                     delta = st.delta() if final is None and st.msg.stream else None
                 if final is not None:
                     self.metrics.observe_final(final)
@@ -332,37 +292,27 @@ class Frontend:
     def _on_task_done(self, st: RequestStream) -> None:
         """A task cancelled before its first step (an ABORT read right behind its GENERATE) never entered
         `_serve_request`, so its handlers did not run: answer the client and forget the request here."""
-        if self.requests.get((st.identity, st.request_id)) is st:
+        if self.requests.get(st.identity, st.request_id) is st:
             self._reply_cancelled(st)
             self._forget(st)
 
-    def _consume(self, st: RequestStream, items: list) -> Final | None:
-        """Apply queued items; the Final once the request is over. Errors are raised as ProtocolError."""
-        now = time.monotonic()
-        for item in items:
-            if item is DIED:
-                st.engine_done = True
-                raise ProtocolError(ErrorCode.ENGINE_DIED, "the scheduler process died while serving the request; "
-                                    "retry")
-            if isinstance(item, EngineReject):
-                st.engine_done = True
-                raise ProtocolError(ErrorCode(item.code), item.message)
-            self.metrics.observe_step_output(len(item.token_ids), now - st.last_token if st.last_token else None,
-                                             first=st.first_token == 0.0)
-            if st.add(item, now):
-                return st.final("stop", now)  # a stop string; the engine is told to stop in _forget
-            if item.finish_reason is not None:
-                st.engine_done = True
-                return st.final(item.finish_reason, now)
-        return None
-
-    def _cancel(self, st: RequestStream, reason: str) -> None:
-        if st.task is not None and not st.task.done() and not st.cancel_reason:
-            st.cancel_reason = reason
-            st.task.cancel()
-
     def _forget(self, st: RequestStream) -> None:
-        self.requests.pop((st.identity, st.request_id), None)
-        self.by_engine_id.pop(st.engine_id, None)
+        self.requests.remove(st)
         if st.incarnation and not st.engine_done and st.incarnation == self.supervisor.incarnation:
             self.supervisor.send(EngineAbort([st.engine_id]))  # frees its KV pages in the scheduler at once
+
+
+def _ready_line(ready: Ready, model: str, address: str) -> str:
+    extra = f"; {ready.kv_cache}" if ready.kv_cache else ""
+    extra += f"; {ready.graphs}" if ready.graphs else ""
+    extra += f"; {ready.prefill}" if ready.prefill else ""
+    if ready.tensor_parallel_size > 1:
+        extra += f"; tensor-parallel {ready.tensor_parallel_size} ranks"
+    return f"specstep serve: ready ({model}; spec {ready.spec}, {ready.num_pages} KV pages{extra}) on {address}"
+
+
+def _save_trace(recorder: TraceRecorder, path: Path) -> None:
+    """Our ranges go into the scheduler's trace file (one file, one pid per process)."""
+    data = json.loads(path.read_text()) if path.is_file() else {"traceEvents": [], "displayTimeUnit": "ms"}
+    data["traceEvents"].extend(recorder.to_json()["traceEvents"])
+    path.write_text(json.dumps(data))

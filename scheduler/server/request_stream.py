@@ -1,7 +1,8 @@
 """One request as the frontend sees it: engine outputs in, client messages out (no sockets here).
 
 Tokens are counted, timed and detokenized (with stop strings) as they arrive; `delta()` takes what is ready to
-send, `final()` closes the request with usage, speculation stats and timings. Times are time.monotonic().
+send, `final()` closes the request with usage, speculation stats and timings; `consume()` applies what the
+scheduler queued for it (outputs, a rejection, DIED). Times are time.monotonic().
 """
 
 from __future__ import annotations
@@ -11,16 +12,22 @@ from dataclasses import dataclass, field
 
 from specstep.engine.tokenizer import Tokenizer
 from specstep.scheduler.server.detokenize import TextStream
+from specstep.scheduler.server.metrics import ServerMetrics
 from specstep.scheduler.server.protocol import (
     Delta,
     EngineOutput,
+    EngineReject,
     EngineRequest,
+    ErrorCode,
     Final,
     GenerateRequest,
+    ProtocolError,
     Timings,
     Usage,
 )
 from specstep.scheduler.spec.counters import SpecCounters
+
+DIED = object()  # queue item: the scheduler incarnation serving this request died
 
 
 @dataclass(eq=False, slots=True)
@@ -54,6 +61,31 @@ class RequestStream:
         self.text = TextStream(tokenizer, req.prompt_token_ids, self.msg.stop)
         self.num_prompt = len(req.prompt_token_ids)
         self.sent_time = now
+
+    def cancel(self, reason: str) -> None:
+        """Cancel the request's task once, remembering why ("abort" | "shutdown")."""
+        if self.task is not None and not self.task.done() and not self.cancel_reason:
+            self.cancel_reason = reason
+            self.task.cancel()
+
+    def consume(self, items: list, now: float, metrics: ServerMetrics) -> Final | None:
+        """Apply queued items; the Final once the request is over. Errors are raised as ProtocolError."""
+        for item in items:
+            if item is DIED:
+                self.engine_done = True
+                raise ProtocolError(ErrorCode.ENGINE_DIED, "the scheduler process died while serving the request; "
+                                    "retry")
+            if isinstance(item, EngineReject):
+                self.engine_done = True
+                raise ProtocolError(ErrorCode(item.code), item.message)
+            metrics.observe_step_output(len(item.token_ids), now - self.last_token if self.last_token else None,
+                                        first=self.first_token == 0.0)
+            if self.add(item, now):
+                return self.final("stop", now)  # a stop string: the frontend then aborts it in the engine
+            if item.finish_reason is not None:
+                self.engine_done = True
+                return self.final(item.finish_reason, now)
+        return None
 
     def add(self, out: EngineOutput, now: float) -> bool:
         """Take one engine output; True when a stop string ended the request (tokens after it are dropped)."""

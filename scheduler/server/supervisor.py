@@ -16,7 +16,6 @@ import itertools
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -40,6 +39,7 @@ from specstep.scheduler.server.protocol import (
     decode_from_engine,
     encode_engine,
 )
+from specstep.scheduler.server.restart_budget import RestartBudget
 from specstep.scheduler.server.sockets import ipc_address, make_socket, remove_ipc, remove_stale_ipc
 
 log = logging.getLogger("specstep.supervisor")
@@ -73,12 +73,10 @@ class SchedulerSupervisor:
         self.make_config = make_config
         self.handler = handler
         self.startup_timeout_s = startup_timeout_s
-        self.max_restarts = max_restarts
-        self.restart_window_s = restart_window_s
+        self._budget = RestartBudget(max_restarts, restart_window_s)
         self.state = "starting"  # starting | ready | restarting | failed | stopping | stopped
         self.ready: Ready | None = None
         self.restarts = 0
-        self._restart_times: deque[float] = deque()
         self._current: Incarnation | None = None
         self._numbers = itertools.count(1)
         self._state_changed = asyncio.Event()
@@ -208,15 +206,11 @@ class SchedulerSupervisor:
     async def _restart(self, dead: Incarnation) -> None:
         await self._reap(dead)
         while True:
-            now = time.monotonic()
-            while self._restart_times and now - self._restart_times[0] > self.restart_window_s:
-                self._restart_times.popleft()
-            if len(self._restart_times) >= self.max_restarts:
-                log.error("scheduler restarted %d times within %gs: giving up", self.max_restarts,
-                          self.restart_window_s)
+            if not self._budget.take(time.monotonic()):
+                log.error("scheduler restarted %d times within %gs: giving up", self._budget.max_restarts,
+                          self._budget.window_s)
                 self._set_state("failed")
                 return
-            self._restart_times.append(now)
             self.restarts += 1
             try:
                 if await self._launch():
@@ -225,7 +219,7 @@ class SchedulerSupervisor:
                 log.exception("starting scheduler process failed")
             if self.state in ("stopping", "stopped"):
                 return
-            await asyncio.sleep(min(0.5 * len(self._restart_times), 5.0))
+            await asyncio.sleep(self._budget.backoff_s)
 
     async def stop(self, drain: bool = True, timeout_s: float = 30.0) -> None:
         """Ask the scheduler to exit (after finishing its requests if `drain`), then make sure it has. A start
