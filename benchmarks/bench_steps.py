@@ -3,8 +3,10 @@ decode step, per batch size and CPU kernel setting, side by side in one run (set
 
     python -m benchmarks.bench_steps [--model M] [--batches 1,8] [--k 4] [--reps 30] [--modes auto/off,auto/on]
 
-A mode is `--cpu-linear[/--batch-invariant]`: auto/off is the per-row kernel plan with SDPA attention, auto/on
-(the default) one oneDNN kernel for every row count with the batch-invariant attention.
+A mode is `--cpu-linear[/--batch-invariant[/--quantization]]`: auto/off is the per-row kernel plan with SDPA
+attention, auto/on (the default) one oneDNN kernel for every row count with the batch-invariant attention, and
+on a GGUF model the file's quantised blocks in the GGUF kernel (`--quantization auto`); auto/on/none keeps the
+dequantised fp32 weights.
 
 A step here is `StepEngine.decode_context` + `run_decode` + reading the outputs back: batch building, the target
 forward, logits, sampling / rejection sampling and the host sync, exactly what `EngineCore` runs per step.
@@ -29,6 +31,7 @@ import torch
 from benchmarks.common import code_prompts, machine, table
 from specstep.engine.engine_config import EngineConfig
 from specstep.engine.model_source import default_draft, default_target, resolve_model
+from specstep.engine.models.gguf_linear import GGUFLinear
 from specstep.engine.sampling_params import SamplingParams
 from specstep.scheduler.build import build_engine
 from specstep.scheduler.core.request import Request
@@ -48,12 +51,13 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
+    """The bytes of weights a decode step reads: the parameters and GGUF blocks, less an embedding whose lm_head
+    reads blocks of its own (a lookup reads a few rows)."""
+    tensors = {id(p): p for p in model.parameters()}
+    tensors |= {id(m.blocks): m.blocks for m in model.modules() if isinstance(m, GGUFLinear)}
+    if isinstance(getattr(model, "lm_head", None), GGUFLinear):
+        tensors.pop(id(model.embed_tokens.weight), None)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class StepTimer:
@@ -108,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--modes", default="auto/off,auto/on",
-                    help="--cpu-linear[/--batch-invariant on|off] settings to compare")
+                    help="--cpu-linear[/--batch-invariant on|off[/--quantization auto|none]] settings to compare")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bandwidth", type=float, default=None,
                     help="GB/s for the floor (default: measured here, `read_bandwidth`)")
@@ -148,20 +152,22 @@ def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts
     # Target steps through the n-gram proposer (host drafts: the step is the target's alone); the MTP head's
     # draft cost from an engine with the head, on the last mode's kernels.
     def timer(m: str, spec: str) -> StepTimer:
-        linear, _, invariant = m.partition("/")
+        parts = m.split("/")
+        linear, invariant, quantization = (parts + ["on", "auto"][len(parts) - 1:])[:3]
         return StepTimer(EngineConfig(model=model, spec=spec, num_spec_tokens=args.k, overlap=False,
-                                      threads=args.threads, cpu_linear=linear,
-                                      batch_invariant=invariant != "off", max_batch_size=max_batch),
+                                      threads=args.threads, cpu_linear=linear, batch_invariant=invariant != "off",
+                                      quantization=quantization, max_batch_size=max_batch),
                          prompts[:b], args.k)
 
     timers = {m: timer(m, "ngram") for m in modes}
     mtp = timer(modes[-1], "mtp") if with_mtp else None
     if "bandwidth_gb_s" not in results:  # once the engines set torch's threads
         results["bandwidth_gb_s"] = args.bandwidth or read_bandwidth()
-    floor_s = weight_bytes(timers[modes[0]].engine.target) / (results["bandwidth_gb_s"] * 1e9)
+    floors = {m: weight_bytes(t.engine.target) / (results["bandwidth_gb_s"] * 1e9) for m, t in timers.items()}
     samples = _sample(timers, mtp, modes[-1], args.reps, args.k)
     rows = []
     for m, t in timers.items():
+        floor_s = floors[m]
         med = {kind: statistics.median(v) for kind, v in samples[m].items() if v}
         spread = {kind: (min(v), max(v)) for kind, v in samples[m].items() if v}
         ratio = med["verify"] / med["decode"]

@@ -53,12 +53,19 @@ def test_split_attention_equals_one_padded_batch(page_size, monkeypatch):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_mixed_step_parts_route_decode_rows_invariant_and_prompt_chunks_to_sdpa(monkeypatch):
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_mixed_step_parts_route_decode_rows_invariant_and_prompt_chunks_to_sdpa(monkeypatch, path):
     """With batch invariance, a mixed step's decode rows attend on the invariant path (their bits must be a
     decode step's) and its prompt chunks on SDPA whatever their size: a 12-token chunk late in a long prompt took
     the invariant path's 64-key blocks before, 2-4x SDPA's cost. Each part is checked against attending it
-    alone: a decode row bitwise equals the same row in a decode step of its own."""
+    alone: a decode row bitwise equals the same row in a decode step of its own. Both invariant paths: the C++
+    kernel (`cpu_attention`) and the torch ops (`invariant_attention`)."""
     import specstep.engine.attention.torch_backend as tb
+
+    if path == "kernel" and not tb.kernel.runs(torch.zeros(1), torch.zeros(1, 1, 16)):
+        pytest.skip(f"the CPU attention kernel does not run here: {tb.kernel.unavailable()}")
+    if path == "torch":
+        monkeypatch.setattr(tb.kernel, "runs", lambda *a: False)
 
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, d, page_size = 6, 2, 16, 16
@@ -74,8 +81,18 @@ def test_mixed_step_parts_route_decode_rows_invariant_and_prompt_chunks_to_sdpa(
     mixed = bb.build_forward_batch([[0] * n for n in q_lens], starts, tables, page_size, "cpu", slot=tb.PROMPT_SLOT)
     assert isinstance(mixed.attn, SplitAttention)
     seen = []
-    real = tb.invariant_attention
-    monkeypatch.setattr(tb, "invariant_attention", lambda qp, *a, **k: seen.append(qp.shape[3]) or real(qp, *a, **k))
+    if path == "torch":
+        real = tb.invariant_attention
+        monkeypatch.setattr(tb, "invariant_attention",
+                            lambda qp, *a, **k: seen.append(qp.shape[3]) or real(qp, *a, **k))
+    else:
+        real_kernel = tb.kernel.cpu_attention
+
+        def spy(q, k_cache, v_cache, meta, *a):
+            seen.append(meta.q_index.shape[1])
+            return real_kernel(q, k_cache, v_cache, meta, *a)
+
+        monkeypatch.setattr(tb.kernel, "cpu_attention", spy)
     attn = TorchAttention(batch_invariant=True)
     out = attn.forward(q, k_cache, v_cache, mixed.attn, heads, 0.25)
     assert seen and set(seen) == {1}  # only the decode rows' part took the invariant path, once per layer call

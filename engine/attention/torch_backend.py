@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specstep.engine.attention import cpu_attention as kernel
 from specstep.engine.attention.invariant_attention import (
     KEY_BLOCK,
     MAX_QUERY_ROWS,
@@ -155,8 +156,12 @@ def paged_attention(
     scale: float,
     workspace: int = DEFAULT_WORKSPACE,
     min_rows: int | None = None,
+    use_kernel: bool = False,
 ) -> torch.Tensor:
-    """`min_rows`: attend steps of few positions batch-invariantly with this row padding (None: SDPA)."""
+    """`min_rows`: attend steps of few positions batch-invariantly with this row padding (None: SDPA);
+    `use_kernel`: attend them in the C++ kernel instead (`cpu_attention`: batch-invariant by construction)."""
+    if use_kernel and meta.q_index.shape[1] <= MAX_QUERY_ROWS:
+        return kernel.cpu_attention(q, k_cache, v_cache, meta, num_heads, scale)
     t = q.shape[0]
     _, hkv, d = k_cache.shape
     group = num_heads // hkv
@@ -228,6 +233,7 @@ class TorchAttention:
         self.workspace = workspace
         self.batch_invariant = batch_invariant
         self._min_rows: dict[tuple, int | None] = {}  # measured once per (group, head_dim, dtype)
+        self._kernel_seen = False  # a forward took the C++ kernel (`describe`)
 
     def min_rows(self, group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int | None:
         """The invariant path's row padding for this shape, or None where it does not run (CUDA, off, or no
@@ -243,6 +249,8 @@ class TorchAttention:
         """For the ready line: how steps of few positions attend."""
         if not self.batch_invariant:
             return "attention: SDPA (batch invariance off)"
+        if self._kernel_seen:
+            return "attention: batch-invariant C++ kernel (steps of <= 17 positions; prompts SDPA)"
         if not self._min_rows:
             return "attention: batch-invariant on CPU"
         found = sorted({r for r in self._min_rows.values() if r is not None})
@@ -259,16 +267,26 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata | SplitAttention, num_heads: int, scale: float) -> torch.Tensor:
+        if self.batch_invariant and kernel.runs(q, k_cache):  # the C++ kernel: no row padding to measure
+            self._kernel_seen = True
+            return self._forward(q, k_cache, v_cache, meta, num_heads, scale, None, True)
         rows = self.min_rows(num_heads // k_cache.shape[1], k_cache.shape[-1], q.dtype, q.device)
+        return self._forward(q, k_cache, v_cache, meta, num_heads, scale, rows, False)
+
+    def _forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata | SplitAttention, num_heads: int, scale: float, rows: int | None,
+                 use_kernel: bool) -> torch.Tensor:
+        """`rows` / `use_kernel`: how steps of few positions attend batch-invariantly (`paged_attention`)."""
+        invariant_runs = rows is not None or use_kernel
         if isinstance(meta, SplitAttention):
             out = q.new_empty(q.shape[0], num_heads * k_cache.shape[-1])
             prompts = meta.slot == PROMPT_SLOT
             for t0, t1, part in meta.parts:
-                invariant = rows is not None and not (prompts and not has_decode_rows(part))
+                invariant = invariant_runs and not (prompts and not has_decode_rows(part))
                 out[t0:t1] = paged_attention(q[t0:t1], k_cache, v_cache, part, num_heads, scale, self.workspace,
-                                             rows if invariant else None)
+                                             rows if invariant else None, use_kernel and invariant)
             return out
-        return paged_attention(q, k_cache, v_cache, meta, num_heads, scale, self.workspace, rows)
+        return paged_attention(q, k_cache, v_cache, meta, num_heads, scale, self.workspace, rows, use_kernel)
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

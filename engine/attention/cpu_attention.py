@@ -1,0 +1,72 @@
+"""Call `cpu_attention.cpp`: paged attention for steps of at most MAX_QUERY_ROWS positions on CPU (fp32), one
+call a layer and batch-invariant by construction (a row's bits never depend on what shares its step). Built and
+loaded by `engine.native`; where it cannot run (`unavailable()` says why), `invariant_attention` (torch ops) is
+the batch-invariant path."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from specstep.engine.forward_batch import AttentionMetadata
+from specstep.engine.native import load_kernel
+
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+
+
+class AttentionKernelError(RuntimeError):
+    """The kernel rejected a shape (head_dim not a multiple of 8 or over 256, keys past the page table)."""
+
+
+@cache
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    lib, why = load_kernel(SOURCE)
+    if lib is not None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.cpu_attention.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, p, p, p, p, p, i64, i64, ctypes.c_float,
+                                      ctypes.c_int]
+        lib.cpu_attention.restype = ctypes.c_int
+    return lib, why
+
+
+def unavailable() -> str:
+    """Why the kernel cannot run here ("" if it can); builds it on first call."""
+    return _build()[1]
+
+
+def runs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether this forward can take the kernel: CPU, fp32 queries and cache, a head size it takes."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and k_cache.shape[-1] % 8 == 0 and k_cache.shape[-1] <= 256 and not unavailable())
+
+
+def _indices(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+    """The metadata as the kernel reads it (int64 / uint8, contiguous), once a forward: every layer shares it."""
+    key = ("cpu_attention",)
+    if key not in meta._blocks:
+        meta._blocks[key] = tuple(t.contiguous() for t in (
+            meta.q_index.long(), meta.q_valid.to(torch.uint8), meta.q_pos.long(), meta.kv_len.long(),
+            meta.page_table.long()))
+    return meta._blocks[key]
+
+
+def cpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  num_heads: int, scale: float, threads: int | None = None) -> torch.Tensor:
+    """q [T, H * D] -> [T, H * D]."""
+    lib, why = _build()
+    if lib is None:
+        raise AttentionKernelError(f"the CPU attention kernel cannot run here: {why}")
+    _, hkv, d = k_cache.shape
+    q = q.contiguous()
+    out = q.new_zeros(q.shape)  # rows no valid query row writes (a graph's padding lanes) stay 0
+    q_index, q_valid, q_pos, kv_len, table = _indices(meta)
+    b, qn = q_index.shape
+    rc = lib.cpu_attention(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), b, qn, num_heads,
+                           hkv, d, q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(), kv_len.data_ptr(),
+                           table.data_ptr(), table.shape[1], meta.page_size, scale, threads or torch.get_num_threads())
+    if rc != 0:
+        raise AttentionKernelError(f"cpu_attention(B={b}, Q={qn}, H={num_heads}, Hkv={hkv}, D={d}) returned {rc}")
+    return out
