@@ -15,6 +15,10 @@ from specstep.engine.native import load_kernel
 SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
 BLOCK = 32  # weights a block
+# A second thread pays only past this many weight-row products: waking it (OpenMP, OMP_WAIT_POLICY=PASSIVE)
+# cost more than it saved on every SmolLM2 linear but the 28 M-weight lm_head at one row (AVX2 EPYC, measured:
+# 576x576 Q4_1 163 us on one thread against 279 on two; the lm_head 4.1 ms against 3.5).
+WORK_PER_THREAD = 4 << 20
 
 
 class KernelError(RuntimeError):
@@ -39,7 +43,8 @@ def unavailable() -> str:
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: str,
                 bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """x [..., K] float32 on CPU @ W.T (+ bias): W [out_features, K] as `blocks` [out_features, K / 32 blocks]
-    uint8 of GGML type `fmt`. Threads: torch's count unless given."""
+    uint8 of GGML type `fmt`. Threads: as many of torch's as the work pays for (`WORK_PER_THREAD`) unless given;
+    the result does not depend on them."""
     lib, why = _build()
     if lib is None:
         raise KernelError(f"the GGUF kernel cannot run here: {why}")
@@ -52,7 +57,8 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: s
         bias = bias.float().contiguous()
     rc = lib.gguf_linear(x2.data_ptr(), x2.shape[0], k, blocks.data_ptr(), out_features, FORMATS[fmt],
                          None if bias is None else bias.data_ptr(), y.data_ptr(),
-                         threads or torch.get_num_threads())
+                         threads or max(1, min(torch.get_num_threads(), x2.shape[0] * out_features * k
+                                               // WORK_PER_THREAD)))
     if rc != 0:
         raise KernelError(f"gguf_linear({fmt}, K={k}, N={out_features}) returned {rc}")
     return y.view(*x.shape[:-1], out_features)
