@@ -99,15 +99,7 @@ def load_state_dict(module: torch.nn.Module, folder: Path, dtype: torch.dtype) -
                     pieces.setdefault(target, {})[merged[1]] = tensor
                 else:
                     out[name] = tensor
-    for target, parts in pieces.items():
-        merged_name = next(m for m in _MERGED if m in target)
-        order = _MERGED[merged_name]
-        missing = [p for p in order if p not in parts]
-        if missing:
-            raise CheckpointError(f"{folder}: missing tensor(s) {[target.replace(merged_name, p) for p in missing]}")
-        if target not in expected:
-            raise CheckpointError(f"{folder}: unexpected tensor(s) for {target!r} (e.g. biases this config lacks)")
-        out[target] = torch.cat([parts[p] for p in order], dim=0)
+    out |= _merge(pieces, expected, folder)
     for name, ref in expected.items():
         if name not in out:
             raise CheckpointError(f"{folder}: missing tensor {name!r}")
@@ -119,6 +111,23 @@ def load_state_dict(module: torch.nn.Module, folder: Path, dtype: torch.dtype) -
     module.load_state_dict(out, strict=False, assign=True)
     if tied:
         module.lm_head.weight = module.embed_tokens.weight
+
+
+def _merge(pieces: dict[str, dict[str, torch.Tensor]], expected: dict[str, torch.Tensor],
+           folder: Path) -> dict[str, torch.Tensor]:
+    """Each merged parameter from its Hugging Face pieces (`pieces[merged name][piece]`), concatenated in
+    `_MERGED` order: every piece present, and the merged parameter one the module has."""
+    out: dict[str, torch.Tensor] = {}
+    for target, parts in pieces.items():
+        merged_name = next(m for m in _MERGED if m in target)
+        order = _MERGED[merged_name]
+        missing = [p for p in order if p not in parts]
+        if missing:
+            raise CheckpointError(f"{folder}: missing tensor(s) {[target.replace(merged_name, p) for p in missing]}")
+        if target not in expected:
+            raise CheckpointError(f"{folder}: unexpected tensor(s) for {target!r} (e.g. biases this config lacks)")
+        out[target] = torch.cat([parts[p] for p in order], dim=0)
+    return out
 
 
 def _read_share(f, hf_name: str, share: RankSlice | str | None, ref: tuple[int, ...] | None,

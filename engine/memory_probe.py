@@ -118,7 +118,7 @@ def graph_count_estimate(max_batch_size: int, ks: Sequence[int], has_draft_model
     """Graphs a capture makes: the (flavour, q) pairs decode steps form (`engine.step_graphs.decode_graph_ids`,
     counted as if the policy drops refills: never fewer than without) per default bucket, at each of `widths`
     page-table widths (the torch attention backend's KV-length buckets, `StepEngine.graph_widths`)."""
-    pairs = sum(len(q) for _, q in decode_graph_ids(tuple(ks), has_draft_model, drops_refill=True))
+    pairs = sum(len(q) for _, q in decode_graph_ids(tuple(ks), drops_refill=has_draft_model))
     return widths * len(default_buckets(max_batch_size)) * pairs
 
 

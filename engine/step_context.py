@@ -150,3 +150,13 @@ class DecodePlan:
     @property
     def batch_size(self) -> int:
         return len(self.seqs)
+
+    def patch_chain(self) -> None:
+        """A chained step's starts and last tokens from the previous step's outputs, on the device (`Chain`);
+        nothing for a step that is not chained. The first device work of the step."""
+        if self.chain is not None:
+            inputs, prev = self.inputs, self.chain.prev.result()
+            src, dst = inputs.chain_src, inputs.chain_dst
+            acc = prev.num_accepted[src]
+            inputs.start[dst] = prev.start[src] + acc + 1
+            inputs.grid[dst, 0] = prev.out_tokens[src, acc]

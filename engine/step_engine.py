@@ -25,12 +25,8 @@ import numpy as np
 import torch
 
 from specstep.cuda_graphs.buckets import kv_page_buckets
-from specstep.engine.batch_builder import (
-    build_forward_batch,
-    layout_arrays,
-    layout_from,
-    page_table_array,
-)
+from specstep.engine.batch_builder import build_forward_batch
+from specstep.engine.decode_batch import build_decode_plan
 from specstep.engine.forward_batch import ForwardBatch
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.models.llama import LlamaForCausalLM
@@ -40,7 +36,7 @@ from specstep.engine.rejection_sampler import rejection_sample
 from specstep.engine.sampler import sample
 from specstep.engine.sampling_params import SamplingFlags, SamplingTensors
 from specstep.engine.staging import Staging
-from specstep.engine.step_context import Chain, DecodeInputs, DecodePlan, GraphTable, SeqState, StepLayouts
+from specstep.engine.step_context import Chain, DecodeInputs, DecodePlan, SeqState
 from specstep.engine.step_graphs import graph_for, graph_inputs, register_decode_graphs
 from specstep.traces import ranges
 from specstep.traces.ranges import DEVICE_TRACK
@@ -188,50 +184,14 @@ class StepEngine:
     def decode_context(self, seqs: list[SeqState], num_draft: np.ndarray, host_drafts: list[list[int]] | None = None,
                        chain: Chain | None = None, refill: bool = True) -> DecodePlan:
         """Host-side batch preparation for a decode step (runs on the scheduler thread, overlapping the
-        previous step's device work when chained): the plan, and its inputs uploaded."""
-        b = len(seqs)
-        k = int(num_draft.max(initial=0))
-        base = np.array([s.num_computed for s in seqs], dtype=np.int64)
-        tables = [s.page_table for s in seqs]
-        params = [s.params for s in seqs]
-        kind = width = None
+        previous step's device work when chained): the plan, and its inputs uploaded (`decode_batch`)."""
+        kind, k, width = None, int(num_draft.max(initial=0)), None
         if self.graphs is not None:
-            kind, k, width = graph_for(self, SamplingFlags.of(params, self.vocab_size), refill, tables, k)
-        graph = kind is not None
-        grid = np.zeros((b, k + 1), dtype=np.int64)
-        grid[:, 0] = [s.token_ids[-1] for s in seqs]
-        if host_drafts is not None and k > 0:
-            for i, d in enumerate(host_drafts):
-                grid[i, 1: 1 + num_draft[i]] = d[: num_draft[i]]
-        # Everything the step reads from the host goes to the device in one staged upload (one pinned copy per
-        # dtype on CUDA), here on the scheduler thread, not inside the device job. Named groups of arrays:
-        host = {"inputs": [base, np.array([s.slot for s in seqs], dtype=np.int64), num_draft.astype(np.int64), grid],
-                "sampling": SamplingTensors.host_arrays(params, [s.seed for s in seqs], self.vocab_size)}
-        if graph:
-            # Fixed shapes: q = k + 1 for every lane, page tables at the captured width. The step function
-            # derives its layouts on device from the page table alone, so that is all this step uploads.
-            host["graph_table"] = [page_table_array(tables, width)]
-        else:
-            host["verify"], dense_v = layout_arrays(num_draft + 1, tables, self.page_size)
-            host["single"], dense_s = layout_arrays(np.ones(b, np.int64), tables, self.page_size)
-        if chain is not None:
-            host["chain"] = [chain.src, chain.dst]
-        flat = self.staging.upload([a for group in host.values() for a in group])
-        dev, i = {}, 0
-        for name, group in host.items():
-            dev[name], i = flat[i: i + len(group)], i + len(group)
-        start, slots, num_draft_dev, grid_dev = dev["inputs"]
-        chain_src, chain_dst = dev["chain"] if chain is not None else (None, None)
-        layout = (GraphTable(dev["graph_table"][0]) if graph else
-                  StepLayouts(verify=layout_from(dev["verify"], self.page_size, dense_v),
-                              single=layout_from(dev["single"], self.page_size, dense_s)))
-        inputs = DecodeInputs(
-            k=k, start=start, st=SamplingTensors.from_tensors(dev["sampling"], params, self.vocab_size), slots=slots,
-            num_draft=num_draft_dev, grid=grid_dev, layout=layout, refill=refill, uniform=graph,
-            chain_src=chain_src, chain_dst=chain_dst)
-        host_tables = page_table_array(tables, max(len(t) for t in tables)) if self.plans_attention else None
-        return DecodePlan(seqs=seqs, num_draft=num_draft, base_pos=base, input_grid=grid, inputs=inputs, chain=chain,
-                          page_tables=host_tables, graph_kind=kind)
+            flags = SamplingFlags.of([s.params for s in seqs], self.vocab_size)
+            kind, k, width = graph_for(self, flags, refill, [s.page_table for s in seqs], k)
+        return build_decode_plan(seqs, num_draft, host_drafts, chain, refill, k, kind, width,
+                                 upload=self.staging.upload, page_size=self.page_size, vocab_size=self.vocab_size,
+                                 host_tables=self.plans_attention)
 
     def plan_decode(self, seqs: list[SeqState], num_draft: np.ndarray, chain: Chain | None = None,
                     refill: bool = True) -> DecodePlan:
@@ -251,11 +211,11 @@ class StepEngine:
         if plans:
             # Outside the DECODE range: the device idles while a chained step waits for the previous step's
             # lengths and plans, and the trace should show that gap.
-            self._patch(plan)
+            plan.patch_chain()
             self._plan_attention(plan)
         with self.tracer.range(ranges.DECODE, track=DEVICE_TRACK, batch=b, k=k, graph=plan.graph):
             if not plans:
-                self._patch(plan)
+                plan.patch_chain()
             if plan.graph:
                 outs = self.graphs.run(plan.graph_kind, k + 1, graph_inputs(inputs), b)
                 # Static outputs are rewritten by the next replay, which may run before the host reads these:
@@ -264,16 +224,6 @@ class StepEngine:
             else:
                 out, accepted = self.decode_body(inputs)
             return StepOutput.packed(out, accepted, plan.num_draft, inputs.start)
-
-    @staticmethod
-    def _patch(plan: DecodePlan) -> None:
-        """A chained step's starts and last tokens from the previous step's outputs, on the device."""
-        if plan.chain is not None:
-            inputs, prev = plan.inputs, plan.chain.prev.result()
-            src, dst = inputs.chain_src, inputs.chain_dst
-            acc = prev.num_accepted[src]
-            inputs.start[dst] = prev.start[src] + acc + 1
-            inputs.grid[dst, 0] = prev.out_tokens[src, acc]
 
     def _plan_attention(self, plan: DecodePlan) -> None:
         """Plan every forward of the step with exact host lengths. A chained step's starts exist only on the

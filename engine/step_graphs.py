@@ -57,15 +57,20 @@ def graph_for(engine: StepEngine, flags: SamplingFlags, refill: bool, tables: li
     """(graph kind, k, width) of the captured graph a decode step of k drafts replays, else (None, k, None):
     eager. It is the graph of the smallest captured k at or above the step's own, so a step whose drafts were
     cut (to the room left in its requests, or to nothing for want of pages) still replays one: lanes past their
-    num_draft are masked, as is any lane drafting fewer than its batch's k. Without a draft model there is no
-    refill to drop (only the refill flavours are captured then)."""
-    name = flavour(flags, refill or not engine.has_draft_model)
+    num_draft are masked, as is any lane drafting fewer than its batch's k. A step whose refill flag changes
+    no work (`refills`) replays the refill flavour."""
+    name = flavour(flags, refill or not refills(engine))
     for kg in (kg for kg in engine.graph_ks if kg >= k):
         width = graph_width(engine, tables, kg)
         kind = graph_kind(name, width, engine.graph_widths)
         if engine.graphs.has_graph(kind, kg + 1, len(tables)):
             return kind, kg, width
     return None, k, None
+
+
+def refills(engine: StepEngine) -> bool:
+    """Whether a step's refill flag changes its work: the proposer's to say (`Proposer.refills`)."""
+    return engine.proposer is not None and engine.proposer.refills
 
 
 def graph_width(engine: StepEngine, tables: list[list[int]], k: int) -> int:
@@ -124,8 +129,7 @@ def decode_step_fn(engine: StepEngine):
     return step
 
 
-def decode_graph_ids(ks: tuple[int, ...], has_draft_model: bool, drops_refill: bool
-                     ) -> list[tuple[str, tuple[int, ...]]]:
+def decode_graph_ids(ks: tuple[int, ...], drops_refill: bool) -> list[tuple[str, tuple[int, ...]]]:
     """(flavour, q values) to capture at each width and bucket: what decode steps form, given that a step
     replays the graph of the smallest captured k at or above its own (`graph_for`; lanes drafting fewer than
     the graph's k are masked by num_draft, as in any batch):
@@ -135,9 +139,7 @@ def decode_graph_ids(ks: tuple[int, ...], has_draft_model: bool, drops_refill: b
                           keeps its refill and rounds up to the smallest k, nobody drafting)
         _norefill         only when the policy drops refills (`PolicyConfig.drops_refill`; the fixed policy
                           never does), and only at q = 1: the refill is dropped only where nobody drafts
-    Without a draft model there is no refill to drop: the sampling flavours at every k."""
-    if not has_draft_model:
-        return [(name, tuple(k + 1 for k in ks)) for name in SAMPLING]
+    A proposer whose steps' refill flag changes nothing (`refills`) never drops it: `drops_refill` False."""
     refill_ks = tuple(k for k in ks if k > 0) if drops_refill and max(ks) > 0 else ks
     ids = [(name, tuple(k + 1 for k in refill_ks)) for name in SAMPLING]
     return ids + ([(f"{name}_norefill", (1,)) for name in SAMPLING] if drops_refill else [])
@@ -148,7 +150,7 @@ def register_decode_graphs(runner: GraphRunner, engine: StepEngine, ks: tuple[in
     """`decode_graph_ids` at every page-table width in `widths` (ascending; the last covers max_model_len)."""
     for width in widths:
         specs = decode_inputs(width, engine.vocab_size, scratch_slot)
-        for name, q_values in decode_graph_ids(ks, engine.has_draft_model, drops_refill):
+        for name, q_values in decode_graph_ids(ks, drops_refill and refills(engine)):
             refill = not name.endswith("norefill")
             prepare = (lambda key, refill=refill: engine.plan_graph_padding(key.q - 1, key.batch, refill))
             runner.register(StepKind(graph_kind(name, width, widths), decode_step_fn(engine), specs,

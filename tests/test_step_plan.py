@@ -54,7 +54,7 @@ def test_a_plan_is_frozen_and_its_decision_counted_only_at_launch():
     assert plan.kind is StepKind.PREFILL and [r.request_id for r, _ in plan.prompts] == ["0", "1"]
     with pytest.raises(AttributeError):
         plan.kind = StepKind.DECODE  # frozen
-    sched.finish_prefill(plan, [5, 6])
+    sched.results.finish_prefill(plan, [5, 6])
     plan = sched.schedule()
     assert plan.kind is StepKind.DECODE and plan.decision.num_draft.tolist() == [3, 3]
     assert sched.last_decision is None  # decided, not launched

@@ -21,11 +21,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from rich.console import Console  # noqa: E402
+from rich.progress import Progress  # noqa: E402
 
 from specstep import engine  # noqa: E402
+from specstep.engine.models.llama import LlamaForCausalLM  # noqa: E402
 from specstep.training.data import corpus_files, token_stream  # noqa: E402
 from specstep.training.evaluate import compare, logits_of, loss_and_argmax  # noqa: E402
-from specstep.training.loop import TrainSettings, fixed_windows, new_progress, train  # noqa: E402
+from specstep.training.loop import TrainSettings, TrainStats, fixed_windows, new_progress, train  # noqa: E402
 from specstep.training.models import (  # noqa: E402
     DRAFT_SIZE,
     TARGET_SIZE,
@@ -72,62 +74,12 @@ def run(args: argparse.Namespace) -> int:
     wall_start = time.perf_counter()
 
     with new_progress() as progress:
-        task = progress.add_task("tokenizer + corpus", total=2, info="")
-        tokenizer = train_tokenizer()
-        tokenizer_json = out / "tokenizer.json"
-        save_tokenizer(tokenizer, tokenizer_json)
-        progress.advance(task)
-        train_stream, heldout_stream = token_stream(tokenizer, "train"), token_stream(tokenizer, "heldout")
-        progress.advance(task)
-        progress.console.log(f"corpus: {len(corpus_files('train'))} train files, "
-                             f"{len(train_stream):,} tokens; "
-                             f"{len(corpus_files('heldout'))} held-out files, {len(heldout_stream):,} tokens")
+        tokenizer, tokenizer_json, train_stream, heldout_stream = tokenizer_and_corpus(out, progress)
         vocab = tokenizer.get_vocab_size()
         periodic = fixed_windows(heldout_stream, args.seq_len + 1, PERIODIC_EVAL_WINDOWS)
-
-        target_config = llama_config_dict(TARGET_SIZE, vocab)
-        target = build_model(target_config)
-
-        def target_loss(windows: torch.Tensor) -> torch.Tensor:
-            logits = logits_of(target, windows[:, :-1])
-            return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
-
-        progress.console.log(f"target: {TARGET_SIZE.describe()}, {count_params(target):,} params")
-        target_stats = train(
-            target, target_loss, train_stream,
-            TrainSettings(args.target_minutes, args.target_lr, args.batch_size, args.seq_len),
-            rng, progress, "target", lambda: {"val_loss": loss_and_argmax(target, periodic)[0]},
-        )
-        target.requires_grad_(False)
+        target, target_config, target_stats = train_target(args, vocab, train_stream, periodic, rng, progress)
         save_model_folder(target, target_config, out / "target", tokenizer_json)
-
-        draft_config = llama_config_dict(DRAFT_SIZE, vocab)
-        draft = build_model(draft_config)
-        copied = warm_start_draft(draft, target)
-        progress.console.log(f"draft: {DRAFT_SIZE.describe()}, {count_params(draft):,} params; "
-                             f"warm-started {len(copied)} tensors from the target")
-        _, periodic_target_top = loss_and_argmax(target, periodic)
-        w = args.distill_ce_weight
-
-        def draft_loss(windows: torch.Tensor) -> torch.Tensor:
-            inputs, labels = windows[:, :-1], windows[:, 1:].flatten()
-            with torch.no_grad():  # the teacher is frozen: no graph, no activation memory
-                teacher = logits_of(target, inputs).flatten(0, 1)
-            student = logits_of(draft, inputs).flatten(0, 1)
-            ce = F.cross_entropy(student, labels)
-            kl = F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True,
-                          reduction="batchmean")
-            return w * ce + (1.0 - w) * kl
-
-        def draft_eval() -> dict[str, float]:
-            loss, top = loss_and_argmax(draft, periodic)
-            return {"val_loss": loss, "agreement": float((top == periodic_target_top).float().mean())}
-
-        draft_stats = train(
-            draft, draft_loss, train_stream,
-            TrainSettings(args.draft_minutes, args.draft_lr, args.batch_size, args.seq_len),
-            rng, progress, "draft", draft_eval,
-        )
+        draft, draft_config, draft_stats = distill_draft(args, vocab, target, train_stream, periodic, rng, progress)
         save_model_folder(draft, draft_config, out / "draft", tokenizer_json)
 
         task = progress.add_task("final held-out evaluation", total=1, info="")
@@ -142,6 +94,76 @@ def run(args: argparse.Namespace) -> int:
                   f"draft val loss {final['draft_loss']:.3f}, "
                   f"greedy agreement {final['agreement']:.3f}[/bold] -> {out}")
     return 0
+
+
+def tokenizer_and_corpus(out: Path, progress: Progress) -> tuple[Any, Path, np.ndarray, np.ndarray]:
+    """The tokenizer, trained and saved to OUT/tokenizer.json, and the train and held-out token streams."""
+    task = progress.add_task("tokenizer + corpus", total=2, info="")
+    tokenizer = train_tokenizer()
+    tokenizer_json = out / "tokenizer.json"
+    save_tokenizer(tokenizer, tokenizer_json)
+    progress.advance(task)
+    train_stream, heldout_stream = token_stream(tokenizer, "train"), token_stream(tokenizer, "heldout")
+    progress.advance(task)
+    progress.console.log(f"corpus: {len(corpus_files('train'))} train files, "
+                         f"{len(train_stream):,} tokens; "
+                         f"{len(corpus_files('heldout'))} held-out files, {len(heldout_stream):,} tokens")
+    return tokenizer, tokenizer_json, train_stream, heldout_stream
+
+
+def train_target(args: argparse.Namespace, vocab: int, train_stream: np.ndarray, periodic: torch.Tensor,
+                 rng: np.random.Generator, progress: Progress) -> tuple[LlamaForCausalLM, dict[str, Any], TrainStats]:
+    """The target trained from scratch on next-token cross-entropy (then frozen): model, config, stats."""
+    target_config = llama_config_dict(TARGET_SIZE, vocab)
+    target = build_model(target_config)
+
+    def target_loss(windows: torch.Tensor) -> torch.Tensor:
+        logits = logits_of(target, windows[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
+
+    progress.console.log(f"target: {TARGET_SIZE.describe()}, {count_params(target):,} params")
+    stats = train(
+        target, target_loss, train_stream,
+        TrainSettings(args.target_minutes, args.target_lr, args.batch_size, args.seq_len),
+        rng, progress, "target", lambda: {"val_loss": loss_and_argmax(target, periodic)[0]},
+    )
+    target.requires_grad_(False)
+    return target, target_config, stats
+
+
+def distill_draft(args: argparse.Namespace, vocab: int, target: LlamaForCausalLM, train_stream: np.ndarray,
+                  periodic: torch.Tensor, rng: np.random.Generator, progress: Progress
+                  ) -> tuple[LlamaForCausalLM, dict[str, Any], TrainStats]:
+    """The draft, warm-started from the trained target and distilled from it (w * CE + (1 - w) * KL(target ||
+    draft), w = --distill-ce-weight): model, config, stats."""
+    draft_config = llama_config_dict(DRAFT_SIZE, vocab)
+    draft = build_model(draft_config)
+    copied = warm_start_draft(draft, target)
+    progress.console.log(f"draft: {DRAFT_SIZE.describe()}, {count_params(draft):,} params; "
+                         f"warm-started {len(copied)} tensors from the target")
+    _, periodic_target_top = loss_and_argmax(target, periodic)
+    w = args.distill_ce_weight
+
+    def draft_loss(windows: torch.Tensor) -> torch.Tensor:
+        inputs, labels = windows[:, :-1], windows[:, 1:].flatten()
+        with torch.no_grad():  # the teacher is frozen: no graph, no activation memory
+            teacher = logits_of(target, inputs).flatten(0, 1)
+        student = logits_of(draft, inputs).flatten(0, 1)
+        ce = F.cross_entropy(student, labels)
+        kl = F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True,
+                      reduction="batchmean")
+        return w * ce + (1.0 - w) * kl
+
+    def draft_eval() -> dict[str, float]:
+        loss, top = loss_and_argmax(draft, periodic)
+        return {"val_loss": loss, "agreement": float((top == periodic_target_top).float().mean())}
+
+    stats = train(
+        draft, draft_loss, train_stream,
+        TrainSettings(args.draft_minutes, args.draft_lr, args.batch_size, args.seq_len),
+        rng, progress, "draft", draft_eval,
+    )
+    return draft, draft_config, stats
 
 
 def _folder_bytes(folder: Path) -> int:

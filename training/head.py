@@ -40,13 +40,13 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 from specstep import engine  # noqa: E402
-from specstep.engine.model_loader import load_model, load_mtp_head  # noqa: E402
+from specstep.engine.model_loader import load_model  # noqa: E402
 from specstep.engine.model_source import resolve_model, target_marker  # noqa: E402
 from specstep.engine.models.llama import LlamaForCausalLM  # noqa: E402
 from specstep.engine.models.mtp_head import MTPHead  # noqa: E402
 from specstep.engine.proposers.draft_vocab import write_draft_vocab  # noqa: E402
 from specstep.training.head_data import FeaturePool, PagedRunner, precompute, topk_index_dtype  # noqa: E402
-from specstep.training.head_eval import engine_acceptance, validate  # noqa: E402
+from specstep.training.head_eval import engine_figures, validate, validate_saved  # noqa: E402
 from specstep.training.head_model import build_head, folder_bytes, head_config_dict, save_head  # noqa: E402
 from specstep.training.head_objective import head_losses  # noqa: E402
 from specstep.training.head_settings import HeadSettings  # noqa: E402
@@ -57,6 +57,7 @@ from specstep.training.loop import (  # noqa: E402
     lr_at,
     make_optimizer,
     new_progress,
+    optimizer_step,
     random_windows,
 )
 
@@ -113,85 +114,109 @@ def train_head(head: MTPHead, target: LlamaForCausalLM, stream: np.ndarray, s: H
     target.eval()
     if len(stream) <= s.seq_len:
         raise ValueError(f"token stream of {len(stream)} ids is shorter than one window ({s.seq_len + 1})")
-    d = target.cfg.hidden_size
-    runner = PagedRunner(target, max(s.precompute_batch, s.periodic_val_windows), s.seq_len, head)
-    capacity = max(s.batch_size, s.max_pool_tokens // s.seq_len)
-    pool = FeaturePool(capacity, s.seq_len, d, s.topk, topk_index_dtype(target.cfg.vocab_size))
-    opt = make_optimizer(head, s.lr, s.weight_decay)
-    sched = TrainSettings(s.minutes, s.lr, s.batch_size, s.seq_len, warmup_steps=s.warmup_steps,
-                          min_lr_ratio=s.min_lr_ratio)
-    budget = s.minutes * 60.0
-    cadence = Cadence(budget, s.evals, s.log_every_s)
-    stats = HeadTrainStats()
-    task = progress.add_task("train head", total=budget, info="")
-    pre_task = progress.add_task("precompute target", total=None, info="")
-    start = time.perf_counter()
-    drawn = 0.0
-    ema: dict[str, float] = {}
+    return HeadTrainer(head, target, stream, s, rng, progress, val_windows).run()
 
-    def refill_pool() -> None:
+
+class HeadTrainer:
+    """One `train_head` run: a bounded pool of target features, refilled from fresh windows whenever training has
+    drawn it `reuse` times over; optimiser steps on batches drawn from it; progress lines and periodic
+    evaluations on `val_windows`, all within one wall-clock budget."""
+
+    def __init__(self, head: MTPHead, target: LlamaForCausalLM, stream: np.ndarray, s: HeadSettings,
+                 rng: np.random.Generator, progress: Progress, val_windows: torch.Tensor | None) -> None:
+        self.head, self.target, self.stream, self.s, self.rng = head, target, stream, s, rng
+        self.progress, self.val_windows = progress, val_windows
+        self.runner = PagedRunner(target, max(s.precompute_batch, s.periodic_val_windows), s.seq_len, head)
+        capacity = max(s.batch_size, s.max_pool_tokens // s.seq_len)
+        self.pool = FeaturePool(capacity, s.seq_len, target.cfg.hidden_size, s.topk,
+                                topk_index_dtype(target.cfg.vocab_size))
+        self.opt = make_optimizer(head, s.lr, s.weight_decay)
+        self.sched = TrainSettings(s.minutes, s.lr, s.batch_size, s.seq_len, warmup_steps=s.warmup_steps,
+                                   min_lr_ratio=s.min_lr_ratio)
+        self.budget = s.minutes * 60.0
+        self.stats = HeadTrainStats()
+        self.drawn = 0.0  # windows drawn from the pool so far
+        self.ema: dict[str, float] = {}  # moving averages of the losses, for the progress lines
+        self.task = progress.add_task("train head", total=self.budget, info="")
+        self.pre_task = progress.add_task("precompute target", total=None, info="")
+
+    def run(self) -> HeadTrainStats:
+        s, stats = self.s, self.stats
+        cadence = Cadence(self.budget, s.evals, s.log_every_s)
+        start = time.perf_counter()
+        self.head.train()
+        while ((elapsed := time.perf_counter() - start) < self.budget
+               and (s.max_steps is None or stats.steps < s.max_steps)):
+            # Fresh windows whenever the pool has been drawn `reuse` times over (more positions cached than drawn).
+            if self.pool.added == 0 or self.drawn >= s.reuse * self.pool.added:
+                self.refill_pool()
+                continue
+            lr = lr_at(self.sched, stats.steps, elapsed / self.budget)
+            self.step(lr)
+            elapsed = time.perf_counter() - start
+            self.report(elapsed, lr, cadence.log_due(elapsed))
+            if cadence.eval_due(elapsed):
+                stats.history.append(self.periodic(elapsed))
+        stats.seconds = time.perf_counter() - start
+        if stats.steps:
+            stats.history.append(self.periodic(stats.seconds))
+        self.progress.update(self.task, completed=self.budget)
+        self.progress.update(self.pre_task, total=stats.precomputed_tokens, completed=stats.precomputed_tokens)
+        self.head.eval()
+        return stats
+
+    def refill_pool(self) -> None:
+        s, stats = self.s, self.stats
         t0 = time.perf_counter()
-        windows = random_windows(stream, s.chunk_windows, s.seq_len, rng)
-        feats = precompute(runner, windows, s.topk, s.precompute_batch,
-                           lambda n: progress.advance(pre_task, n * s.seq_len))
-        pool.add(feats)
+        windows = random_windows(self.stream, s.chunk_windows, s.seq_len, self.rng)
+        feats = precompute(self.runner, windows, s.topk, s.precompute_batch,
+                           lambda n: self.progress.advance(self.pre_task, n * s.seq_len))
+        self.pool.add(feats)
         stats.precompute_seconds += time.perf_counter() - t0
         stats.precomputed_windows += len(windows)
         stats.precomputed_tokens += windows.numel()
-        progress.update(pre_task, info=f"{stats.precomputed_tokens / stats.precompute_seconds:,.0f} tok/s, "
-                                       f"pool {pool.filled} windows")
+        self.progress.update(self.pre_task, info=f"{stats.precomputed_tokens / stats.precompute_seconds:,.0f} "
+                                                 f"tok/s, pool {self.pool.filled} windows")
 
-    def periodic(elapsed: float) -> dict[str, float]:
-        row: dict[str, float] = {"minutes": round(elapsed / 60, 2), "steps": stats.steps,
-                                 **{f"train_{k}": round(v, 4) for k, v in ema.items()}}
-        if val_windows is not None and len(val_windows):
-            t0 = time.perf_counter()
-            head.eval()
-            v = validate(runner, val_windows[: s.periodic_val_windows], s)
-            head.train()
-            stats.eval_seconds += time.perf_counter() - t0
-            row |= {"val_loss": round(v["loss"], 4), "val_agreement": round(v["agreement"], 4)}
-        progress.console.log("head eval: " + "  ".join(f"{k} {v}" for k, v in row.items()))
-        return row
-
-    head.train()
-    while (elapsed := time.perf_counter() - start) < budget and (s.max_steps is None or stats.steps < s.max_steps):
-        # Fresh windows whenever the pool has been drawn `reuse` times over (more positions cached than drawn).
-        if pool.added == 0 or drawn >= s.reuse * pool.added:
-            refill_pool()
-            continue
-        lr = lr_at(sched, stats.steps, elapsed / budget)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        losses = head_losses(head, target, pool.sample(s.batch_size, rng), s)
-        opt.zero_grad(set_to_none=True)
-        losses["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), s.grad_clip)
-        opt.step()
-        drawn += s.batch_size
+    def step(self, lr: float) -> None:
+        """One optimiser step at learning rate `lr` on a batch drawn from the pool."""
+        s, stats = self.s, self.stats
+        losses = head_losses(self.head, self.target, self.pool.sample(s.batch_size, self.rng), s)
+        optimizer_step(self.opt, self.head, losses["loss"], lr, s.grad_clip)
+        self.drawn += s.batch_size
         stats.steps += 1
         stats.positions += s.batch_size * (s.seq_len - 1)
         stats.train_loss.append(float(losses["loss"].detach()))
         for k, v in losses.items():
-            ema[k] = float(v.detach()) if k not in ema else 0.95 * ema[k] + 0.05 * float(v.detach())
-        elapsed = time.perf_counter() - start
+            self.ema[k] = float(v.detach()) if k not in self.ema else 0.95 * self.ema[k] + 0.05 * float(v.detach())
+
+    def report(self, elapsed: float, lr: float, log: bool) -> None:
+        """The progress bar after a step, and (`log`) a line in the console."""
+        stats, ema = self.stats, self.ema
         rate = stats.positions / max(elapsed - stats.precompute_seconds - stats.eval_seconds, 1e-9)
-        progress.update(task, completed=min(elapsed, budget),
-                        info=f"step {stats.steps}  loss {ema['loss']:.4f}  agree {ema['agreement']:.3f}  "
-                             f"{rate:,.0f} pos/s")
-        if cadence.log_due(elapsed):
-            progress.console.log(f"head: step {stats.steps}  loss {ema['loss']:.4f} (hidden {ema['hidden']:.4f}, "
-                                 f"kl {ema['kl']:.4f})  agreement {ema['agreement']:.3f}  lr {lr:.2e}  "
-                                 f"{rate:,.0f} pos/s  pool {pool.filled}/{pool.capacity}")
-        if cadence.eval_due(elapsed):
-            stats.history.append(periodic(elapsed))
-    stats.seconds = time.perf_counter() - start
-    if stats.steps:
-        stats.history.append(periodic(stats.seconds))
-    progress.update(task, completed=budget)
-    progress.update(pre_task, total=stats.precomputed_tokens, completed=stats.precomputed_tokens)
-    head.eval()
-    return stats
+        self.progress.update(self.task, completed=min(elapsed, self.budget),
+                             info=f"step {stats.steps}  loss {ema['loss']:.4f}  agree {ema['agreement']:.3f}  "
+                                  f"{rate:,.0f} pos/s")
+        if log:
+            self.progress.console.log(
+                f"head: step {stats.steps}  loss {ema['loss']:.4f} (hidden {ema['hidden']:.4f}, kl {ema['kl']:.4f})"
+                f"  agreement {ema['agreement']:.3f}  lr {lr:.2e}  {rate:,.0f} pos/s  "
+                f"pool {self.pool.filled}/{self.pool.capacity}")
+
+    def periodic(self, elapsed: float) -> dict[str, float]:
+        """A row of the history: the training losses so far and, with validation windows, validation."""
+        s, stats = self.s, self.stats
+        row: dict[str, float] = {"minutes": round(elapsed / 60, 2), "steps": stats.steps,
+                                 **{f"train_{k}": round(v, 4) for k, v in self.ema.items()}}
+        if self.val_windows is not None and len(self.val_windows):
+            t0 = time.perf_counter()
+            self.head.eval()
+            v = validate(self.runner, self.val_windows[: s.periodic_val_windows], s)
+            self.head.train()
+            stats.eval_seconds += time.perf_counter() - t0
+            row |= {"val_loss": round(v["loss"], 4), "val_agreement": round(v["agreement"], 4)}
+        self.progress.console.log("head eval: " + "  ".join(f"{k} {v}" for k, v in row.items()))
+        return row
 
 
 # ------------------------------------------------------------------------------------------------ the whole
@@ -223,21 +248,10 @@ def train_head_folder(target_dir: Path, out: Path, train_stream: np.ndarray, hel
         (out / "specstep_target.json").write_text(json.dumps(
             target_marker(resolve_model(target_dir), "mtp", target_name or Path(target_dir).name), indent=2) + "\n")
 
-        # Everything below uses the head as saved: reloaded through the engine's loader.
-        reloaded = load_mtp_head(out, target.cfg)
-        runner = PagedRunner(target, 8, settings.seq_len, reloaded)
-        task = progress.add_task("validate (inference path)", total=1, info="")
-        val_metrics = validate(runner, val, settings)
-        progress.advance(task)
-        progress.console.log("validation: " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                                       for k, v in val_metrics.items()))
-        engine_figures: dict[str, Any] = {}
-        if engine_prompts:
-            engine_figures["greedy"] = engine_acceptance(target_dir, out, engine_prompts, engine_ks,
-                                                         engine_new_tokens, threads, 0.0, progress)
-            if sampled_acceptance:
-                engine_figures["sampled_t1"] = engine_acceptance(target_dir, out, engine_prompts, engine_ks,
-                                                                 engine_new_tokens, threads, 1.0, progress)
+        # Measured on the head as saved: reloaded through the engine's loader, run by the engine.
+        val_metrics = validate_saved(target, out, val, settings, progress)
+        figures = engine_figures(target_dir, out, engine_prompts, engine_ks, engine_new_tokens, threads,
+                                 sampled_acceptance, progress)
     quality = {
         "head": {"params": params, "bytes": folder_bytes(out), "intermediate_size": config["intermediate_size"],
                  "target": str(target_dir)},
@@ -245,7 +259,7 @@ def train_head_folder(target_dir: Path, out: Path, train_stream: np.ndarray, hel
         "training": stats.summary(),
         "validation_inference_path": {k: round(v, 4) if isinstance(v, float) else v for k, v in val_metrics.items()},
         "draft_vocab": vocab,
-        "engine": engine_figures,
+        "engine": figures,
         "wall_seconds": round(time.perf_counter() - wall, 1),
         "torch": torch.__version__,
         "machine": platform.machine(),

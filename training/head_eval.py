@@ -3,6 +3,7 @@
 `validate` is teacher-forced: the target's paged prefill and the head as the engine's `MTPProposer`, so
 numerical differences between the training and serving implementations cannot hide. `engine_acceptance` runs
 the real speculative engine (`build_engine`, spec=mtp) and reads acceptance from each request's stats.
+`validate_saved` and `engine_figures` measure a head folder as `train_head_folder` wrote it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from rich.progress import Progress
 
+from specstep.engine.model_loader import load_mtp_head
+from specstep.engine.models.llama import LlamaForCausalLM
 from specstep.training.head_data import PagedRunner
 from specstep.training.head_settings import HeadSettings
 
@@ -55,6 +58,30 @@ def validate(runner: PagedRunner, windows: torch.Tensor, s: HeadSettings) -> dic
             | {"positions": count})
 
 
+def validate_saved(target: LlamaForCausalLM, head_dir: Path, windows: torch.Tensor, s: HeadSettings,
+                   progress: Progress) -> dict[str, Any]:
+    """`validate` on the head as saved, reloaded through the engine's loader."""
+    runner = PagedRunner(target, 8, s.seq_len, load_mtp_head(head_dir, target.cfg))
+    task = progress.add_task("validate (inference path)", total=1, info="")
+    metrics = validate(runner, windows, s)
+    progress.advance(task)
+    progress.console.log("validation: " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                                   for k, v in metrics.items()))
+    return metrics
+
+
+def engine_figures(target_dir: Path, head_dir: Path, prompts: list[list[int]] | None, ks: Sequence[int],
+                   max_tokens: int, threads: int, sampled: bool, progress: Progress) -> dict[str, Any]:
+    """`engine_acceptance` greedy and (`sampled`) at temperature 1; nothing without prompts."""
+    figures: dict[str, Any] = {}
+    if prompts:
+        figures["greedy"] = engine_acceptance(target_dir, head_dir, prompts, ks, max_tokens, threads, 0.0, progress)
+        if sampled:
+            figures["sampled_t1"] = engine_acceptance(target_dir, head_dir, prompts, ks, max_tokens, threads, 1.0,
+                                                      progress)
+    return figures
+
+
 def engine_acceptance(target_dir: Path, head_dir: Path, prompts: list[list[int]], ks: Sequence[int],
                       max_tokens: int, threads: int = 1, temperature: float = 0.0,
                       progress: Progress | None = None, check_lossless: bool = True) -> dict[str, Any]:
@@ -65,53 +92,62 @@ def engine_acceptance(target_dir: Path, head_dir: Path, prompts: list[list[int]]
     """
     from specstep.engine.engine_config import EngineConfig
     from specstep.engine.sampling_params import SamplingParams
-    from specstep.scheduler.build import build_engine
-    from specstep.scheduler.core.request import Request
 
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
-
-    def generate(cfg: EngineConfig, label: str) -> tuple[list, float]:
-        core, _, _ = build_engine(cfg)
-        task = progress.add_task(label, total=len(prompts) * max_tokens, info="") if progress else None
-        try:
-            reqs = [Request(str(i), list(p), params, seed=1234 + i) for i, p in enumerate(prompts)]
-            for r in reqs:
-                core.add_request(r)
-            t0 = time.perf_counter()
-            while core.has_unfinished():
-                core.step()
-                if progress is not None:
-                    progress.update(task, completed=sum(r.num_output_tokens for r in reqs))
-            return reqs, time.perf_counter() - t0
-        finally:
-            core.stream.close()
-
     common = dict(model=str(target_dir), device="cpu", threads=threads, kv_cache_tokens=
                   len(prompts) * (max(len(p) for p in prompts) + max_tokens + 32), max_batch_size=len(prompts))
     plain = None
     result: dict[str, Any] = {"prompts": len(prompts), "prompt_tokens": len(prompts[0]), "new_tokens": max_tokens,
                               "temperature": temperature}
     if check_lossless and temperature == 0.0:
-        plain, secs = generate(EngineConfig(spec="none", **common), "engine: plain")
+        plain, secs = run_to_completion(EngineConfig(spec="none", **common), prompts, params, "engine: plain", progress)
         result["plain_seconds"] = round(secs, 2)
     for k in ks:
         cfg = EngineConfig(spec="mtp", draft=str(head_dir), spec_policy="fixed", num_spec_tokens=k, **common)
-        reqs, secs = generate(cfg, f"engine: mtp k={k}")
-        drafted = sum(r.stats.drafted for r in reqs)
-        accepted = sum(r.stats.accepted for r in reqs)
-        steps = sum(r.stats.steps for r in reqs)
-        per_pos_d = np.zeros(k)
-        per_pos_a = np.zeros(k)
-        for r in reqs:
-            n = len(r.stats.drafted_per_position)
-            per_pos_d[:n] += r.stats.drafted_per_position
-            per_pos_a[:n] += r.stats.accepted_per_position
-        row = {"acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-               "mean_accepted_length": round(1 + accepted / steps, 4) if steps else 0.0,
-               "acceptance_per_position": [round(float(a / d), 4) if d else 0.0
-                                           for a, d in zip(per_pos_a, per_pos_d)],
-               "drafted": drafted, "accepted": accepted, "spec_steps": steps, "seconds": round(secs, 2)}
+        reqs, secs = run_to_completion(cfg, prompts, params, f"engine: mtp k={k}", progress)
+        row = acceptance(reqs, k) | {"seconds": round(secs, 2)}
         if plain is not None:
             row["identical_to_plain"] = all(a.output_token_ids == b.output_token_ids for a, b in zip(reqs, plain))
         result[f"k{k}"] = row
     return result
+
+
+def run_to_completion(cfg, prompts: list[list[int]], params, label: str, progress: Progress | None
+                      ) -> tuple[list, float]:
+    """`prompts` run to completion on an engine built from `cfg` (an `EngineConfig`): the finished requests and
+    the seconds they took (engine start-up excluded)."""
+    from specstep.scheduler.build import build_engine
+    from specstep.scheduler.core.request import Request
+
+    core, _, _ = build_engine(cfg)
+    task = progress.add_task(label, total=len(prompts) * params.max_tokens, info="") if progress else None
+    try:
+        reqs = [Request(str(i), list(p), params, seed=1234 + i) for i, p in enumerate(prompts)]
+        for r in reqs:
+            core.add_request(r)
+        t0 = time.perf_counter()
+        while core.has_unfinished():
+            core.step()
+            if progress is not None:
+                progress.update(task, completed=sum(r.num_output_tokens for r in reqs))
+        return reqs, time.perf_counter() - t0
+    finally:
+        core.stream.close()
+
+
+def acceptance(reqs: list, k: int) -> dict[str, Any]:
+    """Acceptance of the speculative steps of `reqs` (finished requests), drafting up to `k`: overall, as a mean
+    accepted length, and per draft position."""
+    drafted = sum(r.stats.drafted for r in reqs)
+    accepted = sum(r.stats.accepted for r in reqs)
+    steps = sum(r.stats.steps for r in reqs)
+    per_pos_d = np.zeros(k)
+    per_pos_a = np.zeros(k)
+    for r in reqs:
+        n = len(r.stats.drafted_per_position)
+        per_pos_d[:n] += r.stats.drafted_per_position
+        per_pos_a[:n] += r.stats.accepted_per_position
+    return {"acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "mean_accepted_length": round(1 + accepted / steps, 4) if steps else 0.0,
+            "acceptance_per_position": [round(float(a / d), 4) if d else 0.0 for a, d in zip(per_pos_a, per_pos_d)],
+            "drafted": drafted, "accepted": accepted, "spec_steps": steps}

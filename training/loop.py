@@ -125,14 +125,8 @@ def train(
     model.train()
     while (elapsed := time.perf_counter() - start) < budget:
         lr = lr_at(settings, stats.steps, elapsed / budget)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        windows = random_windows(stream, settings.batch_size, settings.seq_len + 1, rng)
-        loss = loss_fn(windows)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
-        opt.step()
+        loss = loss_fn(random_windows(stream, settings.batch_size, settings.seq_len + 1, rng))
+        optimizer_step(opt, model, loss, lr, settings.grad_clip)
         stats.steps += 1
         stats.tokens += settings.batch_size * settings.seq_len
         value = float(loss.detach())
@@ -152,6 +146,17 @@ def train(
     progress.update(task, completed=budget)
     model.eval()
     return stats
+
+
+def optimizer_step(opt: torch.optim.Optimizer, model: nn.Module, loss: torch.Tensor, lr: float,
+                   grad_clip: float) -> None:
+    """One optimiser step at learning rate `lr` on the gradients of `loss`, clipped to norm `grad_clip`."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
 
 
 def _periodic_eval(model: nn.Module, evaluate: Callable[[], dict[str, float]], progress: Progress, label: str,

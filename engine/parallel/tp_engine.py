@@ -226,6 +226,7 @@ class LeaderDraft(Proposer):
 
     kind = "draft_model"
     has_model = True
+    refills = True  # as the leader's draft model: every rank captures and replays the same graphs
     leader_only = True
 
     def __init__(self, kv_lookahead: int, device: torch.device) -> None:

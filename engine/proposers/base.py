@@ -43,6 +43,10 @@ class Proposer(ABC):
     #: device drafts them inside the step (`propose`). The step engine needs it to know whether drafting is device
     #: work of the step at all (its trace range, its write of the drafts into the verify input)
     drafts_on_host: bool = False
+    #: a step's `refill` flag changes the proposer's work in it (`after_verify`: refill, else keep), so a step
+    #: without refill replays graphs of its own (`step_graphs`); False: nothing to refill, and a step runs the
+    #: same work whatever the flag says
+    refills: bool = False
     #: at tensor-parallel size > 1 the proposer runs on the leader only (a draft model: a small model gains nothing
     #: from the split), so its drafts and the acceptance only it can compute are broadcast inside the step
     leader_only: bool = False

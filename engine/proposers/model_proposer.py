@@ -30,6 +30,8 @@ from specstep.traces.tracer import Tracer
 
 
 class ModelProposer(Proposer):
+    refills = True
+
     def __init__(self, pool: KVPool, vocab_size: int, hidden_size: int, max_slots: int,
                  device: torch.device, dtype: torch.dtype) -> None:
         self.pool = pool

@@ -62,6 +62,7 @@ class EngineCore:
         policy = policy or AdaptivePolicy(PolicyConfig(kind="fixed", k_max=config.num_spec_tokens,
                                                        keeps_draft_kv=step_engine.has_draft_model))
         self.scheduler = Scheduler(ModelFacts.of(step_engine), allocator, config, policy, eos_token_ids, tracer)
+        self.results = self.scheduler.results  # where each step's results go once read back
 
     # ---- the scheduler's state, for the process loop, `generate` and tests -------------------------------------
     @property
@@ -172,7 +173,7 @@ class EngineCore:
         with self.tracer.range(ranges.WAIT):
             tokens = handle.wait().tolist()  # host sync: the new tokens decide what happens next
         with self.tracer.range(ranges.PROCESS_OUTPUT):
-            return self.scheduler.finish_prefill(plan, tokens)
+            return self.results.finish_prefill(plan, tokens)
 
     def _mixed(self, plan: StepPlan) -> list[RequestOutput]:
         """One forward over the running requests' next tokens (plain sampling, refill dropped) and the prompt
@@ -188,7 +189,7 @@ class EngineCore:
             tokens = handle.wait().tolist()
         seconds = self.clock() - start
         with self.tracer.range(ranges.PROCESS_OUTPUT):
-            return self.scheduler.finish_mixed(plan, tokens, seconds)
+            return self.results.finish_mixed(plan, tokens, seconds)
 
     def _catch_up(self, plan: StepPlan) -> float:
         """The proposer skipped tokens while its refill was dropped; resync before it drafts. Its cost is charged
@@ -200,7 +201,7 @@ class EngineCore:
         t = self.clock()
         self.stream.submit(ranges.CATCH_UP, lambda: self.engine.catch_up(stale, lens)).wait()
         seconds = self.clock() - t
-        self.scheduler.caught_up(stale, lens, seconds)
+        self.results.caught_up(stale, lens, seconds)
         return seconds
 
     def _launch(self, plan: StepPlan, catch_up_s: float, prev: InFlight | None) -> InFlight:
@@ -221,7 +222,7 @@ class EngineCore:
             out = inf.handle.wait()
             accepted, tokens = out.read()  # the step's one host sync
         with self.tracer.range(ranges.PROCESS_OUTPUT):
-            outputs = self.scheduler.finish_decode(inf.plan, out.num_draft.tolist(), inf.refilled, accepted, tokens)
+            outputs = self.results.finish_decode(inf.plan, out.num_draft.tolist(), inf.refilled, accepted, tokens)
         # The step's cost for the policy: device time when host work is hidden behind it (overlap); inline,
         # the whole step from build to processed outputs, since the host part then adds to every step too.
         cost = inf.handle.device_seconds() if self.overlap else self.clock() - inf.launched

@@ -1,7 +1,8 @@
-"""The scheduler: request queues, admission, page reservation, preemption by recompute and stop conditions.
-`schedule()` returns the next step as a frozen `StepPlan`; the engine core (`scheduler/core/engine_core.py`)
-launches it and hands the step's results back through `launched` and `finish_*`. It never calls the step
-engine: what it must know of it comes in `ModelFacts`.
+"""The scheduler: request queues, admission, page reservation, the speculation decision and preemption by
+recompute. `schedule()` returns the next step as a frozen `StepPlan`; the engine core
+(`scheduler/core/engine_core.py`) launches it, says so through `launched`, and hands the step's results to
+`results` (`Postprocessor`, `scheduler/core/postprocess.py`). It never calls the step engine: what it must know
+of it comes in `ModelFacts`.
 
 Pages: every running request's page table holds every position its next step may write (the allocator's
 `step_tokens`); a step that cannot get its pages runs without speculation, else the newest work is preempted
@@ -11,7 +12,6 @@ Pages: every running request's page table holds every position its next step may
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -20,12 +20,13 @@ from specstep.engine.errors import InvalidRequestError
 from specstep.scheduler.core.chunked_prefill import ChunkPlanner
 from specstep.scheduler.core.draft_lanes import draft_lag, draft_room, stale_lanes
 from specstep.scheduler.core.page_allocator import PageAllocator
+from specstep.scheduler.core.postprocess import Postprocessor
 from specstep.scheduler.core.prefill_budget import PrefillBudget
 from specstep.scheduler.core.prefill_pacer import PrefillPacer
 from specstep.scheduler.core.request import FinishReason, Request, Status
 from specstep.scheduler.core.request_queues import RequestQueues
 from specstep.scheduler.core.step_plan import StepKind, StepPlan
-from specstep.scheduler.core.stopping import RequestOutput, append_tokens
+from specstep.scheduler.core.stopping import RequestOutput
 from specstep.scheduler.spec.decision import Decision
 from specstep.scheduler.spec.policy import AdaptivePolicy
 from specstep.traces.tracer import NULL_TRACER, Tracer
@@ -81,14 +82,22 @@ class Scheduler:
         self.facts = facts
         self.allocator = allocator
         self.config = config
-        self.policy = policy
         self.tracer = tracer
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.queues = RequestQueues(allocator, config.max_batch_size)
-        self.pacer = PrefillPacer(config.prefill_budget) if config.prefill_budget else None
-        self.chunks = ChunkPlanner(allocator, self.pacer, config.max_batch_size, self.step_tokens) \
-            if self.pacer else None
+        pacer = PrefillPacer(config.prefill_budget) if config.prefill_budget else None
+        self.chunks = ChunkPlanner(allocator, pacer, config.max_batch_size, self.step_tokens) if pacer else None
+        self.results = Postprocessor(self.queues, policy, pacer, facts.draft_shift, frozenset(eos_token_ids),
+                                     config.max_model_len)
+        self.policy = policy
         self.last_decision: Decision | None = None  # the latest launched decode step's, as it ran
+
+    @property
+    def policy(self) -> AdaptivePolicy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: AdaptivePolicy) -> None:  # tests script decisions: its results observe the same one
+        self._policy = self.results.policy = policy
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -258,13 +267,7 @@ class Scheduler:
         return self.allocator.reserve([r.page_table for r in reqs], [
             self.step_tokens(len(r.token_ids) + int(p), int(k)) for r, p, k in zip(reqs, extra, num_draft)])
 
-    # ---- results -------------------------------------------------------------------------------------------
-    def caught_up(self, stale: list[Request], draft_lens: list[int], seconds: float) -> None:
-        """The drafts of `stale` (at `draft_lens`) consumed the tokens they skipped, in `seconds`."""
-        self.policy.observe_catch_up(sum(len(r.token_ids) - n for r, n in zip(stale, draft_lens)), seconds)
-        for r in stale:
-            r.draft_len = len(r.token_ids)
-
+    # ---- launch --------------------------------------------------------------------------------------------
     def launched(self, plan: StepPlan, num_draft: np.ndarray) -> np.ndarray:
         """A decode plan was launched, drafting `num_draft` (n-gram may match fewer than decided, a stale draft
         none): its requests are in flight, and its decision counts (`AdaptivePolicy.commit`: the only place a
@@ -281,63 +284,3 @@ class Scheduler:
         self.last_decision = replace(d, num_draft=num_draft, k=int(num_draft.max(initial=0)))
         self.queues.launched(plan.decode)
         return refilled
-
-    def finish_prefill(self, plan: StepPlan, tokens: list[int]) -> list[RequestOutput]:
-        now = time.monotonic()
-        for req, _ in plan.prompts:
-            req.num_computed = len(req.token_ids)
-        return [self._start_decoding(req, tok, w, now) for (req, _), tok, w in zip(plan.prompts, tokens,
-                                                                                     plan.with_proposer)]
-
-    def finish_mixed(self, plan: StepPlan, tokens: list[int], seconds: float) -> list[RequestOutput]:
-        """A mixed step ran in `seconds`: the decode rows got a token each, and a prompt whose last chunk ran
-        starts decoding."""
-        self.pacer.observe([(q, r.num_computed) for r, q in plan.prompts], seconds, plan.decode_s)
-        now = time.monotonic()
-        outputs = []
-        for req, tok in zip(plan.decode, tokens):
-            req.stats.record(0, 0)
-            req.num_computed = len(req.token_ids)
-            outputs.append(self._append(req, [tok]))
-        for (req, q), tok, with_proposer in zip(plan.prompts, tokens[len(plan.decode):], plan.with_proposer):
-            req.num_computed += q
-            if req.num_computed == len(req.token_ids):
-                outputs.append(self._start_decoding(req, tok, with_proposer, now))
-        return outputs
-
-    def finish_decode(self, plan: StepPlan, num_draft: list[int], refilled: np.ndarray, accepted: list[int],
-                      tokens: list[list[int]]) -> list[RequestOutput]:
-        """A decode step's results: `accepted[b]` drafts of lane b and the token after them, `tokens[b]`."""
-        d = plan.decision
-        probing = d.probing if d.probing is not None else np.zeros(len(plan.decode), bool)
-        outputs = []
-        for req, a, row, nd, probe, current in zip(plan.decode, accepted, tokens, num_draft, probing.tolist(),
-                                                   refilled.tolist()):
-            self.queues.landed(req)
-            if req.finished:  # finished in an earlier step or aborted: a wasted lane
-                continue
-            req.stats.record(nd, a)
-            self.policy.observe_request(req.acceptance, nd, a, probe, d.break_even)
-            req.num_computed = len(req.token_ids) + a  # target KV now holds last + a accepted drafts
-            ro = self._append(req, row[: a + 1])
-            ro.num_draft, ro.num_accepted = nd, a
-            outputs.append(ro)
-            if current:
-                req.draft_len = len(req.token_ids)
-        self.queues.release_landed()
-        return outputs
-
-    def _start_decoding(self, req: Request, token: int, with_proposer: bool, now: float) -> RequestOutput:
-        """Its prompt is prefilled and `token` sampled after it: the request joins the running batch."""
-        # The draft consumed the prompt and the sampled token, or (skipped) nothing it needs.
-        req.draft_len = len(req.token_ids) + 1 if with_proposer else self.facts.draft_shift
-        self.queues.start_decoding(req)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        return self._append(req, [token])
-
-    def _append(self, req: Request, new: list[int]) -> RequestOutput:
-        kept, reason = append_tokens(req, new, self.eos_token_ids, self.config.max_model_len)
-        if reason is not None:
-            self.queues.finish(req, reason)
-        return RequestOutput(req, kept, req.finished)
