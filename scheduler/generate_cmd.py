@@ -174,8 +174,8 @@ def _write_outputs(reqs: list, tokenizer, output: str | None) -> None:
 
 
 def ready_text(info) -> str:
-    """`spec X, N KV pages; kv cache ... (how it was sized)[; graphs ...]; chunked prefill ...`: the start-up
-    facts a user checks first."""
+    """`spec X, N KV pages; kv cache ... (how it was sized)[; graphs ...]; chunked prefill ...[; CPU kernels]`:
+    the start-up facts a user checks first."""
     # Imported here: `serve` imports this module in its frontend process, which never imports torch.
     from specstep.cuda_graphs.runner import describe_capture
 
@@ -183,7 +183,8 @@ def ready_text(info) -> str:
     text = f"{text}; {info.memory.describe()}" if info.memory is not None else text
     graphs = describe_capture(info.graphs)
     text = f"{text}; {graphs}" if graphs else text
-    return f"{text}; {info.prefill}" if info.prefill else text
+    text = f"{text}; {info.prefill}" if info.prefill else text
+    return f"{text}; {info.kernels}" if info.kernels else text
 
 
 def make_tracer(path: str | None):

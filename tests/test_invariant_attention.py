@@ -35,9 +35,13 @@ def attend(q, kv, q_lens, starts, tables, workspace=DEFAULT_WORKSPACE, min_rows=
     return paged_attention(q, *kv, meta_for(q_lens, starts, tables), HEADS, 0.25, workspace, rows)
 
 
-def test_this_host_has_a_row_invariant_padding():
-    """If this fails, MKL here sums rows differently at every row count we can pad to: the engine then falls
-    back to SDPA and its ready line says it is not batch-invariant."""
+def test_this_host_has_a_row_invariant_padding(monkeypatch):
+    """If this fails, MKL here sums rows differently at every row count we can pad to: where the C++ kernel
+    (`cpu_attention`) does not run either, the engine then falls back to SDPA and its ready line says it is not
+    batch-invariant."""
+    import specstep.engine.attention.torch_backend as tb
+
+    monkeypatch.setattr(tb.kernel, "unavailable", lambda: "not here")  # the torch path's ready line
     rows = measure_min_rows(HEADS // KV_HEADS, D, torch.float32)
     assert rows is not None and 1 <= rows <= 2 * MAX_QUERY_ROWS
     att = TorchAttention(batch_invariant=True)
@@ -85,7 +89,12 @@ def long_context_target(tmp_path_factory):
     return target
 
 
-def test_decode_at_batch_8_near_full_context_stays_within_the_estimate_and_the_workspace(long_context_target):
+def test_decode_at_batch_8_near_full_context_stays_within_the_estimate_and_the_workspace(long_context_target,
+                                                                                         monkeypatch):
+    """The torch-ops invariant path (the C++ kernel, where it runs, holds far less: a row's scores)."""
+    import specstep.engine.attention.torch_backend as tb
+
+    monkeypatch.setattr(tb.kernel, "runs", lambda *a: False)
     target, cfg = long_context_target, long_context_target.rank_cfg
     rows = target.attention.min_rows(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, torch.float32,
                                      torch.device("cpu"))

@@ -233,7 +233,6 @@ class TorchAttention:
         self.workspace = workspace
         self.batch_invariant = batch_invariant
         self._min_rows: dict[tuple, int | None] = {}  # measured once per (group, head_dim, dtype)
-        self._kernel_seen = False  # a forward took the C++ kernel (`describe`)
 
     def min_rows(self, group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int | None:
         """The invariant path's row padding for this shape, or None where it does not run (CUDA, off, or no
@@ -249,8 +248,9 @@ class TorchAttention:
         """For the ready line: how steps of few positions attend."""
         if not self.batch_invariant:
             return "attention: SDPA (batch invariance off)"
-        if self._kernel_seen:
-            return "attention: batch-invariant C++ kernel (steps of <= 17 positions; prompts SDPA)"
+        if not kernel.unavailable():
+            return (f"attention: batch-invariant C++ kernel for fp32 steps of <= {MAX_QUERY_ROWS} positions "
+                    "(prompts: SDPA)")
         if not self._min_rows:
             return "attention: batch-invariant on CPU"
         found = sorted({r for r in self._min_rows.values() if r is not None})
@@ -268,7 +268,6 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata | SplitAttention, num_heads: int, scale: float) -> torch.Tensor:
         if self.batch_invariant and kernel.runs(q, k_cache):  # the C++ kernel: no row padding to measure
-            self._kernel_seen = True
             return self._forward(q, k_cache, v_cache, meta, num_heads, scale, None, True)
         rows = self.min_rows(num_heads // k_cache.shape[1], k_cache.shape[-1], q.dtype, q.device)
         return self._forward(q, k_cache, v_cache, meta, num_heads, scale, rows, False)

@@ -306,6 +306,7 @@ def _ready_line(ready: Ready, model: str, address: str) -> str:
     extra = f"; {ready.kv_cache}" if ready.kv_cache else ""
     extra += f"; {ready.graphs}" if ready.graphs else ""
     extra += f"; {ready.prefill}" if ready.prefill else ""
+    extra += f"; {ready.kernels}" if ready.kernels else ""
     if ready.tensor_parallel_size > 1:
         extra += f"; tensor-parallel {ready.tensor_parallel_size} ranks"
     return f"specstep serve: ready ({model}; spec {ready.spec}, {ready.num_pages} KV pages{extra}) on {address}"

@@ -259,6 +259,7 @@ class Ready(Wire):
     tensor_parallel_size: int = 1  # ranks of the engine's tensor-parallel group
     prefill: str = ""  # chunked prefill's step budget and how it was chosen, for the ready line
     graphs: str = ""  # graph capture's count and seconds (`describe_capture`), for the ready line
+    kernels: str = ""  # CPU: the linears' weights and kernels and the attention, and why, for the ready line
 
 
 class EngineOutput(Wire):

@@ -261,7 +261,7 @@ def ready_message(core: EngineCore, info, max_prompt_len: int | None) -> Ready:
                  eos_token_ids=list(info.eos_token_ids),
                  kv_cache=info.memory.describe() if info.memory is not None else "",
                  graphs=describe_capture(info.graphs),
-                 tensor_parallel_size=info.tensor_parallel_size, prefill=info.prefill)
+                 tensor_parallel_size=info.tensor_parallel_size, prefill=info.prefill, kernels=info.kernels)
 
 
 def engine_config(cfg: SchedulerProcessConfig) -> EngineConfig:
