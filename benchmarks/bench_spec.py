@@ -14,7 +14,9 @@ import time
 import torch
 
 from benchmarks.common import code_prompts, console, machine, random_prompts, run_engine, table
-from specstep.engine.engine_config import DEFAULT_DRAFTS, DEFAULT_TARGET, EngineConfig
+from specstep.engine.engine_config import EngineConfig
+from specstep.engine.model_source import EMBEDDED_DRAFTS as DEFAULT_DRAFTS
+from specstep.engine.model_source import EMBEDDED_TARGET as DEFAULT_TARGET
 from specstep.engine.sampling_params import SamplingParams
 
 WORKLOADS = {
