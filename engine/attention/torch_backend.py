@@ -156,12 +156,8 @@ def paged_attention(
     scale: float,
     workspace: int = DEFAULT_WORKSPACE,
     min_rows: int | None = None,
-    use_kernel: bool = False,
 ) -> torch.Tensor:
-    """`min_rows`: attend steps of few positions batch-invariantly with this row padding (None: SDPA);
-    `use_kernel`: attend them in the C++ kernel instead (`cpu_attention`: batch-invariant by construction)."""
-    if use_kernel and meta.q_index.shape[1] <= MAX_QUERY_ROWS:
-        return kernel.cpu_attention(q, k_cache, v_cache, meta, num_heads, scale)
+    """`min_rows`: attend steps of few positions batch-invariantly with this row padding (None: SDPA)."""
     t = q.shape[0]
     _, hkv, d = k_cache.shape
     group = num_heads // hkv
@@ -282,10 +278,18 @@ class TorchAttention:
             prompts = meta.slot == PROMPT_SLOT
             for t0, t1, part in meta.parts:
                 invariant = invariant_runs and not (prompts and not has_decode_rows(part))
-                out[t0:t1] = paged_attention(q[t0:t1], k_cache, v_cache, part, num_heads, scale, self.workspace,
-                                             rows if invariant else None, use_kernel and invariant)
+                out[t0:t1] = self._attend(q[t0:t1], k_cache, v_cache, part, num_heads, scale,
+                                          rows if invariant else None, use_kernel and invariant)
             return out
-        return paged_attention(q, k_cache, v_cache, meta, num_heads, scale, self.workspace, rows, use_kernel)
+        return self._attend(q, k_cache, v_cache, meta, num_heads, scale, rows, use_kernel)
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                num_heads: int, scale: float, rows: int | None, use_kernel: bool) -> torch.Tensor:
+        """`use_kernel`: steps of few positions in the C++ kernel (`cpu_attention`: batch-invariant by
+        construction); everything else in `paged_attention`."""
+        if use_kernel and meta.q_index.shape[1] <= MAX_QUERY_ROWS:
+            return kernel.cpu_attention(q, k_cache, v_cache, meta, num_heads, scale)
+        return paged_attention(q, k_cache, v_cache, meta, num_heads, scale, self.workspace, rows)
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
