@@ -15,10 +15,11 @@ from specstep.engine.native import load_kernel
 SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
 BLOCK = 32  # weights a block
-# A second thread pays only past this many weight-row products: waking it (OpenMP, OMP_WAIT_POLICY=PASSIVE)
-# cost more than it saved on every SmolLM2 linear but the 28 M-weight lm_head at one row (AVX2 EPYC, measured:
-# 576x576 Q4_1 163 us on one thread against 279 on two; the lm_head 4.1 ms against 3.5).
-WORK_PER_THREAD = 4 << 20
+# A second thread pays only past this many weight-row products: waking it (OpenMP, OMP_WAIT_POLICY=PASSIVE) is
+# not free (AVX2 EPYC, quiet host, one row, 1 / 2 threads: 576x576 Q4_1 174 / 200 us; 1536 -> 576 171 / 149 us;
+# 576 -> 3072 341 / 282 us; the 28 M-weight Q8_0 lm_head 3.9 / 2.4 ms). With the other core busy a second
+# thread costs more than it saves everywhere, which no fixed figure can know.
+WORK_PER_THREAD = 1 << 19
 
 
 class KernelError(RuntimeError):
