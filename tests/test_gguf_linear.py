@@ -46,14 +46,14 @@ def test_kernel_is_the_dequantised_product_to_fp32_rounding(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(fmt):
-    """Every row count a step can have (1 to 40: decode, verify, mixed) and a prompt's 130, every row position,
-    1 and 2 threads: bitwise the row computed alone."""
+    """Every row count a step can have (1 to 40: decode, verify, mixed) and prompts of 130 and 1,100 rows (past the
+    kernel's 256-row blocks at this width), every row position, 1 and 2 threads: bitwise the row alone."""
     blocks, _ = quantised(fmt, 67, 192, seed=1)  # 67 rows: a partial last work item
-    x = torch.randn(130, 192)
-    alone = torch.cat([gguf_linear(x[i: i + 1], blocks, 67, fmt, threads=1) for i in range(130)])
-    for m in [*range(1, 18), 40, 130]:
-        for start in {0, 3, 130 - m}:
-            if start + m <= 130:
+    x = torch.randn(1100, 192)
+    alone = torch.cat([gguf_linear(x[i: i + 1], blocks, 67, fmt, threads=1) for i in range(1100)])
+    for m in [*range(1, 18), 40, 130, 1100]:
+        for start in {0, 3, 1100 - m}:
+            if start + m <= 1100:
                 got = gguf_linear(x[start: start + m], blocks, 67, fmt, threads=2)
                 assert torch.equal(got, alone[start: start + m]), (m, start)
 
