@@ -65,6 +65,8 @@ def load_kernel(source: Path) -> tuple[ctypes.CDLL | None, str]:
     missing = [f for f in NEEDED_CPU_FLAGS if f not in _cpu_flags()]
     if missing:
         return None, f"this CPU lacks {'/'.join(missing).upper()}"
+    if not source.is_file():  # an install without the package data
+        return None, f"{source.name} is not installed"
     cxx = _compiler()
     if cxx is None:
         return None, "no C++ compiler (g++) found"

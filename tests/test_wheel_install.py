@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from specstep.engine.model_source import pretrained_gguf
+from specstep.engine.models.gguf_kernel import unavailable as gguf_unavailable
 from specstep.loadgen.client import Client
 from specstep.loadgen.server import ServerProcess
 from specstep.scheduler.server.protocol import GenerateRequest
@@ -96,6 +97,8 @@ async def test_a_wheel_installs_and_serves_the_default_model_from_outside_the_ch
     defaults = {"specstep/" + p.relative_to(ROOT).as_posix() for p in (ROOT / "engine" / "defaults").rglob("*")
                 if p.is_file() and "__pycache__" not in p.parts}
     assert defaults - names == set(), "files of engine/defaults left out of the wheel"
+    sources = {"specstep/" + p.relative_to(ROOT).as_posix() for p in (ROOT / "engine").rglob("*.cpp")}
+    assert sources and sources - names == set(), "C++ kernel sources left out of the wheel"
 
     site = fresh_venv(tmp_path, wheel)
     bin_dir, elsewhere = site.parents[2] / "bin", tmp_path / "elsewhere"
@@ -115,6 +118,8 @@ async def test_a_wheel_installs_and_serves_the_default_model_from_outside_the_ch
                          timeout=300)
     assert gen.returncode == 0, gen.stderr[-4000:]
     assert "specstep generate: ready" in gen.stderr
+    if not gguf_unavailable():  # the wheel's kernel source compiled and ran: the GGUF blocks were read
+        assert "GGUF blocks (" in gen.stderr, gen.stderr[-2000:]
     [line] = [json.loads(x) for x in gen.stdout.splitlines()]
     assert len(line["token_ids"]) == 8 and line["text"]
     assert compiled(site, "specstep/scheduler/generate_cmd") and compiled(site, "specstep/engine/parallel/group")
