@@ -13,11 +13,13 @@ import torch
 
 from specstep.engine.forward_batch import AttentionMetadata
 from specstep.engine.native import load_kernel
+from specstep.engine.thread_choice import ThreadChoice
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-# Multiply-adds (rows x keys x head_dim, both GEMM-like passes) past which a second thread pays for its wake-up
-# (as `gguf_kernel.WORK_PER_THREAD`): a batch-1 decode step's layer is ~9 x 200 x 64 x 2, far below.
-WORK_PER_THREAD = 1 << 20
+# One thread or all of torch's, whichever a call of this much work (multiply-adds: rows x keys x head_dim, both
+# GEMM-like passes; in powers of two, since the keys grow every step) measured faster (`engine.thread_choice`,
+# as `gguf_kernel.THREADS`: a batch-1 decode step's layer, ~9 x 200 x 64 x 2, is far below a wake-up's worth).
+THREADS = ThreadChoice(always_all=1 << 26)
 
 
 class AttentionKernelError(RuntimeError):
@@ -58,8 +60,8 @@ def _indices(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
 
 def cpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   num_heads: int, scale: float, threads: int | None = None) -> torch.Tensor:
-    """q [T, H * D] -> [T, H * D]. Threads: as many as the work pays for unless given; the result does not
-    depend on them."""
+    """q [T, H * D] -> [T, H * D]. Threads: one or all of torch's, whichever this much work measured faster
+    (`THREADS`), unless given; the result does not depend on them."""
     lib, why = _build()
     if lib is None:
         raise AttentionKernelError(f"the CPU attention kernel cannot run here: {why}")
@@ -68,11 +70,14 @@ def cpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = q.new_zeros(q.shape)  # rows no valid query row writes (a graph's padding lanes) stay 0
     q_index, q_valid, q_pos, kv_len, table = _indices(meta)
     b, qn = q_index.shape
-    rc = lib.cpu_attention(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), b, qn, num_heads,
-                           hkv, d, q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(), kv_len.data_ptr(),
-                           table.data_ptr(), table.shape[1], meta.page_size, scale,
-                           threads or max(1, min(torch.get_num_threads(), 2 * b * qn * num_heads * meta.keys * d
-                                                 // WORK_PER_THREAD)))
+    work = 2 * b * qn * num_heads * meta.keys * d
+
+    def call(n: int) -> int:
+        return lib.cpu_attention(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), b, qn,
+                                 num_heads, hkv, d, q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(),
+                                 kv_len.data_ptr(), table.data_ptr(), table.shape[1], meta.page_size, scale, n)
+
+    rc = call(threads) if threads else THREADS.run(work.bit_length(), work, torch.get_num_threads(), call)
     if rc != 0:
         raise AttentionKernelError(f"cpu_attention(B={b}, Q={qn}, H={num_heads}, Hkv={hkv}, D={d}) returned {rc}")
     return out

@@ -11,15 +11,15 @@ from pathlib import Path
 import torch
 
 from specstep.engine.native import load_kernel
+from specstep.engine.thread_choice import ThreadChoice
 
 SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
 BLOCK = 32  # weights a block
-# A second thread pays only past this many weight-row products: waking it (OpenMP, OMP_WAIT_POLICY=PASSIVE) is
-# not free (AVX2 EPYC, quiet host, one row, 1 / 2 threads: 576x576 Q4_1 174 / 200 us; 1536 -> 576 171 / 149 us;
-# 576 -> 3072 341 / 282 us; the 28 M-weight Q8_0 lm_head 3.9 / 2.4 ms). With the other core busy a second
-# thread costs more than it saves everywhere, which no fixed figure can know.
-WORK_PER_THREAD = 1 << 19
+# Each kind of call (format, shape, rows) times one thread against all of torch's on its first calls and keeps
+# the faster (`engine.thread_choice`: waking a passive OpenMP thread costs as much as a small linear's work);
+# past this many weight-row products every thread pays whatever the host, and the call is not timed.
+THREADS = ThreadChoice(always_all=1 << 26)
 
 
 class KernelError(RuntimeError):
@@ -44,8 +44,8 @@ def unavailable() -> str:
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: str,
                 bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """x [..., K] float32 on CPU @ W.T (+ bias): W [out_features, K] as `blocks` [out_features, K / 32 blocks]
-    uint8 of GGML type `fmt`. Threads: as many of torch's as the work pays for (`WORK_PER_THREAD`) unless given;
-    the result does not depend on them."""
+    uint8 of GGML type `fmt`. Threads: one or all of torch's, whichever this kind of call measured faster
+    (`THREADS`), unless given; the result does not depend on them."""
     lib, why = _build()
     if lib is None:
         raise KernelError(f"the GGUF kernel cannot run here: {why}")
@@ -56,10 +56,15 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: s
     y = x2.new_empty(x2.shape[0], out_features)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
-    rc = lib.gguf_linear(x2.data_ptr(), x2.shape[0], k, blocks.data_ptr(), out_features, FORMATS[fmt],
-                         None if bias is None else bias.data_ptr(), y.data_ptr(),
-                         threads or max(1, min(torch.get_num_threads(), x2.shape[0] * out_features * k
-                                               // WORK_PER_THREAD)))
+    m, xp, yp = x2.shape[0], x2.data_ptr(), y.data_ptr()
+    bp, wp = None if bias is None else bias.data_ptr(), blocks.data_ptr()
+
+    def call(n: int) -> int:
+        return lib.gguf_linear(xp, m, k, wp, out_features, FORMATS[fmt], bp, yp, n)
+
+    rows = m if m <= 64 else 1 << m.bit_length()  # prompts' row counts in powers of two: fewer keys to time
+    rc = call(threads) if threads else THREADS.run((fmt, out_features, k, rows), m * out_features * k,
+                                                   torch.get_num_threads(), call)
     if rc != 0:
         raise KernelError(f"gguf_linear({fmt}, K={k}, N={out_features}) returned {rc}")
     return y.view(*x.shape[:-1], out_features)
