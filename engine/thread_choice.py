@@ -12,7 +12,7 @@ So each kind of call (a key: a kernel's shape and row count) times its first cal
 threads, alternating, and then takes the faster by the median; every `RECHECK` calls it times the other count
 once more, so a choice follows the load. A kernel's results never depend on its thread count (both kernels split
 output rows, never a sum), so trying both on real calls changes nothing but time. Calls whose work is far past
-any wake-up (`ALWAYS_ALL`) take every thread without timing.
+any wake-up (`ALWAYS_ALL` multiply-adds, by default) take every thread without timing.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 TRIALS = 3  # timed calls of each thread count before choosing
 RECHECK = 256  # calls between re-timings of the count not chosen
 KEEP = 3  # latest timings kept per count: their median decides
+# Work (multiply-adds, or a kernel's own unit) from which every thread pays on any host: not timed. A batch-8
+# verify's largest linear (40 rows x 3072 x 576) is 71 M; a batch-1 step's lm_head (49152 x 576) 28 M, timed.
+ALWAYS_ALL = 1 << 26
 
 
 @dataclass
@@ -39,7 +42,7 @@ class _Timings:
 class ThreadChoice:
     """Per-key choice between one thread and `max_threads` (torch's count at the call) by live timing."""
 
-    def __init__(self, always_all: int) -> None:
+    def __init__(self, always_all: int = ALWAYS_ALL) -> None:
         self.always_all = always_all  # work (the kernel's own unit) from which every thread is taken untimed
         self._keys: dict[Hashable, _Timings] = {}
 

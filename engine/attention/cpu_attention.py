@@ -19,7 +19,7 @@ SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # One thread or all of torch's, whichever a call of this much work (multiply-adds: rows x keys x head_dim, both
 # GEMM-like passes; in powers of two, since the keys grow every step) measured faster (`engine.thread_choice`,
 # as `gguf_kernel.THREADS`: a batch-1 decode step's layer, ~9 x 200 x 64 x 2, is far below a wake-up's worth).
-THREADS = ThreadChoice(always_all=1 << 26)
+THREADS = ThreadChoice()
 
 
 class AttentionKernelError(RuntimeError):

@@ -17,9 +17,8 @@ SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
 BLOCK = 32  # weights a block
 # Each kind of call (format, shape, rows) times one thread against all of torch's on its first calls and keeps
-# the faster (`engine.thread_choice`: waking a passive OpenMP thread costs as much as a small linear's work);
-# past this many weight-row products every thread pays whatever the host, and the call is not timed.
-THREADS = ThreadChoice(always_all=1 << 26)
+# the faster (`engine.thread_choice`: waking a passive OpenMP thread costs as much as a small linear's work).
+THREADS = ThreadChoice()
 
 
 class KernelError(RuntimeError):
