@@ -3,10 +3,11 @@ decode step, per batch size and CPU kernel setting, side by side in one run (set
 
     python -m benchmarks.bench_steps [--model M] [--batches 1,8] [--k 4] [--reps 30] [--modes auto/off,auto/on]
 
-A mode is `--cpu-linear[/--batch-invariant[/--quantization]]`: auto/off is the per-row kernel plan with SDPA
-attention, auto/on (the default) one oneDNN kernel for every row count with the batch-invariant attention, and
-on a GGUF model the file's quantised blocks in the GGUF kernel (`--quantization auto`); auto/on/none keeps the
-dequantised fp32 weights.
+A mode is `--cpu-linear[/--batch-invariant[/--quantization[/--cpu-layers]]]`: auto/off is the per-row kernel
+plan with SDPA attention, auto/on (the default) one oneDNN kernel for every row count with the batch-invariant
+attention, and on a GGUF model the file's quantised blocks in the GGUF kernel (`--quantization auto`) with the
+decoder layers in C++ (`--cpu-layers auto`); auto/on/none keeps the dequantised fp32 weights, auto/on/auto/torch
+the GGUF kernel inside eager torch layers.
 
 A step here is `StepEngine.decode_context` + `run_decode` + reading the outputs back: batch building, the target
 forward, logits, sampling / rejection sampling and the host sync, exactly what `EngineCore` runs per step.
@@ -112,7 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--modes", default="auto/off,auto/on",
-                    help="--cpu-linear[/--batch-invariant on|off[/--quantization auto|none]] settings to compare")
+                    help="--cpu-linear[/--batch-invariant on|off[/--quantization auto|none[/--cpu-layers auto|torch]]] "
+                         "settings to compare")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bandwidth", type=float, default=None,
                     help="GB/s for the floor (default: measured here, `read_bandwidth`)")
@@ -153,10 +155,10 @@ def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts
     # draft cost from an engine with the head, on the last mode's kernels.
     def timer(m: str, spec: str) -> StepTimer:
         parts = m.split("/")
-        linear, invariant, quantization = (parts + ["on", "auto"][len(parts) - 1:])[:3]
+        linear, invariant, quantization, layers = (parts + ["on", "auto", "auto"][len(parts) - 1:])[:4]
         return StepTimer(EngineConfig(model=model, spec=spec, num_spec_tokens=args.k, overlap=False,
                                       threads=args.threads, cpu_linear=linear, batch_invariant=invariant != "off",
-                                      quantization=quantization, max_batch_size=max_batch),
+                                      quantization=quantization, cpu_layers=layers, max_batch_size=max_batch),
                          prompts[:b], args.k)
 
     timers = {m: timer(m, "ngram") for m in modes}

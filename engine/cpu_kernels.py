@@ -20,6 +20,7 @@ from specstep.engine.errors import ConfigError
 LINEAR_MODES = ("auto", "matmul", "onednn")
 HALF_CHOICES = ("auto", "off")
 QUANTIZATION_CHOICES = ("auto", "gguf", "none")
+LAYER_CHOICES = ("auto", "torch")
 # bf16 must be this much faster than fp32 (decode and verify rows together) to be taken: it changes the numerics.
 BF16_MARGIN = 0.95
 
@@ -35,6 +36,7 @@ class CpuKernels:
     half: str = "off"
     batch_invariant: bool = True
     quantization: str = "auto"
+    layers: str = "auto"  # auto: a GGUF model's decoder layers in C++ where they run (`--cpu-layers`) | torch
 
     def __post_init__(self) -> None:
         if self.linear not in LINEAR_MODES:
@@ -44,6 +46,8 @@ class CpuKernels:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
+        if self.layers not in LAYER_CHOICES:
+            raise ValueError(f"layers must be one of {', '.join(LAYER_CHOICES)}, got {self.layers!r}")
 
 
 @dataclass(frozen=True, slots=True)

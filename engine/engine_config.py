@@ -236,6 +236,11 @@ class EngineConfig:
                 "kernel (batch-invariant; built with g++ at the first start) where this host has AVX2, FMA and "
                 "F16C, else fp32; gguf: that kernel or an error; none: the dequantised fp32 weights",
         choices=("auto", "gguf", "none"))
+    cpu_layers: str = option(
+        "auto", "CPU, GGUF linears: auto runs the decoder layers' norms, rotary, KV writes, residuals and MLP gate in "
+                "specstep's C++ (one call a decode, verify, draft or refill step; built with g++ at the first "
+                "start) where they run here; torch: eager torch ops around the GGUF kernel",
+        choices=("auto", "torch"))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -253,7 +258,7 @@ class EngineConfig:
         """What the CPU's linears and attention may run; `--dtype auto` lets linears take bf16 weights where this
         CPU runs them faster, `--dtype float32` keeps them exact."""
         return CpuKernels(self.cpu_linear, "auto" if self.dtype == "auto" else "off", self.batch_invariant,
-                          self.quantization)
+                          self.quantization, self.cpu_layers)
 
     @property
     def draft_path(self) -> str | None:

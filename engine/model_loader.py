@@ -17,6 +17,7 @@ from specstep.engine.errors import CheckpointError, ConfigError
 from specstep.engine.loader import load_state_dict, resolve_dtype
 from specstep.engine.model_source import resolve_model
 from specstep.engine.models.cpu_linear import describe_linears, plan_linears
+from specstep.engine.models.decode_layers import use_native_layers
 from specstep.engine.models.gguf_linear import use_gguf_linears
 from specstep.engine.models.llama import LlamaForCausalLM
 from specstep.engine.models.mtp_head import MTPHead
@@ -45,6 +46,8 @@ def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str
     if device.type == "cpu":
         model.gguf_note = _quantized(model, folder, cpu_linear, tp)
         use_cpu_kernels(model, cpu_linear)
+        layers = cpu_linear.layers if isinstance(cpu_linear, CpuKernels) else "torch"
+        model.layers_note = use_native_layers(model, layers)
     return model
 
 
@@ -72,7 +75,8 @@ def use_cpu_kernels(net: torch.nn.Module, kernels: str | CpuKernels) -> None:
 
 def describe_cpu_kernels(net: torch.nn.Module) -> str:
     """For the ready line: a CPU model's linears (dtype, kernel, why) and attention; "" elsewhere."""
-    linears = "; ".join(x for x in (getattr(net, "gguf_note", ""), describe_linears(net)) if x)
+    linears = "; ".join(x for x in (getattr(net, "gguf_note", ""), describe_linears(net),
+                                    getattr(net, "layers_note", "")) if x)
     if not linears:
         return ""
     att = net.attention

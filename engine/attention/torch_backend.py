@@ -261,6 +261,12 @@ class TorchAttention:
     def plan_padding(self, slot: str, lanes: int, q: int, stream: torch.cuda.Stream | None = None) -> None:
         pass
 
+    def runs_kernel(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata | SplitAttention) -> bool:
+        """Whether `forward` would attend this whole step in the C++ kernel (`cpu_attention`): batch-invariant
+        CPU fp32 steps of at most MAX_QUERY_ROWS positions a lane, not split."""
+        return (self.batch_invariant and isinstance(meta, AttentionMetadata)
+                and meta.q_index.shape[1] <= MAX_QUERY_ROWS and kernel.runs(q, k_cache))
+
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata | SplitAttention, num_heads: int, scale: float) -> torch.Tensor:
         if self.batch_invariant and kernel.runs(q, k_cache):  # the C++ kernel: no row padding to measure

@@ -133,10 +133,15 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.attention: AttentionBackend = TorchAttention()
+        # The decoder layers in C++ where the loader installed them (`engine.models.decode_layers`: GGUF linears
+        # on CPU); not a module: it points at these layers' weights.
+        self.native = None
 
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, x.dtype)
+        if self.native is not None and not torch.compiler.is_compiling():  # a compiled step traces the torch ops
+            return self.norm(self.native.forward(x, batch, kv, rope, self.attention))
         for layer in self.layers:
             x = layer(x, batch, kv, rope, self.attention)
         return self.norm(x)

@@ -1,0 +1,210 @@
+"""A GGUF model's decoder layers in C++ (`decode_layers.cpp`, `--cpu-layers auto`): the CPU's counterpart of a
+captured graph, for the part of a step that is not weights.
+
+Eager torch runs ~40 small ops a layer around the four linears (norms, rotary, the KV write, residuals, the MLP
+gate, views and casts), each dispatched from Python: at batch 1 on a 2-core host that was ~18 ms of a 42 ms
+SmolLM2 step, as much as the weights. With every linear of every layer in the GGUF kernel, a layer becomes two
+C++ calls around its attention (`attention_in`, `attention_out_mlp`), and a step of few positions a lane whose
+attention takes the C++ kernel (decode, verify, draft, refill) one call for the whole stack (`decode_stack`).
+Both ways run the same C++ functions, so a row's bits are the same whichever way its step went and whatever
+shares it: batch-invariant like the kernels it calls (tested against the torch layers' per-row results and
+across row counts). Its arithmetic differs from the torch layers' by rounding only (the RMS norm's sum order,
+the MLP gate's exp), tested against them.
+
+It runs where the model is llama-family on one rank with every decoder linear read from GGUF blocks, fp32
+activations and caches, and all three C++ libraries build; `describe()` says which way it went and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specstep.engine.attention import cpu_attention
+from specstep.engine.forward_batch import ForwardBatch
+from specstep.engine.kv_cache import KVPool
+from specstep.engine.models import gguf_kernel
+from specstep.engine.models.gguf_kernel import FORMATS
+from specstep.engine.models.gguf_linear import GGUFLinear
+from specstep.engine.native import load_kernel
+from specstep.engine.thread_choice import ThreadChoice
+
+SOURCE = Path(__file__).with_name("decode_layers.cpp")
+# One thread or all of torch's for a call's elementwise work and its smaller linears, timed per kind of call and
+# row count (`engine.thread_choice`); linears past `ALWAYS_ALL` multiply-adds take every thread inside the call.
+THREADS = ThreadChoice()
+
+i64, ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("blocks", ptr), ("bias", ptr), ("n", i64), ("k", i64), ("fmt", i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("norm_in", ptr), ("norm_post", ptr), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+                ("down", _Linear)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("hidden", i64), ("heads", i64), ("kv_heads", i64), ("head_dim", i64), ("inter", i64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [("linear", ptr), ("attention", ptr), ("threads", i64), ("all_threads", i64), ("always_all", i64)]
+
+
+class _Paging(ctypes.Structure):
+    _fields_ = [("q_index", ptr), ("q_valid", ptr), ("q_pos", ptr), ("kv_len", ptr), ("table", ptr), ("B", i64),
+                ("Q", i64), ("P", i64), ("page_size", i64)]
+
+
+class LayerKernelError(RuntimeError):
+    """The C++ layers rejected a call (a shape or KV slot out of range) or failed to allocate."""
+
+
+@cache
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    lib, why = load_kernel(SOURCE)
+    if lib is None:
+        return None, why
+    for needed in (gguf_kernel.unavailable(), cpu_attention.unavailable()):
+        if needed:
+            return None, needed
+    p = ctypes.POINTER
+    lib.attention_in.argtypes = [p(_Shape), p(_Layer), p(_Kernels), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr]
+    lib.attention_out_mlp.argtypes = [p(_Shape), p(_Layer), p(_Kernels), ptr, i64, ptr]
+    lib.decode_stack.argtypes = [p(_Shape), p(_Layer), i64, p(_Kernels), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64,
+                                 p(_Paging)]
+    for fn in (lib.attention_in, lib.attention_out_mlp, lib.decode_stack):
+        fn.restype = ctypes.c_int
+    return lib, ""
+
+
+def unavailable() -> str:
+    """Why the C++ layers cannot run here ("" if they can); builds them on first call."""
+    return _build()[1]
+
+
+def why_not(model: nn.Module) -> str:
+    """Why `model`'s layers cannot run in C++ ("" if they can)."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or cfg.architecture not in ("llama", "qwen2"):
+        return "not a llama-family model"
+    if model.tp.world_size > 1:
+        return "tensor-parallel ranks"
+    for layer in model.layers:
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if not all(isinstance(lin, GGUFLinear) for lin in linears):
+            return "not every decoder linear reads GGUF blocks"
+        if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in layer.parameters()):
+            return "not fp32 on CPU"
+    rank = model.rank_cfg
+    if rank.hidden_size % 8 or rank.intermediate_size % 8 or rank.head_dim % 8 or rank.head_dim > 256:
+        return f"a shape the C++ layers do not take (hidden {rank.hidden_size}, head_dim {rank.head_dim})"
+    return unavailable()
+
+
+def _linear(lin: GGUFLinear, keep: list[torch.Tensor]) -> _Linear:
+    bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
+    if bias is not None:
+        keep.append(bias)
+    return _Linear(lin.blocks.data_ptr(), 0 if bias is None else bias.data_ptr(), lin.out_features,
+                   lin.in_features, FORMATS[lin.fmt])
+
+
+class NativeLayers:
+    """`model`'s decoder layers as the C++ library runs them (`why_not(model)` must be ""). Holds pointers to the
+    model's weights: built after the weights are final (GGUF blocks swapped in), and dropped with the model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._lib = _build()[0]
+        cfg = model.rank_cfg
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.scale = model.layers[0].self_attn.scale
+        self._max_work = max(lin.out_features * lin.in_features for lin in model.modules()
+                             if isinstance(lin, GGUFLinear) and lin is not getattr(model, "lm_head", None))
+        self._shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                             cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
+        self._keep: list[torch.Tensor] = []  # contiguous copies the structs point at
+        layers = []
+        for layer in model.layers:
+            norms = [n.weight.detach().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+            self._keep += norms
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), _linear(attn.qkv_proj, self._keep),
+                                 _linear(attn.o_proj, self._keep), _linear(mlp.gate_up_proj, self._keep),
+                                 _linear(mlp.down_proj, self._keep)))
+        self._layers = (_Layer * len(layers))(*layers)
+        linear_lib, attention_lib = gguf_kernel._build()[0], cpu_attention._build()[0]
+        self._entry = (ctypes.cast(linear_lib.gguf_linear, ptr).value,
+                       ctypes.cast(attention_lib.cpu_attention, ptr).value)
+        self._caches: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
+
+    def _kernels(self, threads: int) -> _Kernels:
+        return _Kernels(*self._entry, threads, torch.get_num_threads(), THREADS.always_all)
+
+    def _cache_arrays(self, kv: KVPool) -> tuple[ctypes.Array, ctypes.Array]:
+        """The pool's per-layer K and V pointers (rebuilt only when the pool is reallocated)."""
+        ptrs = tuple(t.data_ptr() for t in kv.k) + tuple(t.data_ptr() for t in kv.v)
+        if self._caches is None or self._caches[0] != ptrs:
+            n = len(kv.k)
+            self._caches = (ptrs, (ptr * n)(*ptrs[:n]), (ptr * n)(*ptrs[n:]))
+        return self._caches[1], self._caches[2]
+
+    def _run(self, key: tuple, rows: int, call) -> None:
+        rc = THREADS.run(key, rows * self._max_work, torch.get_num_threads(), call)
+        if rc != 0:
+            raise LayerKernelError(f"{key[0]} over {rows} rows returned {rc}")
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: tuple[torch.Tensor, torch.Tensor],
+                attention) -> torch.Tensor:
+        """The residual stream after every decoder layer (x [T, hidden] from the embedding, not modified)."""
+        x = x.float().contiguous().clone()
+        m = x.shape[0]
+        cos, sin = (t.reshape(m, self.head_dim).float().contiguous() for t in rope)
+        slots = batch.slot_mapping.long().contiguous()
+        ks, vs = self._cache_arrays(kv)
+        num_slots = kv.k[0].shape[0]
+        s, layers, lib = ctypes.byref(self._shape), self._layers, self._lib
+        meta = batch.attn
+        if attention.runs_kernel(x, kv.k[0], meta):
+            q_index, q_valid, q_pos, kv_len, table = cpu_attention._indices(meta)
+            paging = _Paging(q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(), kv_len.data_ptr(),
+                             table.data_ptr(), q_index.shape[0], q_index.shape[1], table.shape[1], meta.page_size)
+            self._run(("decode_stack", m), m, lambda n: lib.decode_stack(
+                s, layers, len(layers), ctypes.byref(self._kernels(n)), x.data_ptr(), m, cos.data_ptr(),
+                sin.data_ptr(), slots.data_ptr(), ks, vs, num_slots, ctypes.byref(paging)))
+            return x
+        rows = m if m <= 64 else 1 << m.bit_length()
+        q = x.new_empty(m, self.num_heads * self.head_dim)
+        for i in range(len(layers)):
+            layer = ctypes.byref(layers[i])  # an element shares the array's memory
+            self._run(("attention_in", rows), m, lambda n: lib.attention_in(
+                s, layer, ctypes.byref(self._kernels(n)), x.data_ptr(), m, cos.data_ptr(), sin.data_ptr(),
+                slots.data_ptr(), kv.k[i].data_ptr(), kv.v[i].data_ptr(), num_slots, q.data_ptr()))
+            o = attention.forward(q, kv.k[i], kv.v[i], meta, self.num_heads, self.scale).contiguous()
+            self._run(("attention_out_mlp", rows), m, lambda n: lib.attention_out_mlp(
+                s, layer, ctypes.byref(self._kernels(n)), x.data_ptr(), m, o.data_ptr()))
+        return x
+
+
+def use_native_layers(model: nn.Module, mode: str) -> str:
+    """Install `NativeLayers` on `model` (`model.native`) where `mode` ("auto" | "torch") and the model allow;
+    the ready line's note ("" where the model has no GGUF linears, so nothing to say)."""
+    model.native = None
+    if not any(isinstance(m, GGUFLinear) for m in model.modules()):
+        return ""
+    if mode == "torch":
+        return "decoder layers in torch (--cpu-layers torch)"
+    why = why_not(model)
+    if why:
+        return f"decoder layers in torch ({why})"
+    model.native = NativeLayers(model)
+    return "decoder layers in specstep's C++ (one call a step for decode, verify, draft and refill)"
+

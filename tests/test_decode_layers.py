@@ -1,0 +1,122 @@
+"""The decoder layers in C++ (`engine.models.decode_layers`, `--cpu-layers auto`): they compute the torch layers'
+results to rounding, one call a step of few positions and two a layer otherwise with the same bits, whatever
+shares the step and whatever the thread count; bad slots are a typed error; where they do not apply the torch
+layers run and the ready line says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specstep.engine.batch_builder import build_forward_batch
+from specstep.engine.cpu_kernels import CpuKernels
+from specstep.engine.gguf_checkpoint import converted_folder
+from specstep.engine.kv_cache import KVPool
+from specstep.engine.model_loader import describe_cpu_kernels, load_model
+from specstep.engine.models import decode_layers
+from specstep.engine.sampling_params import SamplingParams
+from tests.fixtures_gguf import write_gguf
+from tests.helpers import make_core, run_to_completion
+
+pytestmark = pytest.mark.skipif(bool(decode_layers.unavailable()),
+                                reason=f"C++ layers unavailable: {decode_layers.unavailable()}")
+
+PAGE = 4
+PROMPT = [5, 17, 99, 3, 41, 8, 230, 12, 77, 64, 1, 2, 3, 4, 150, 9, 30]
+NEXT = [11, 250, 7, 7, 199]
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tiny_target, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gguf")
+    return converted_folder(write_gguf(tmp / "t.gguf", tiny_target, qtype="Q4_1"), cache=tmp)
+
+
+def load(model, layers: str):
+    return load_model(model, "cpu", "float32", CpuKernels(layers=layers))
+
+
+def steps(net):
+    """Logits of: a 17-token prompt beside a 40-token one (per-layer calls: prompts attend with SDPA), NEXT decoded
+    one token a step (one call a step), NEXT as one verify step (one call), and again beside another lane's
+    decode row (lanes this ragged split their attention: per-layer calls)."""
+    pool = KVPool(net.rank_cfg, len(net.layers), 64, PAGE, torch.float32, "cpu")
+    pages, other = list(range(1, 21)), list(range(21, 60))
+    n = len(PROMPT)
+
+    def step(lanes):
+        fb = build_forward_batch([t for t, _, _ in lanes], [s for _, s, _ in lanes], [p for _, _, p in lanes], PAGE,
+                                 "cpu")
+        with torch.inference_mode():
+            return net.compute_logits(net(fb, pool))
+
+    prompt = step([(PROMPT, 0, pages[: -(-n // PAGE)]), (list(range(100, 140)), 0, other)])
+    single = torch.cat([step([([t], n + i, pages[: -(-(n + i + 1) // PAGE)])]) for i, t in enumerate(NEXT)])
+    verify = step([(NEXT, n, pages)])
+    beside = step([(NEXT, n, pages), ([9], 140, other)])
+    return prompt, single, verify, beside
+
+
+def test_native_layers_compute_the_torch_layers_logits(gguf_model):
+    native, eager = load(gguf_model, "auto"), load(gguf_model, "torch")
+    assert native.native is not None and eager.native is None
+    assert "decoder layers in specstep's C++" in describe_cpu_kernels(native)
+    assert "decoder layers in torch (--cpu-layers torch)" in describe_cpu_kernels(eager)
+    for a, b in zip(steps(native), steps(eager), strict=True):
+        assert (a - b).abs().max() < 1e-4 * b.abs().max()
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_one_call_a_step_and_per_layer_calls_give_the_same_bits(gguf_model, monkeypatch):
+    net = load(gguf_model, "auto")
+    prompt, single, verify, beside = steps(net)
+    # batch-invariant: verify rows are the decode steps' bits, alone or beside another lane
+    assert torch.equal(verify, single) and torch.equal(beside[: len(NEXT)], single)
+    calls = []
+    stack = decode_layers.NativeLayers.forward
+
+    def spy(self, x, batch, kv, rope, attention):
+        calls.append(attention.runs_kernel(x, kv.k[0], batch.attn))
+        return stack(self, x, batch, kv, rope, attention)
+
+    monkeypatch.setattr(decode_layers.NativeLayers, "forward", spy)
+    steps(net)
+    assert calls == [False] + [True] * len(NEXT) + [True, False]
+    monkeypatch.setattr(type(net.attention), "runs_kernel", lambda *a: False)  # every step per layer
+    again = steps(net)
+    assert all(torch.equal(a, b) for a, b in zip(again, (prompt, single, verify, beside), strict=True))
+
+
+def test_results_do_not_depend_on_the_threads(gguf_model):
+    net = load(gguf_model, "auto")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = steps(net)
+        torch.set_num_threads(2)
+        two = steps(net)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+
+
+def test_a_slot_past_the_cache_is_a_typed_error(gguf_model):
+    net = load(gguf_model, "auto")
+    pool = KVPool(net.rank_cfg, len(net.layers), 8, PAGE, torch.float32, "cpu")
+    fb = build_forward_batch([[5]], [0], [[1]], PAGE, "cpu")
+    fb.slot_mapping.fill_(8 * PAGE)  # one past the pool's last slot
+    with torch.inference_mode(), pytest.raises(decode_layers.LayerKernelError, match="returned -1"):
+        net(fb, pool)
+
+
+def test_an_fp32_model_keeps_the_torch_layers(tiny_target):
+    net = load(tiny_target, "auto")
+    assert net.native is None and "decoder layers" not in describe_cpu_kernels(net)
+
+
+def test_engine_greedy_output_is_the_torch_layers(gguf_model):
+    prompts = [[5, 17, 99, 3, 250, 41], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {layers: [r.output_token_ids for r in run_to_completion(
+        make_core(gguf_model, spec="ngram", cpu_layers=layers), prompts, params)] for layers in ("auto", "torch")}
+    assert outs["auto"] == outs["torch"]
