@@ -58,15 +58,17 @@ def _compile(cxx: str, source: Path, out: Path) -> str:
 
 
 @cache
-def load_kernel(source: Path) -> tuple[ctypes.CDLL | None, str]:
-    """(the loaded library, "") or (None, why it cannot run here). Once per process and source."""
+def load_kernel(source: Path, includes: tuple[Path, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library, "") or (None, why it cannot run here). Once per process and source. `includes`: the
+    sources `source` #includes (they key the build cache with it)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None, f"not x86 ({platform.machine()})"
     missing = [f for f in NEEDED_CPU_FLAGS if f not in _cpu_flags()]
     if missing:
         return None, f"this CPU lacks {'/'.join(missing).upper()}"
-    if not source.is_file():  # an install without the package data
-        return None, f"{source.name} is not installed"
+    missing_source = next((p for p in (source, *includes) if not p.is_file()), None)
+    if missing_source is not None:  # an install without the package data
+        return None, f"{missing_source.name} is not installed"
     cxx = _compiler()
     if cxx is None:
         return None, "no C++ compiler (g++) found"
@@ -74,7 +76,8 @@ def load_kernel(source: Path) -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cxx} does not run ({e})"
-    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, version]).encode()).hexdigest()[:16]
+    texts = [p.read_text() for p in (source, *includes)]
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, version]).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if not out.is_file():
         why = _compile(cxx, source, out)

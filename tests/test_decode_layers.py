@@ -15,6 +15,7 @@ from specstep.engine.kv_cache import KVPool
 from specstep.engine.model_loader import describe_cpu_kernels, load_model
 from specstep.engine.models import decode_layers
 from specstep.engine.sampling_params import SamplingParams
+from specstep.engine.thread_choice import ThreadChoice
 from tests.fixtures_gguf import write_gguf
 from tests.helpers import make_core, run_to_completion
 
@@ -87,17 +88,19 @@ def test_one_call_a_step_and_per_layer_calls_give_the_same_bits(gguf_model, monk
     assert all(torch.equal(a, b) for a, b in zip(again, (prompt, single, verify, beside), strict=True))
 
 
-def test_results_do_not_depend_on_the_threads(gguf_model):
+def test_results_do_not_depend_on_the_threads(gguf_model, monkeypatch):
+    """Every call on one thread, then every call on two (each phase split between them, barriers between)."""
     net = load(gguf_model, "auto")
     before = torch.get_num_threads()
+    monkeypatch.setattr(decode_layers, "THREADS", ThreadChoice(always_all=0))  # all of torch's threads, untimed
     try:
         torch.set_num_threads(1)
         one = steps(net)
         torch.set_num_threads(2)
-        two = steps(net)
+        two = [steps(net) for _ in range(3)]
     finally:
         torch.set_num_threads(before)
-    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    assert all(torch.equal(a, b) for run in two for a, b in zip(one, run, strict=True))
 
 
 def test_a_slot_past_the_cache_is_a_typed_error(gguf_model):

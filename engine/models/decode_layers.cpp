@@ -1,15 +1,21 @@
-// A Llama-family decoder layer's work around its GGUF linears and its attention, in C++ (x86 AVX2 + FMA, fp32):
-// the CPU's counterpart of a captured graph. Eager torch runs ~40 small ops a layer (norms, rotary, the KV
-// write, residuals, the MLP gate, views and casts), each a dispatch from Python; at batch 1 on a 2-core host
-// they cost as much as the weights' reads (~18 ms of a 42 ms SmolLM2 step, measured). Here a layer is two calls
+// A Llama-family decoder layer around its GGUF linears and its attention, in C++ (x86 AVX2 + FMA, fp32): the
+// CPU's counterpart of a captured graph. Eager torch runs ~40 small ops a layer (norms, rotary, the KV write,
+// residuals, the MLP gate, views and casts), each a dispatch from Python; at batch 1 on a 2-core host they cost
+// as much as the weights' reads (~18 ms of a 42 ms SmolLM2 step, measured). Here a layer is two calls
 // (`attention_in`, `attention_out_mlp`) around any attention, and a step of few positions is one call for the
-// whole stack (`decode_stack`, which calls the same two functions and the C++ attention kernel).
+// whole stack (`decode_stack`: the same phases and the attention kernel).
 //
-// The GGUF linear (`gguf_kernel.cpp`) and the attention kernel (`cpu_attention.cpp`) are not compiled in: the
-// caller passes their entry points (`Kernels`), so each source keeps one build and one cache key.
+// Threads: one OpenMP region a call, its threads splitting every phase (a linear's weight rows, attention's
+// items, the elementwise ops' rows) and meeting at a barrier between phases that spins briefly before it yields.
+// A region a linear, with `OMP_WAIT_POLICY=PASSIVE` (which serving needs: spinning idle threads starve the other
+// core), woke a sleeping thread at 0.2-0.3 ms a linear, as much as a small linear's work at one row; here a
+// step wakes it once, and the spinning lasts only while both threads have work in the step.
+//
+// The GGUF linear (`gguf_kernel.cpp`) and the attention (`cpu_attention.cpp`) are included, not copied: their
+// range functions compute exactly the outputs their own entry points compute.
 //
 // Batch invariance: every op below computes a row on its own, in a fixed order, so a row's bits never depend on
-// how many rows share the call, and the stack and the per-layer calls give the same bits (one set of functions):
+// how many rows share the call, the threads, or whether the layer ran as one call or two:
 //     rms_norm   ss = sum_i x_i^2 (8 lanes over chunks of 8 in index order, then a fixed horizontal sum);
 //                r = 1 / sqrt(ss / H + eps);  y_i = (x_i * r) * w_i
 //     rotary     (neox layout, half = D / 2)  y_i = x_i c_i - x_{i+half} s_i,  y_{i+half} = x_{i+half} c_{i+half}
@@ -20,18 +26,18 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-extern "C" {
-typedef int (*linear_fn)(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int fmt,
-                         const float *bias, float *y, int threads);
-typedef int (*attention_fn)(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t B,
-                            int64_t Q, int64_t H, int64_t Hkv, int64_t D, const int64_t *q_index,
-                            const uint8_t *q_valid, const int64_t *q_pos, const int64_t *kv_len,
-                            const int64_t *page_table, int64_t P, int64_t page_size, float scale, int threads);
+#include <atomic>
 
+#include "../attention/cpu_attention.cpp"
+#include "gguf_kernel.cpp"
+
+extern "C" {
 // One GGUF linear: blocks [n, k / 32] of GGML type `fmt` (gguf_kernel's numbering), an fp32 bias [n] or null.
 struct Linear {
     const uint8_t *blocks;
@@ -49,13 +55,6 @@ struct Shape {
     float eps, scale;
 };
 
-// Entry points and threads: a linear takes `all_threads` from `always_all` multiply-adds, else `threads`.
-struct Kernels {
-    linear_fn linear;
-    attention_fn attention;
-    int64_t threads, all_threads, always_all;
-};
-
 // A step's paged-attention indices (cpu_attention's): q_index / q_valid / q_pos [B, Q], kv_len [B], table [B, P].
 struct Paging {
     const int64_t *q_index;
@@ -66,6 +65,8 @@ struct Paging {
 }
 
 namespace {
+
+constexpr int SPINS = 1 << 12;  // pauses at a barrier before yielding the core (~0.1 ms)
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -94,8 +95,37 @@ inline __m256 exp_any(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-void rms_norm(const float *x, const float *w, float *y, int64_t M, int64_t H, float eps) {
-    for (int64_t r = 0; r < M; r++) {
+// Threads meet here between phases: spin (the other thread is mid-phase, microseconds away), then yield.
+class Barrier {
+   public:
+    void join(int threads) { n_.store(threads, std::memory_order_relaxed); }  // every thread, same count
+    void wait() {
+        const int n = n_.load(std::memory_order_relaxed);
+        if (n == 1) return;
+        const int phase = phase_.load(std::memory_order_acquire);
+        if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+            arrived_.store(0, std::memory_order_relaxed);
+            phase_.store(phase + 1, std::memory_order_release);
+            return;
+        }
+        for (int spins = 0; phase_.load(std::memory_order_acquire) == phase; spins++) {
+            if (spins < SPINS) _mm_pause();
+            else sched_yield();
+        }
+    }
+
+   private:
+    std::atomic<int> n_{1}, arrived_{0}, phase_{0};
+};
+
+// Thread t's share [a, b) of n items.
+struct Range {
+    int64_t a, b;
+    Range(int64_t n, int t, int nt) : a(n * t / nt), b(n * (t + 1) / nt) {}
+};
+
+void rms_norm(const float *x, const float *w, float *y, Range rows, int64_t H, float eps) {
+    for (int64_t r = rows.a; r < rows.b; r++) {
         const float *xr = x + r * H;
         float *yr = y + r * H;
         __m256 acc = _mm256_setzero_ps();
@@ -110,10 +140,10 @@ void rms_norm(const float *x, const float *w, float *y, int64_t M, int64_t H, fl
     }
 }
 
-// Rotate `heads` heads of D at the start of each row (row stride `stride`) in place; cos / sin [M, D].
-void rotary(float *x, int64_t M, int64_t stride, int64_t heads, int64_t D, const float *cos, const float *sin) {
+// Rotate the first `heads` heads of D of each row (row stride `stride`) in place; cos / sin [M, D].
+void rotary(float *x, Range rows, int64_t stride, int64_t heads, int64_t D, const float *cos, const float *sin) {
     const int64_t half = D / 2;
-    for (int64_t r = 0; r < M; r++) {
+    for (int64_t r = rows.a; r < rows.b; r++) {
         const float *c = cos + r * D, *s = sin + r * D;
         for (int64_t h = 0; h < heads; h++) {
             float *v = x + r * stride + h * D;
@@ -129,9 +159,9 @@ void rotary(float *x, int64_t M, int64_t stride, int64_t heads, int64_t D, const
 }
 
 // gu [M, 2 * I] (gate then up) -> a [M, I]
-void silu_mul(const float *gu, float *a, int64_t M, int64_t I) {
+void silu_mul(const float *gu, float *a, Range rows, int64_t I) {
     const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-    for (int64_t r = 0; r < M; r++) {
+    for (int64_t r = rows.a; r < rows.b; r++) {
         const float *g = gu + r * 2 * I, *u = g + I;
         float *ar = a + r * I;
         for (int64_t i = 0; i < I; i += 8) {
@@ -142,25 +172,113 @@ void silu_mul(const float *gu, float *a, int64_t M, int64_t I) {
     }
 }
 
-void add_into(float *x, const float *o, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] += o[i];
-}
+// A call's buffers: shared ones [M, width] and each thread's scratch (a linear's block sums, attention's slots
+// and scores), in one allocation.
+struct Buffers {
+    float *h, *qkv, *q, *out, *gu, *a;
+    float *xsum, *scores;
+    int64_t *slots;
+    int64_t xsum_n, scores_n, slots_n;
+    void *mem;
 
-int linear(const Kernels *kn, const Linear &l, const float *x, int64_t M, float *y) {
-    const int threads = (int)(M * l.n * l.k >= kn->always_all ? kn->all_threads : kn->threads);
-    return kn->linear(x, M, l.k, l.blocks, l.n, (int)l.fmt, l.bias, y, threads);
-}
-
-bool shape_ok(const Shape *s) {
-    return s->hidden % 8 == 0 && s->inter % 8 == 0 && s->head_dim % 2 == 0 && s->heads % s->kv_heads == 0;
-}
-
-// A float scratch that frees itself (malloc, not new: no exceptions across the C boundary).
-struct Scratch {
-    float *p;
-    explicit Scratch(int64_t n) : p((float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1))) {}
-    ~Scratch() { free(p); }
+    Buffers(const Shape *s, int64_t M, int threads, int64_t most_keys) : mem(nullptr) {
+        const int64_t D = s->head_dim, qn = s->heads * D, width = qn + 2 * s->kv_heads * D;
+        const int64_t widest = s->hidden > s->inter ? s->hidden : s->inter;
+        auto up = [](int64_t n) { return (n + 7) / 8 * 8; };  // whole 32-byte lines: every buffer stays aligned
+        xsum_n = up(gguf_kernel::xsum_floats(M, widest));
+        scores_n = most_keys ? up(cpu_attention_kernel::scores_floats(s->heads / s->kv_heads, M, most_keys)) : 0;
+        slots_n = most_keys ? up(most_keys + 1) : 0;
+        const int64_t shared = up(M * s->hidden) + up(M * width) + 2 * up(M * qn) + up(M * 2 * s->inter) +
+                               up(M * s->inter);
+        const int64_t floats = shared + threads * (xsum_n + scores_n + slots_n * 2);  // an int64 slot is 2 floats
+        mem = aligned_alloc(32, sizeof(float) * (size_t)floats);
+        if (!mem) return;
+        float *p = (float *)mem;
+        h = p, p += up(M * s->hidden);
+        qkv = p, p += up(M * width);
+        q = p, p += up(M * qn);
+        out = p, p += up(M * qn);
+        gu = p, p += up(M * 2 * s->inter);
+        a = p, p += up(M * s->inter);
+        xsum = p, p += threads * xsum_n;
+        scores = p, p += threads * scores_n;
+        slots = (int64_t *)p;
+    }
+    ~Buffers() { free(mem); }
 };
+
+// Thread t's weight rows of `l` times in [M, l.k] -> y [M, l.n]; with `residual`, then x += y on those columns.
+void linear(const Linear &l, const float *in, int64_t M, float *y, float *residual, float *xsum, int t, int nt) {
+    const Range cols(l.n, t, nt);
+    gguf_kernel::linear_range(in, M, l.k, l.blocks, l.n, (int)l.fmt, l.bias, y, cols.a, cols.b, xsum);
+    if (residual)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t n = cols.a; n < cols.b; n++) residual[r * l.n + n] += y[r * l.n + n];
+}
+
+// x -> norm -> qkv -> rotary; keys and values into the caches at `slots`, queries into buf.q; buf.out zeroed.
+void phase_in(const Shape *s, const Layer *L, const float *x, int64_t M, const float *cos, const float *sin,
+              const int64_t *slots, float *k_cache, float *v_cache, Buffers &buf, Barrier &bar, int t, int nt) {
+    const int64_t D = s->head_dim, qn = s->heads * D, kvn = s->kv_heads * D, width = qn + 2 * kvn;
+    const Range rows(M, t, nt);
+    rms_norm(x, L->norm_in, buf.h, rows, s->hidden, s->eps);
+    bar.wait();
+    linear(L->qkv, buf.h, M, buf.qkv, nullptr, buf.xsum + t * buf.xsum_n, t, nt);
+    bar.wait();
+    rotary(buf.qkv, rows, width, s->heads + s->kv_heads, D, cos, sin);
+    for (int64_t r = rows.a; r < rows.b; r++) {
+        const float *row = buf.qkv + r * width;
+        memcpy(buf.q + r * qn, row, sizeof(float) * qn);
+        memcpy(k_cache + slots[r] * kvn, row + qn, sizeof(float) * kvn);
+        memcpy(v_cache + slots[r] * kvn, row + qn + kvn, sizeof(float) * kvn);
+        memset(buf.out + r * qn, 0, sizeof(float) * qn);  // rows no valid query writes (padding lanes) stay 0
+    }
+    bar.wait();
+}
+
+void phase_attention(const Shape *s, const Paging *pg, const float *k_cache, const float *v_cache,
+                     int64_t most_keys, Buffers &buf, Barrier &bar, int t, int nt) {
+    const Range items(pg->B * s->kv_heads, t, nt);
+    for (int64_t it = items.a; it < items.b; it++)
+        cpu_attention_kernel::attend_item(it, buf.q, buf.out, k_cache, v_cache, pg->Q, s->heads, s->kv_heads,
+                                          s->head_dim, pg->q_index, pg->q_valid, pg->q_pos, pg->kv_len, pg->table,
+                                          pg->P, pg->page_size, s->scale, most_keys, buf.slots + t * buf.slots_n,
+                                          buf.scores + t * buf.scores_n);
+    bar.wait();
+}
+
+// x += o_proj(attn); x += down(silu(gate) * up) of post_attention_norm(x).
+void phase_out(const Shape *s, const Layer *L, float *x, int64_t M, const float *attn, Buffers &buf, Barrier &bar,
+               int t, int nt) {
+    float *xsum = buf.xsum + t * buf.xsum_n;
+    const Range rows(M, t, nt);
+    linear(L->o, attn, M, buf.h, x, xsum, t, nt);
+    bar.wait();
+    rms_norm(x, L->norm_post, buf.h, rows, s->hidden, s->eps);
+    bar.wait();
+    linear(L->gate_up, buf.h, M, buf.gu, nullptr, xsum, t, nt);
+    bar.wait();
+    silu_mul(buf.gu, buf.a, rows, s->inter);
+    bar.wait();
+    linear(L->down, buf.a, M, buf.h, x, xsum, t, nt);
+    bar.wait();
+}
+
+bool layer_ok(const Shape *s, const Layer *L) {
+    const int64_t qn = s->heads * s->head_dim, width = qn + 2 * s->kv_heads * s->head_dim;
+    auto ok = [](const Linear &l, int64_t n, int64_t k) {
+        return l.n == n && l.k == k && l.k % 32 == 0 && (l.fmt == 0 || l.fmt == 1);
+    };
+    return s->hidden % 8 == 0 && s->inter % 8 == 0 && s->head_dim % 8 == 0 && s->head_dim <= 256 &&
+           s->heads % s->kv_heads == 0 && ok(L->qkv, width, s->hidden) && ok(L->o, s->hidden, qn) &&
+           ok(L->gate_up, 2 * s->inter, s->hidden) && ok(L->down, s->hidden, s->inter);
+}
+
+bool slots_ok(const int64_t *slots, int64_t M, int64_t num_slots) {
+    for (int64_t r = 0; r < M; r++)
+        if (slots[r] < 0 || slots[r] >= num_slots) return false;
+    return true;
+}
 }  // namespace
 
 extern "C" {
@@ -169,69 +287,58 @@ int decode_layers_version(void) { return 1; }
 
 // x [M, hidden] (the residual stream, read) -> q [M, heads * D] rotated, and the rotated keys and the values
 // written to k_cache / v_cache [num_slots, kv_heads, D] at slots [M]. Returns 0, -1 for a bad shape or slot,
-// -2 if scratch cannot be allocated, or the linear's own code.
-int attention_in(const Shape *s, const Layer *layer, const Kernels *kn, const float *x, int64_t M, const float *cos,
-                 const float *sin, const int64_t *slots, float *k_cache, float *v_cache, int64_t num_slots,
-                 float *q) {
-    if (!shape_ok(s)) return -1;
-    const int64_t D = s->head_dim, qn = s->heads * D, kvn = s->kv_heads * D, width = qn + 2 * kvn;
-    if (layer->qkv.n != width || layer->qkv.k != s->hidden) return -1;
-    for (int64_t r = 0; r < M; r++)
-        if (slots[r] < 0 || slots[r] >= num_slots) return -1;
-    Scratch h(M * s->hidden), qkv(M * width);
-    if (!h.p || !qkv.p) return -2;
-    rms_norm(x, layer->norm_in, h.p, M, s->hidden, s->eps);
-    int rc = linear(kn, layer->qkv, h.p, M, qkv.p);
-    if (rc != 0) return rc;
-    rotary(qkv.p, M, width, s->heads + s->kv_heads, D, cos, sin);
-    for (int64_t r = 0; r < M; r++) {
-        const float *row = qkv.p + r * width;
-        memcpy(q + r * qn, row, sizeof(float) * qn);
-        memcpy(k_cache + slots[r] * kvn, row + qn, sizeof(float) * kvn);
-        memcpy(v_cache + slots[r] * kvn, row + qn + kvn, sizeof(float) * kvn);
+// -2 if scratch cannot be allocated.
+int attention_in(const Shape *s, const Layer *layer, const float *x, int64_t M, const float *cos, const float *sin,
+                 const int64_t *slots, float *k_cache, float *v_cache, int64_t num_slots, float *q, int threads) {
+    if (!layer_ok(s, layer) || !slots_ok(slots, M, num_slots)) return -1;
+    Buffers buf(s, M, threads, 0);
+    if (!buf.mem) return -2;
+    Barrier bar;
+    #pragma omp parallel num_threads(threads)
+    {
+        bar.join(omp_get_num_threads());
+        phase_in(s, layer, x, M, cos, sin, slots, k_cache, v_cache, buf, bar, omp_get_thread_num(),
+                 omp_get_num_threads());
     }
+    memcpy(q, buf.q, sizeof(float) * M * s->heads * s->head_dim);
     return 0;
 }
 
 // x [M, hidden] += o_proj(attn); x += down(silu(gate) * up) of post_attention_norm(x). attn [M, heads * D].
-int attention_out_mlp(const Shape *s, const Layer *layer, const Kernels *kn, float *x, int64_t M,
-                      const float *attn) {
-    if (!shape_ok(s)) return -1;
-    const int64_t H = s->hidden, I = s->inter;
-    if (layer->o.n != H || layer->o.k != s->heads * s->head_dim || layer->gate_up.n != 2 * I ||
-        layer->gate_up.k != H || layer->down.n != H || layer->down.k != I)
-        return -1;
-    Scratch o(M * H), gu(M * 2 * I), a(M * I);
-    if (!o.p || !gu.p || !a.p) return -2;
-    int rc = linear(kn, layer->o, attn, M, o.p);
-    if (rc != 0) return rc;
-    add_into(x, o.p, M * H);
-    rms_norm(x, layer->norm_post, o.p, M, H, s->eps);
-    if ((rc = linear(kn, layer->gate_up, o.p, M, gu.p)) != 0) return rc;
-    silu_mul(gu.p, a.p, M, I);
-    if ((rc = linear(kn, layer->down, a.p, M, o.p)) != 0) return rc;
-    add_into(x, o.p, M * H);
+int attention_out_mlp(const Shape *s, const Layer *layer, float *x, int64_t M, const float *attn, int threads) {
+    if (!layer_ok(s, layer)) return -1;
+    Buffers buf(s, M, threads, 0);
+    if (!buf.mem) return -2;
+    Barrier bar;
+    #pragma omp parallel num_threads(threads)
+    {
+        bar.join(omp_get_num_threads());
+        phase_out(s, layer, x, M, attn, buf, bar, omp_get_thread_num(), omp_get_num_threads());
+    }
     return 0;
 }
 
-// Every layer of a step whose attention runs in the C++ kernel (few positions a lane): per layer attention_in,
-// the kernel over the paged caches, attention_out_mlp. x [M, hidden] is updated in place.
-int decode_stack(const Shape *s, const Layer *layers, int64_t L, const Kernels *kn, float *x, int64_t M,
-                 const float *cos, const float *sin, const int64_t *slots, float *const *k_caches,
-                 float *const *v_caches, int64_t num_slots, const Paging *pg) {
-    const int64_t qn = s->heads * s->head_dim;
-    Scratch q(M * qn), out(M * qn);
-    if (!q.p || !out.p) return -2;
-    for (int64_t l = 0; l < L; l++) {
-        int rc = attention_in(s, layers + l, kn, x, M, cos, sin, slots, k_caches[l], v_caches[l], num_slots, q.p);
-        if (rc != 0) return rc;
-        memset(out.p, 0, sizeof(float) * M * qn);  // rows no valid query writes (padding lanes) stay 0
-        const int64_t work = 2 * pg->B * pg->Q * s->heads * pg->P * pg->page_size * s->head_dim;
-        rc = kn->attention(q.p, out.p, k_caches[l], v_caches[l], pg->B, pg->Q, s->heads, s->kv_heads, s->head_dim,
-                           pg->q_index, pg->q_valid, pg->q_pos, pg->kv_len, pg->table, pg->P, pg->page_size,
-                           s->scale, (int)(work >= kn->always_all ? kn->all_threads : kn->threads));
-        if (rc != 0) return rc;
-        if ((rc = attention_out_mlp(s, layers + l, kn, x, M, out.p)) != 0) return rc;
+// Every layer of a step whose attention runs in the C++ kernel (few positions a lane), in one region: per layer
+// phase_in, attention over the paged caches, phase_out. x [M, hidden] is updated in place.
+int decode_stack(const Shape *s, const Layer *layers, int64_t L, float *x, int64_t M, const float *cos,
+                 const float *sin, const int64_t *slots, float *const *k_caches, float *const *v_caches,
+                 int64_t num_slots, const Paging *pg, int threads) {
+    for (int64_t l = 0; l < L; l++)
+        if (!layer_ok(s, layers + l)) return -1;
+    const int64_t most_keys = cpu_attention_kernel::longest(pg->kv_len, pg->B);
+    if (!slots_ok(slots, M, num_slots) || most_keys > pg->P * pg->page_size || pg->Q > M) return -1;
+    Buffers buf(s, M, threads, most_keys);
+    if (!buf.mem) return -2;
+    Barrier bar;
+    #pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        bar.join(nt);
+        for (int64_t l = 0; l < L; l++) {
+            phase_in(s, layers + l, x, M, cos, sin, slots, k_caches[l], v_caches[l], buf, bar, t, nt);
+            phase_attention(s, pg, k_caches[l], v_caches[l], most_keys, buf, bar, t, nt);
+            phase_out(s, layers + l, x, M, buf.out, buf, bar, t, nt);
+        }
     }
     return 0;
 }

@@ -6,13 +6,13 @@ gate, views and casts), each dispatched from Python: at batch 1 on a 2-core host
 SmolLM2 step, as much as the weights. With every linear of every layer in the GGUF kernel, a layer becomes two
 C++ calls around its attention (`attention_in`, `attention_out_mlp`), and a step of few positions a lane whose
 attention takes the C++ kernel (decode, verify, draft, refill) one call for the whole stack (`decode_stack`).
-Both ways run the same C++ functions, so a row's bits are the same whichever way its step went and whatever
-shares it: batch-invariant like the kernels it calls (tested against the torch layers' per-row results and
-across row counts). Its arithmetic differs from the torch layers' by rounding only (the RMS norm's sum order,
-the MLP gate's exp), tested against them.
+Each call is one OpenMP region whose threads split every phase and meet at spinning barriers, so a step wakes a
+passive thread once rather than once a linear. Both ways run the same C++ functions, so a row's bits are the
+same whichever way its step went, whatever shares it and whatever the threads (tested). Its arithmetic differs
+from the torch layers' by rounding only (the RMS norm's sum order, the MLP gate's exp), tested against them.
 
 It runs where the model is llama-family on one rank with every decoder linear read from GGUF blocks, fp32
-activations and caches, and all three C++ libraries build; `describe()` says which way it went and why.
+activations and caches, and the library builds; the ready line says which way it went and why.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from specstep.engine.native import load_kernel
 from specstep.engine.thread_choice import ThreadChoice
 
 SOURCE = Path(__file__).with_name("decode_layers.cpp")
-# One thread or all of torch's for a call's elementwise work and its smaller linears, timed per kind of call and
-# row count (`engine.thread_choice`); linears past `ALWAYS_ALL` multiply-adds take every thread inside the call.
+# One thread or all of torch's for a call, timed per kind of call and row count (`engine.thread_choice`; a call's
+# work is counted as its rows times its largest linear, so prompts take every thread untimed).
 THREADS = ThreadChoice()
 
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -55,10 +55,6 @@ class _Shape(ctypes.Structure):
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
-class _Kernels(ctypes.Structure):
-    _fields_ = [("linear", ptr), ("attention", ptr), ("threads", i64), ("all_threads", i64), ("always_all", i64)]
-
-
 class _Paging(ctypes.Structure):
     _fields_ = [("q_index", ptr), ("q_valid", ptr), ("q_pos", ptr), ("kv_len", ptr), ("table", ptr), ("B", i64),
                 ("Q", i64), ("P", i64), ("page_size", i64)]
@@ -70,17 +66,13 @@ class LayerKernelError(RuntimeError):
 
 @cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = load_kernel(SOURCE)
+    lib, why = load_kernel(SOURCE, (gguf_kernel.SOURCE, cpu_attention.SOURCE))
     if lib is None:
         return None, why
-    for needed in (gguf_kernel.unavailable(), cpu_attention.unavailable()):
-        if needed:
-            return None, needed
-    p = ctypes.POINTER
-    lib.attention_in.argtypes = [p(_Shape), p(_Layer), p(_Kernels), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr]
-    lib.attention_out_mlp.argtypes = [p(_Shape), p(_Layer), p(_Kernels), ptr, i64, ptr]
-    lib.decode_stack.argtypes = [p(_Shape), p(_Layer), i64, p(_Kernels), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64,
-                                 p(_Paging)]
+    p, c_int = ctypes.POINTER, ctypes.c_int
+    lib.attention_in.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, c_int]
+    lib.attention_out_mlp.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, c_int]
+    lib.decode_stack.argtypes = [p(_Shape), p(_Layer), i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, p(_Paging), c_int]
     for fn in (lib.attention_in, lib.attention_out_mlp, lib.decode_stack):
         fn.restype = ctypes.c_int
     return lib, ""
@@ -141,13 +133,7 @@ class NativeLayers:
                                  _linear(attn.o_proj, self._keep), _linear(mlp.gate_up_proj, self._keep),
                                  _linear(mlp.down_proj, self._keep)))
         self._layers = (_Layer * len(layers))(*layers)
-        linear_lib, attention_lib = gguf_kernel._build()[0], cpu_attention._build()[0]
-        self._entry = (ctypes.cast(linear_lib.gguf_linear, ptr).value,
-                       ctypes.cast(attention_lib.cpu_attention, ptr).value)
         self._caches: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
-
-    def _kernels(self, threads: int) -> _Kernels:
-        return _Kernels(*self._entry, threads, torch.get_num_threads(), THREADS.always_all)
 
     def _cache_arrays(self, kv: KVPool) -> tuple[ctypes.Array, ctypes.Array]:
         """The pool's per-layer K and V pointers (rebuilt only when the pool is reallocated)."""
@@ -178,19 +164,19 @@ class NativeLayers:
             paging = _Paging(q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(), kv_len.data_ptr(),
                              table.data_ptr(), q_index.shape[0], q_index.shape[1], table.shape[1], meta.page_size)
             self._run(("decode_stack", m), m, lambda n: lib.decode_stack(
-                s, layers, len(layers), ctypes.byref(self._kernels(n)), x.data_ptr(), m, cos.data_ptr(),
-                sin.data_ptr(), slots.data_ptr(), ks, vs, num_slots, ctypes.byref(paging)))
+                s, layers, len(layers), x.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), ks, vs,
+                num_slots, ctypes.byref(paging), n))
             return x
         rows = m if m <= 64 else 1 << m.bit_length()
         q = x.new_empty(m, self.num_heads * self.head_dim)
         for i in range(len(layers)):
             layer = ctypes.byref(layers[i])  # an element shares the array's memory
             self._run(("attention_in", rows), m, lambda n: lib.attention_in(
-                s, layer, ctypes.byref(self._kernels(n)), x.data_ptr(), m, cos.data_ptr(), sin.data_ptr(),
-                slots.data_ptr(), kv.k[i].data_ptr(), kv.v[i].data_ptr(), num_slots, q.data_ptr()))
+                s, layer, x.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), kv.k[i].data_ptr(),
+                kv.v[i].data_ptr(), num_slots, q.data_ptr(), n))
             o = attention.forward(q, kv.k[i], kv.v[i], meta, self.num_heads, self.scale).contiguous()
             self._run(("attention_out_mlp", rows), m, lambda n: lib.attention_out_mlp(
-                s, layer, ctypes.byref(self._kernels(n)), x.data_ptr(), m, o.data_ptr()))
+                s, layer, x.data_ptr(), m, o.data_ptr(), n))
         return x
 
 

@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-namespace {
+namespace gguf_kernel {
 constexpr int QK = 32;  // weights a block
 constexpr int64_t ROW_BLOCK_BYTES = 192 << 10;  // activations a row block holds (L2 is 512 KiB a core here)
 constexpr int64_t MAX_TILE = 6;  // rows a tile: 6 accumulators, 4 converted chunks, d, m and temporaries in 16 ymm
@@ -115,33 +115,63 @@ inline void rows_times_weight(const float *x, const float *xsum, int64_t m0, int
     }
 }
 
+// Activations a row block holds: rows in blocks that stay in L2 (a prompt's 1,024 rows streamed from L3 once per
+// weight row ran at a fraction of the kernel's speed); each block passes over every weight row.
+inline int64_t rows_a_block(int64_t K) {
+    const int64_t fit = ROW_BLOCK_BYTES / (K * 4) / MAX_TILE * MAX_TILE;
+    return fit > MAX_TILE ? fit : MAX_TILE;
+}
+
+// xsum for block i of x (Q4_1's offset term)
+inline void block_sum(const float *x, float *xsum, int64_t i) {
+    const float *xb = x + i * QK;
+    const __m256 a = _mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8));
+    const __m256 b = _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24));
+    _mm256_store_ps(xsum + i * 8, _mm256_add_ps(a, b));
+}
+
 template <class F>
 void run(const float *x, float *xsum, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
          float *y, int threads) {
-    const int64_t nblk = K / QK, row_bytes = nblk * F::bytes;
+    const int64_t nblk = K / QK, row_bytes = nblk * F::bytes, rb = rows_a_block(K);
     #pragma omp parallel num_threads(threads)
     {
         if (F::has_min) {
             #pragma omp for schedule(static)
-            for (int64_t i = 0; i < M * nblk; i++) {
-                const float *xb = x + i * QK;
-                const __m256 a = _mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8));
-                const __m256 b = _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24));
-                _mm256_store_ps(xsum + i * 8, _mm256_add_ps(a, b));
-            }
+            for (int64_t i = 0; i < M * nblk; i++) block_sum(x, xsum, i);
         }
-        // Rows in blocks that stay in L2 (a prompt's 1,024 rows streamed from L3 once per weight row ran at a
-        // fraction of the kernel's speed); each block passes over every weight row.
-        const int64_t fit = ROW_BLOCK_BYTES / (K * 4) / MAX_TILE * MAX_TILE;
-        const int64_t rows_a_block = fit > MAX_TILE ? fit : MAX_TILE;
-        for (int64_t m0 = 0; m0 < M; m0 += rows_a_block) {
-            const int64_t m1 = m0 + rows_a_block < M ? m0 + rows_a_block : M;
+        for (int64_t m0 = 0; m0 < M; m0 += rb) {
+            const int64_t m1 = m0 + rb < M ? m0 + rb : M;
             #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; n++) rows_times_weight<F>(x, xsum, m0, m1, K, w + n * row_bytes, y, N, n, bias);
         }
     }
 }
-}  // namespace
+
+// Weight rows [n0, n1) only, on the calling thread (callers that split a linear's rows over their own threads:
+// decode_layers.cpp). The same rows_times_weight per output as `run`, so the same bits.
+template <class F>
+void run_range(const float *x, float *xsum, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
+               float *y, int64_t n0, int64_t n1) {
+    const int64_t nblk = K / QK, row_bytes = nblk * F::bytes, rb = rows_a_block(K);
+    if (F::has_min)
+        for (int64_t i = 0; i < M * nblk; i++) block_sum(x, xsum, i);
+    for (int64_t m0 = 0; m0 < M; m0 += rb) {
+        const int64_t m1 = m0 + rb < M ? m0 + rb : M;
+        for (int64_t n = n0; n < n1; n++) rows_times_weight<F>(x, xsum, m0, m1, K, w + n * row_bytes, y, N, n, bias);
+    }
+}
+
+// Scratch floats `linear_range` needs for M rows of width K.
+inline int64_t xsum_floats(int64_t M, int64_t K) { return M * (K / QK) * 8; }
+
+// run_range for GGML type `fmt` (0: Q4_1, 1: Q8_0); xsum: xsum_floats(M, K) floats, 32-byte aligned.
+inline void linear_range(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int fmt,
+                         const float *bias, float *y, int64_t n0, int64_t n1, float *xsum) {
+    if (fmt == 0) run_range<Q41>(x, xsum, M, K, w, N, bias, y, n0, n1);
+    else run_range<Q80>(x, xsum, M, K, w, N, bias, y, n0, n1);
+}
+}  // namespace gguf_kernel
 
 extern "C" {
 // The kernel's version: bump it with any change to the arithmetic above (the build cache keys on the source too).
@@ -151,14 +181,14 @@ int gguf_kernel_version(void) { return 1; }
 // Returns 0, or -1 if K is not a multiple of 32 or fmt is unknown, -2 if the scratch cannot be allocated.
 int gguf_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int fmt, const float *bias,
                 float *y, int threads) {
-    if (K % QK != 0 || (fmt != 0 && fmt != 1)) return -1;
+    if (K % gguf_kernel::QK != 0 || (fmt != 0 && fmt != 1)) return -1;
     float *xsum = nullptr;
     if (fmt == 0) {
-        xsum = (float *)aligned_alloc(32, (size_t)(M * (K / QK) * 8) * sizeof(float) + 32);
+        xsum = (float *)aligned_alloc(32, (size_t)(M * (K / gguf_kernel::QK) * 8) * sizeof(float) + 32);
         if (!xsum) return -2;
     }
-    if (fmt == 0) run<Q41>(x, xsum, M, K, w, N, bias, y, threads);
-    else run<Q80>(x, xsum, M, K, w, N, bias, y, threads);
+    if (fmt == 0) gguf_kernel::run<gguf_kernel::Q41>(x, xsum, M, K, w, N, bias, y, threads);
+    else gguf_kernel::run<gguf_kernel::Q80>(x, xsum, M, K, w, N, bias, y, threads);
     free(xsum);
     return 0;
 }
