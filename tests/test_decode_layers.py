@@ -10,6 +10,7 @@ import torch
 
 from specstep.engine.batch_builder import build_forward_batch
 from specstep.engine.cpu_kernels import CpuKernels
+from specstep.engine.forward_batch import SplitAttention
 from specstep.engine.gguf_checkpoint import converted_folder
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.model_loader import describe_cpu_kernels, load_model
@@ -86,6 +87,37 @@ def test_one_call_a_step_and_per_layer_calls_give_the_same_bits(gguf_model, monk
     monkeypatch.setattr(type(net.attention), "runs_kernel", lambda *a: False)  # every step per layer
     again = steps(net)
     assert all(torch.equal(a, b) for a, b in zip(again, (prompt, single, verify, beside), strict=True))
+
+
+def test_prompt_rows_take_the_gemm_and_decode_rows_beside_them_keep_their_bits(gguf_model):
+    """A step with a prompt lane (more than 17 positions: the prompt GEMM) beside a decode lane (its context longer
+    than the prompt, so the step's attention splits, as a mixed step's does): the decode row's logits are bitwise
+    its logits in a step of its own, and the prompt's are the torch layers' to rounding."""
+    net, eager = load(gguf_model, "auto"), load(gguf_model, "torch")
+    long_prompt, context = list(range(100, 140)), PROMPT * 3
+    n = len(context)
+    outs = {}
+    for name, model in (("native", net), ("torch", eager)):
+        pool = KVPool(model.rank_cfg, len(model.layers), 64, PAGE, torch.float32, "cpu")
+        pages, other = list(range(1, 21)), list(range(21, 60))
+
+        def step(lanes, model=model, pool=pool):
+            fb = build_forward_batch([t for t, _, _ in lanes], [s for _, s, _ in lanes], [p for _, _, p in lanes],
+                                     PAGE, "cpu")
+            with torch.inference_mode():
+                return model.compute_logits(model(fb, pool)), fb
+
+        step([(context, 0, pages[: -(-n // PAGE)])])
+        alone, _ = step([([11], n, pages[: -(-(n + 1) // PAGE)])])
+        beside, fb = step([([11], n, pages[: -(-(n + 1) // PAGE)]), (long_prompt, 0, other)])
+        outs[name] = (alone, beside)
+        assert isinstance(fb.attn, SplitAttention)
+        rows = decode_layers.prompt_rows(fb.attn, fb.num_tokens)
+        assert rows is not None and rows.tolist() == [0] + [1] * len(long_prompt)
+    alone, beside = outs["native"]
+    assert torch.equal(beside[:1], alone)
+    ref = outs["torch"][1]
+    assert (beside - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
 def test_results_do_not_depend_on_the_threads(gguf_model, monkeypatch):

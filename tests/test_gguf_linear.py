@@ -13,7 +13,7 @@ from specstep.engine.cpu_kernels import CpuKernels
 from specstep.engine.errors import ConfigError
 from specstep.engine.model_loader import describe_cpu_kernels, load_model
 from specstep.engine.models import gguf_kernel
-from specstep.engine.models.gguf_kernel import gguf_linear, unavailable
+from specstep.engine.models.gguf_kernel import gguf_gemm, gguf_linear, unavailable
 from specstep.engine.models.gguf_linear import GGUFLinear, dequantize
 from specstep.engine.sampling_params import SamplingParams
 from tests.fixtures_gguf import write_gguf
@@ -42,6 +42,21 @@ def test_kernel_is_the_dequantised_product_to_fp32_rounding(fmt):
     # as close to the fp64 result as torch's own fp32 linear on the same weights (within 2x)
     assert (got.double() - ref).abs().max() <= 2 * (fp32.double() - ref).abs().max() + 1e-6
     assert got.shape == (9, 200) and got.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prompt_gemm_is_the_fp32_product_and_row_invariant(fmt):
+    """The prompt GEMM computes the converted checkpoint's fp32 weights' product (to rounding, 3x torch's error
+    at most: a running sum per 32 k), every row's bits alone whatever the rows beside it (tiles of 6, panels of
+    16: 67 outputs end in a partial panel) and the threads."""
+    blocks, w = quantised(fmt, 67, 576, seed=2)
+    x, bias = torch.randn(130, 576), torch.randn(67)
+    ref = x.double() @ w.double().T + bias.double()
+    got = gguf_gemm(x, blocks, 67, fmt, bias)
+    assert (got.double() - ref).abs().max() <= 3 * (torch.nn.functional.linear(x, w, bias).double() - ref).abs().max()
+    alone = torch.cat([gguf_gemm(x[i: i + 1], blocks, 67, fmt, bias, threads=1) for i in range(130)])
+    for m, start in [(130, 0), (7, 3), (64, 66), (1, 129)]:
+        assert torch.equal(gguf_gemm(x[start: start + m], blocks, 67, fmt, bias, threads=2), alone[start: start + m])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -172,25 +172,37 @@ void silu_mul(const float *gu, float *a, Range rows, int64_t I) {
     }
 }
 
-// A call's buffers: shared ones [M, width] and each thread's scratch (a linear's block sums, attention's slots
-// and scores), in one allocation.
+// A call's buffers: shared ones [M, width], each thread's scratch (a linear's block sums and GEMM panel,
+// attention's slots and scores, the kernel rows of a call that mixes prompt rows with others), and the list of
+// those kernel rows, in one allocation.
 struct Buffers {
     float *h, *qkv, *q, *out, *gu, *a;
-    float *xsum, *scores;
-    int64_t *slots;
-    int64_t xsum_n, scores_n, slots_n;
+    float *xsum, *panel, *scores, *xk, *yk;
+    int64_t *slots, *kernel_rows;
+    int64_t xsum_n, panel_n, scores_n, slots_n, xk_n, yk_n;
+    int64_t gemm_rows = 0, n_kernel = 0;  // rows the GEMM computes (0: none), rows the kernel computes
     void *mem;
 
-    Buffers(const Shape *s, int64_t M, int threads, int64_t most_keys) : mem(nullptr) {
+    // gemm: [M] uint8, the rows that take the prompt GEMM, or null (none)
+    Buffers(const Shape *s, int64_t M, int threads, int64_t most_keys, const uint8_t *gemm) : mem(nullptr) {
         const int64_t D = s->head_dim, qn = s->heads * D, width = qn + 2 * s->kv_heads * D;
         const int64_t widest = s->hidden > s->inter ? s->hidden : s->inter;
+        const int64_t widest_out = 2 * s->inter > width ? 2 * s->inter : width;
+        if (gemm)
+            for (int64_t r = 0; r < M; r++) gemm_rows += gemm[r] != 0;
+        n_kernel = gemm_rows ? M - gemm_rows : M;
+        const int64_t mixed = gemm_rows && n_kernel;
         auto up = [](int64_t n) { return (n + 7) / 8 * 8; };  // whole 32-byte lines: every buffer stays aligned
         xsum_n = up(gguf_kernel::xsum_floats(M, widest));
+        panel_n = gemm_rows ? up(gguf_kernel::panel_floats(widest)) : 0;
         scores_n = most_keys ? up(cpu_attention_kernel::scores_floats(s->heads / s->kv_heads, M, most_keys)) : 0;
         slots_n = most_keys ? up(most_keys + 1) : 0;
+        xk_n = mixed ? up(n_kernel * widest) : 0;
+        yk_n = mixed ? up(n_kernel * widest_out) : 0;
         const int64_t shared = up(M * s->hidden) + up(M * width) + 2 * up(M * qn) + up(M * 2 * s->inter) +
-                               up(M * s->inter);
-        const int64_t floats = shared + threads * (xsum_n + scores_n + slots_n * 2);  // an int64 slot is 2 floats
+                               up(M * s->inter) + 2 * up(mixed ? n_kernel : 0);  // kernel_rows: int64
+        // an int64 is 2 floats
+        const int64_t floats = shared + threads * (xsum_n + panel_n + scores_n + slots_n * 2 + xk_n + yk_n);
         mem = aligned_alloc(32, sizeof(float) * (size_t)floats);
         if (!mem) return;
         float *p = (float *)mem;
@@ -200,17 +212,40 @@ struct Buffers {
         out = p, p += up(M * qn);
         gu = p, p += up(M * 2 * s->inter);
         a = p, p += up(M * s->inter);
+        kernel_rows = (int64_t *)p, p += 2 * up(mixed ? n_kernel : 0);
         xsum = p, p += threads * xsum_n;
+        panel = p, p += threads * panel_n;
         scores = p, p += threads * scores_n;
+        xk = p, p += threads * xk_n;
+        yk = p, p += threads * yk_n;
         slots = (int64_t *)p;
+        if (mixed)
+            for (int64_t r = 0, i = 0; r < M; r++)
+                if (!gemm[r]) kernel_rows[i++] = r;
     }
     ~Buffers() { free(mem); }
 };
 
 // Thread t's weight rows of `l` times in [M, l.k] -> y [M, l.n]; with `residual`, then x += y on those columns.
-void linear(const Linear &l, const float *in, int64_t M, float *y, float *residual, float *xsum, int t, int nt) {
+// Rows the call marked for the prompt GEMM take it; the others the kernel (gathered, when a call has both: the
+// GEMM runs over every row, then the kernel's rows overwrite theirs).
+void linear(const Linear &l, const float *in, int64_t M, float *y, float *residual, Buffers &buf, int t, int nt) {
     const Range cols(l.n, t, nt);
-    gguf_kernel::linear_range(in, M, l.k, l.blocks, l.n, (int)l.fmt, l.bias, y, cols.a, cols.b, xsum);
+    float *xsum = buf.xsum + t * buf.xsum_n;
+    if (buf.gemm_rows)
+        gguf_kernel::gemm_range(in, M, l.k, l.blocks, l.n, (int)l.fmt, l.bias, y, cols.a, cols.b,
+                                buf.panel + t * buf.panel_n);
+    if (!buf.gemm_rows) {
+        gguf_kernel::linear_range(in, M, l.k, l.blocks, l.n, (int)l.fmt, l.bias, y, cols.a, cols.b, xsum);
+    } else if (buf.n_kernel) {
+        float *xk = buf.xk + t * buf.xk_n, *yk = buf.yk + t * buf.yk_n;
+        for (int64_t i = 0; i < buf.n_kernel; i++)
+            memcpy(xk + i * l.k, in + buf.kernel_rows[i] * l.k, sizeof(float) * l.k);
+        gguf_kernel::linear_range(xk, buf.n_kernel, l.k, l.blocks, l.n, (int)l.fmt, l.bias, yk, cols.a, cols.b,
+                                  xsum);
+        for (int64_t i = 0; i < buf.n_kernel; i++)
+            memcpy(y + buf.kernel_rows[i] * l.n + cols.a, yk + i * l.n + cols.a, sizeof(float) * (cols.b - cols.a));
+    }
     if (residual)
         for (int64_t r = 0; r < M; r++)
             for (int64_t n = cols.a; n < cols.b; n++) residual[r * l.n + n] += y[r * l.n + n];
@@ -223,7 +258,7 @@ void phase_in(const Shape *s, const Layer *L, const float *x, int64_t M, const f
     const Range rows(M, t, nt);
     rms_norm(x, L->norm_in, buf.h, rows, s->hidden, s->eps);
     bar.wait();
-    linear(L->qkv, buf.h, M, buf.qkv, nullptr, buf.xsum + t * buf.xsum_n, t, nt);
+    linear(L->qkv, buf.h, M, buf.qkv, nullptr, buf, t, nt);
     bar.wait();
     rotary(buf.qkv, rows, width, s->heads + s->kv_heads, D, cos, sin);
     for (int64_t r = rows.a; r < rows.b; r++) {
@@ -250,17 +285,16 @@ void phase_attention(const Shape *s, const Paging *pg, const float *k_cache, con
 // x += o_proj(attn); x += down(silu(gate) * up) of post_attention_norm(x).
 void phase_out(const Shape *s, const Layer *L, float *x, int64_t M, const float *attn, Buffers &buf, Barrier &bar,
                int t, int nt) {
-    float *xsum = buf.xsum + t * buf.xsum_n;
     const Range rows(M, t, nt);
-    linear(L->o, attn, M, buf.h, x, xsum, t, nt);
+    linear(L->o, attn, M, buf.h, x, buf, t, nt);
     bar.wait();
     rms_norm(x, L->norm_post, buf.h, rows, s->hidden, s->eps);
     bar.wait();
-    linear(L->gate_up, buf.h, M, buf.gu, nullptr, xsum, t, nt);
+    linear(L->gate_up, buf.h, M, buf.gu, nullptr, buf, t, nt);
     bar.wait();
     silu_mul(buf.gu, buf.a, rows, s->inter);
     bar.wait();
-    linear(L->down, buf.a, M, buf.h, x, xsum, t, nt);
+    linear(L->down, buf.a, M, buf.h, x, buf, t, nt);
     bar.wait();
 }
 
@@ -286,12 +320,13 @@ extern "C" {
 int decode_layers_version(void) { return 1; }
 
 // x [M, hidden] (the residual stream, read) -> q [M, heads * D] rotated, and the rotated keys and the values
-// written to k_cache / v_cache [num_slots, kv_heads, D] at slots [M]. Returns 0, -1 for a bad shape or slot,
-// -2 if scratch cannot be allocated.
+// written to k_cache / v_cache [num_slots, kv_heads, D] at slots [M]. gemm_rows [M] (uint8) or null: the rows
+// whose linears take the prompt GEMM. Returns 0, -1 for a bad shape or slot, -2 if scratch cannot be allocated.
 int attention_in(const Shape *s, const Layer *layer, const float *x, int64_t M, const float *cos, const float *sin,
-                 const int64_t *slots, float *k_cache, float *v_cache, int64_t num_slots, float *q, int threads) {
+                 const int64_t *slots, float *k_cache, float *v_cache, int64_t num_slots, float *q,
+                 const uint8_t *gemm_rows, int threads) {
     if (!layer_ok(s, layer) || !slots_ok(slots, M, num_slots)) return -1;
-    Buffers buf(s, M, threads, 0);
+    Buffers buf(s, M, threads, 0, gemm_rows);
     if (!buf.mem) return -2;
     Barrier bar;
     #pragma omp parallel num_threads(threads)
@@ -304,10 +339,12 @@ int attention_in(const Shape *s, const Layer *layer, const float *x, int64_t M, 
     return 0;
 }
 
-// x [M, hidden] += o_proj(attn); x += down(silu(gate) * up) of post_attention_norm(x). attn [M, heads * D].
-int attention_out_mlp(const Shape *s, const Layer *layer, float *x, int64_t M, const float *attn, int threads) {
+// x [M, hidden] += o_proj(attn); x += down(silu(gate) * up) of post_attention_norm(x). attn [M, heads * D];
+// gemm_rows as attention_in's.
+int attention_out_mlp(const Shape *s, const Layer *layer, float *x, int64_t M, const float *attn,
+                      const uint8_t *gemm_rows, int threads) {
     if (!layer_ok(s, layer)) return -1;
-    Buffers buf(s, M, threads, 0);
+    Buffers buf(s, M, threads, 0, gemm_rows);
     if (!buf.mem) return -2;
     Barrier bar;
     #pragma omp parallel num_threads(threads)
@@ -327,7 +364,7 @@ int decode_stack(const Shape *s, const Layer *layers, int64_t L, float *x, int64
         if (!layer_ok(s, layers + l)) return -1;
     const int64_t most_keys = cpu_attention_kernel::longest(pg->kv_len, pg->B);
     if (!slots_ok(slots, M, num_slots) || most_keys > pg->P * pg->page_size || pg->Q > M) return -1;
-    Buffers buf(s, M, threads, most_keys);
+    Buffers buf(s, M, threads, most_keys, nullptr);
     if (!buf.mem) return -2;
     Barrier bar;
     #pragma omp parallel num_threads(threads)

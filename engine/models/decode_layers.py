@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from specstep.engine.attention import cpu_attention
-from specstep.engine.forward_batch import ForwardBatch
+from specstep.engine.attention.invariant_attention import MAX_QUERY_ROWS
+from specstep.engine.forward_batch import AttentionMetadata, ForwardBatch, SplitAttention
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.models import gguf_kernel
 from specstep.engine.models.gguf_kernel import FORMATS
@@ -70,8 +71,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     if lib is None:
         return None, why
     p, c_int = ctypes.POINTER, ctypes.c_int
-    lib.attention_in.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, c_int]
-    lib.attention_out_mlp.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, c_int]
+    lib.attention_in.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, c_int]
+    lib.attention_out_mlp.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, ptr, c_int]
     lib.decode_stack.argtypes = [p(_Shape), p(_Layer), i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, p(_Paging), c_int]
     for fn in (lib.attention_in, lib.attention_out_mlp, lib.decode_stack):
         fn.restype = ctypes.c_int
@@ -100,6 +101,21 @@ def why_not(model: nn.Module) -> str:
     if rank.hidden_size % 8 or rank.intermediate_size % 8 or rank.head_dim % 8 or rank.head_dim > 256:
         return f"a shape the C++ layers do not take (hidden {rank.hidden_size}, head_dim {rank.head_dim})"
     return unavailable()
+
+
+def prompt_rows(meta: AttentionMetadata | SplitAttention, tokens: int) -> torch.Tensor | None:
+    """uint8 [tokens]: 1 for the rows whose lane has more than MAX_QUERY_ROWS positions in this step (prompts and
+    prompt chunks: their linears take the prompt GEMM, `gguf_kernel.cpp`), 0 for the others (decode, verify,
+    draft and refill rows keep the kernel, so their bits never depend on a prompt beside them); None if no row is
+    a prompt's. The same rule decides which rows attend with SDPA (`TorchAttention`)."""
+    parts = meta.parts if isinstance(meta, SplitAttention) else [(0, tokens, meta)]
+    flags = None
+    for t0, _, part in parts:
+        long = part.q_valid.sum(1) > MAX_QUERY_ROWS
+        if bool(long.any()):
+            flags = torch.zeros(tokens, dtype=torch.uint8) if flags is None else flags
+            flags[t0 + part.q_index[part.q_valid & long.unsqueeze(1)]] = 1
+    return flags
 
 
 def _linear(lin: GGUFLinear, keep: list[torch.Tensor]) -> _Linear:
@@ -169,14 +185,16 @@ class NativeLayers:
             return x
         rows = m if m <= 64 else 1 << m.bit_length()
         q = x.new_empty(m, self.num_heads * self.head_dim)
+        gemm = prompt_rows(meta, m)
+        gp = None if gemm is None else gemm.data_ptr()
         for i in range(len(layers)):
             layer = ctypes.byref(layers[i])  # an element shares the array's memory
             self._run(("attention_in", rows), m, lambda n: lib.attention_in(
                 s, layer, x.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), kv.k[i].data_ptr(),
-                kv.v[i].data_ptr(), num_slots, q.data_ptr(), n))
+                kv.v[i].data_ptr(), num_slots, q.data_ptr(), gp, n))
             o = attention.forward(q, kv.k[i], kv.v[i], meta, self.num_heads, self.scale).contiguous()
             self._run(("attention_out_mlp", rows), m, lambda n: lib.attention_out_mlp(
-                s, layer, x.data_ptr(), m, o.data_ptr(), n))
+                s, layer, x.data_ptr(), m, o.data_ptr(), gp, n))
         return x
 
 

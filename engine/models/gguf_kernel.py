@@ -32,6 +32,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         lib.gguf_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                     ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.gguf_linear.restype = ctypes.c_int
+        lib.gguf_gemm.argtypes = lib.gguf_linear.argtypes
+        lib.gguf_gemm.restype = ctypes.c_int
     return lib, why
 
 
@@ -66,4 +68,23 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: s
                                                    torch.get_num_threads(), call)
     if rc != 0:
         raise KernelError(f"gguf_linear({fmt}, K={k}, N={out_features}) returned {rc}")
+    return y.view(*x.shape[:-1], out_features)
+
+
+def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: str,
+              bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    """As `gguf_linear`, by the prompt GEMM (the dequantised weights unpacked in panels, `gguf_kernel.cpp`): faster
+    from tens of rows, row-invariant too, but other bits than the kernel's. The C++ layers take it for prompt rows
+    (`decode_layers`); here for tests and benchmarks. Threads: all of torch's unless given."""
+    lib, why = _build()
+    if lib is None:
+        raise KernelError(f"the GGUF kernel cannot run here: {why}")
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k).float().contiguous()
+    y = x2.new_empty(x2.shape[0], out_features)
+    bias = None if bias is None else bias.float().contiguous()
+    rc = lib.gguf_gemm(x2.data_ptr(), x2.shape[0], k, blocks.data_ptr(), out_features, FORMATS[fmt],
+                       None if bias is None else bias.data_ptr(), y.data_ptr(), threads or torch.get_num_threads())
+    if rc != 0:
+        raise KernelError(f"gguf_gemm({fmt}, K={k}, N={out_features}) returned {rc}")
     return y.view(*x.shape[:-1], out_features)
