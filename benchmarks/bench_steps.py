@@ -24,7 +24,10 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -118,8 +121,25 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bandwidth", type=float, default=None,
                     help="GB/s for the floor (default: measured here, `read_bandwidth`)")
+    ap.add_argument("--busy-core", action="store_true",
+                    help="run a busy loop in another process while timing (a core taken by other work: what "
+                         "OMP_WAIT_POLICY=PASSIVE and the kernels' thread choice are for)")
     ap.add_argument("--json", help="write the figures here")
     return ap
+
+
+@contextmanager
+def busy_core(on: bool):
+    """A spinning process beside the timing (one core's worth of other work), stopped afterwards."""
+    if not on:
+        yield
+        return
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def main() -> None:
@@ -132,12 +152,15 @@ def main() -> None:
     results: dict = {"machine": machine(), "model": model, "k": args.k, "rows": {},
                      "load_average": {"before": os.getloadavg()}}
     rows = []
-    for b in batches:
-        rows += _measure_batch(args, model, head is not None, prompts, b, max(batches), results)
+    results["busy_core"] = args.busy_core
+    with busy_core(args.busy_core):
+        for b in batches:
+            rows += _measure_batch(args, model, head is not None, prompts, b, max(batches), results)
     results["load_average"]["after"] = os.getloadavg()
     load = ", ".join(f"{k} {v[0]:.1f}" for k, v in results["load_average"].items())
     table(f"step costs, k={args.k} (verify = k + 1 tokens per request), medians of {args.reps} ({machine()}; "
-          f"load average {load}; floor at {results['bandwidth_gb_s']:.1f} GB/s)",
+          f"load average {load}; floor at {results['bandwidth_gb_s']:.1f} GB/s"
+          f"{'; a busy loop on another core' if args.busy_core else ''})",
           ["kernels", "batch", "decode ms", "verify ms", "verify/decode", "% of floor", "MTP draft/decode"],
           rows)
     if args.json:

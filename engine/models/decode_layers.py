@@ -18,7 +18,7 @@ activations and caches, and the library builds; the ready line says which way it
 from __future__ import annotations
 
 import ctypes
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -159,43 +159,55 @@ class NativeLayers:
             self._caches = (ptrs, (ptr * n)(*ptrs[:n]), (ptr * n)(*ptrs[n:]))
         return self._caches[1], self._caches[2]
 
-    def _run(self, key: tuple, rows: int, call) -> None:
-        rc = THREADS.run(key, rows * self._max_work, torch.get_num_threads(), call)
+    @staticmethod
+    def runs(kv: KVPool) -> bool:
+        """Whether this pool is one the C++ layers write (fp32 on CPU, [slots, kv_heads, head_dim] contiguous)."""
+        k = kv.k[0]
+        return k.dtype == torch.float32 and k.device.type == "cpu" and k.is_contiguous()
+
+    def _run(self, key: tuple, rows: int, fn, *args) -> None:
+        """fn(*args, threads) with the thread count this kind of call takes (`THREADS`)."""
+        rc = THREADS.run(key, rows * self._max_work, torch.get_num_threads(), partial(fn, *args))
         if rc != 0:
             raise LayerKernelError(f"{key[0]} over {rows} rows returned {rc}")
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: tuple[torch.Tensor, torch.Tensor],
                 attention) -> torch.Tensor:
-        """The residual stream after every decoder layer (x [T, hidden] from the embedding, not modified)."""
+        """The residual stream after every decoder layer (x [T, hidden] from the embedding, not modified): one
+        call where `attention` would attend the whole step in the C++ kernel, else two a layer around it."""
         x = x.float().contiguous().clone()
         m = x.shape[0]
         cos, sin = (t.reshape(m, self.head_dim).float().contiguous() for t in rope)
         slots = batch.slot_mapping.long().contiguous()
-        ks, vs = self._cache_arrays(kv)
-        num_slots = kv.k[0].shape[0]
-        s, layers, lib = ctypes.byref(self._shape), self._layers, self._lib
-        meta = batch.attn
-        if attention.runs_kernel(x, kv.k[0], meta):
-            q_index, q_valid, q_pos, kv_len, table = cpu_attention._indices(meta)
-            paging = _Paging(q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(), kv_len.data_ptr(),
-                             table.data_ptr(), q_index.shape[0], q_index.shape[1], table.shape[1], meta.page_size)
-            self._run(("decode_stack", m), m, lambda n: lib.decode_stack(
-                s, layers, len(layers), x.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), ks, vs,
-                num_slots, ctypes.byref(paging), n))
-            return x
-        rows = m if m <= 64 else 1 << m.bit_length()
-        q = x.new_empty(m, self.num_heads * self.head_dim)
-        gemm = prompt_rows(meta, m)
-        gp = None if gemm is None else gemm.data_ptr()
-        for i in range(len(layers)):
-            layer = ctypes.byref(layers[i])  # an element shares the array's memory
-            self._run(("attention_in", rows), m, lambda n: lib.attention_in(
-                s, layer, x.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), kv.k[i].data_ptr(),
-                kv.v[i].data_ptr(), num_slots, q.data_ptr(), gp, n))
-            o = attention.forward(q, kv.k[i], kv.v[i], meta, self.num_heads, self.scale).contiguous()
-            self._run(("attention_out_mlp", rows), m, lambda n: lib.attention_out_mlp(
-                s, layer, x.data_ptr(), m, o.data_ptr(), gp, n))
+        step = (ctypes.byref(self._shape), x.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), slots.data_ptr())
+        if attention.runs_kernel(x, kv.k[0], batch.attn):
+            self._stack(step, batch.attn, kv)
+        else:
+            self._per_layer(step, batch.attn, kv, attention)
         return x
+
+    def _stack(self, step: tuple, meta: AttentionMetadata, kv: KVPool) -> None:
+        shape, x, m, cos, sin, slots = step
+        q_index, q_valid, q_pos, kv_len, table = cpu_attention._indices(meta)
+        paging = _Paging(q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(), kv_len.data_ptr(),
+                         table.data_ptr(), q_index.shape[0], q_index.shape[1], table.shape[1], meta.page_size)
+        ks, vs = self._cache_arrays(kv)
+        self._run(("decode_stack", m), m, self._lib.decode_stack, shape, self._layers, len(self._layers), x, m, cos,
+                  sin, slots, ks, vs, kv.k[0].shape[0], ctypes.byref(paging))
+
+    def _per_layer(self, step: tuple, meta: AttentionMetadata | SplitAttention, kv: KVPool, attention) -> None:
+        shape, x, m, cos, sin, slots = step
+        rows = m if m <= 64 else 1 << m.bit_length()  # prompts' row counts in powers of two: fewer keys to time
+        q = torch.empty(m, self.num_heads * self.head_dim)
+        gemm = prompt_rows(meta, m)
+        gemm_ptr = None if gemm is None else gemm.data_ptr()
+        for i in range(len(self._layers)):
+            layer = ctypes.byref(self._layers[i])  # an element shares the array's memory
+            self._run(("attention_in", rows), m, self._lib.attention_in, shape, layer, x, m, cos, sin, slots,
+                      kv.k[i].data_ptr(), kv.v[i].data_ptr(), kv.k[i].shape[0], q.data_ptr(), gemm_ptr)
+            o = attention.forward(q, kv.k[i], kv.v[i], meta, self.num_heads, self.scale).contiguous()
+            self._run(("attention_out_mlp", rows), m, self._lib.attention_out_mlp, shape, layer, x, m, o.data_ptr(),
+                      gemm_ptr)
 
 
 def use_native_layers(model: nn.Module, mode: str) -> str:

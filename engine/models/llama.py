@@ -140,7 +140,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, x.dtype)
-        if self.native is not None and not torch.compiler.is_compiling():  # a compiled step traces the torch ops
+        # a compiled step traces the torch ops; a pool the C++ layers do not write keeps them too
+        if self.native is not None and not torch.compiler.is_compiling() and self.native.runs(kv):
             return self.norm(self.native.forward(x, batch, kv, rope, self.attention))
         for layer in self.layers:
             x = layer(x, batch, kv, rope, self.attention)
