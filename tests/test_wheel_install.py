@@ -120,6 +120,8 @@ async def test_a_wheel_installs_and_serves_the_default_model_from_outside_the_ch
     assert "specstep generate: ready" in gen.stderr
     if not gguf_unavailable():  # the wheel's kernel source compiled and ran: the GGUF blocks were read
         assert "GGUF blocks (" in gen.stderr, gen.stderr[-2000:]
+        # the C++ layers' source and the kernels it includes were installed side by side and built
+        assert "decoder layers in specstep's C++" in gen.stderr, gen.stderr[-2000:]
     [line] = [json.loads(x) for x in gen.stdout.splitlines()]
     assert len(line["token_ids"]) == 8 and line["text"]
     assert compiled(site, "specstep/scheduler/generate_cmd") and compiled(site, "specstep/engine/parallel/group")
