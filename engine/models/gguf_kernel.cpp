@@ -91,6 +91,32 @@ inline void rows_times_weight_row(const float *x, const float *xsum, int64_t K, 
     for (int i = 0; i < MT; i++) y[i * N + n] = hsum(acc[i]) + (bias ? bias[n] : 0.f);
 }
 
+// One row of x times weight rows [n, n + NW): NW accumulator chains where rows_times_weight_row<F, 1> has one
+// (a lone row's chain is latency-bound: 4 weight rows at once measured 1.1x on SmolLM2's Q4_1 layers at one row;
+// on the Q8_0 lm_head, 2x slower: its rows' streams lost bandwidth, so only Q4_1 takes it). Each output's
+// operations are rows_times_weight_row<F, 1>'s in the same order: the same bits.
+template <class F, int NW>
+inline void row_times_weight_rows(const float *x, const float *xsum, int64_t K, const uint8_t *w, int64_t row_bytes,
+                                  float *y, int64_t n, const float *bias) {
+    const int64_t nblk = K / QK;
+    __m256 acc[NW];
+    for (int j = 0; j < NW; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblk; b++) {
+        const float *xb = x + b * QK;
+        for (int j = 0; j < NW; j++) {
+            __m256 q[4], d, m;
+            F::load(w + (n + j) * row_bytes + b * F::bytes, q, d, m);
+            __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+            s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), s);
+            s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), s);
+            s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), s);
+            acc[j] = _mm256_fmadd_ps(d, s, acc[j]);
+            if (F::has_min) acc[j] = _mm256_fmadd_ps(m, _mm256_load_ps(xsum + b * 8), acc[j]);
+        }
+    }
+    for (int j = 0; j < NW; j++) y[n + j] = hsum(acc[j]) + (bias ? bias[n + j] : 0.f);
+}
+
 // Rows [m0, m1) times weight row n in near-equal tiles of at most MAX_TILE rows: the block's values are converted
 // once a tile, and every tile has several accumulator chains to hide their latency (5 rows as 4 + 1 converted the
 // weights twice and left the last row's chain alone: 1.2-1.3x slower at 5 rows, measured).
@@ -158,7 +184,11 @@ void run_range(const float *x, float *xsum, int64_t M, int64_t K, const uint8_t 
         for (int64_t i = 0; i < M * nblk; i++) block_sum(x, xsum, i);
     for (int64_t m0 = 0; m0 < M; m0 += rb) {
         const int64_t m1 = m0 + rb < M ? m0 + rb : M;
-        for (int64_t n = n0; n < n1; n++) rows_times_weight<F>(x, xsum, m0, m1, K, w + n * row_bytes, y, N, n, bias);
+        int64_t n = n0;
+        if (F::has_min && m1 - m0 == 1)  // Q4_1, a lone row: four weight rows at once
+            for (; n + 4 <= n1; n += 4)
+                row_times_weight_rows<F, 4>(x + m0 * K, xsum + m0 * nblk * 8, K, w, row_bytes, y + m0 * N, n, bias);
+        for (; n < n1; n++) rows_times_weight<F>(x, xsum, m0, m1, K, w + n * row_bytes, y, N, n, bias);
     }
 }
 
