@@ -21,7 +21,7 @@
 //     rotary     (neox layout, half = D / 2)  y_i = x_i c_i - x_{i+half} s_i,  y_{i+half} = x_{i+half} c_{i+half}
 //                + x_i s_{i+half}: each product rounded, then the sum (bitwise torch's x * cos + rotate_half(x) *
 //                sin, built with -ffp-contract=off)
-//     silu_mul   a_i = g_i / (1 + exp(-g_i)) * u_i, exp by a fixed polynomial (below)
+//     silu_mul   a_i = silu(g_i) * u_i, by the attention kernel's exp of a nonpositive argument (below)
 //     residual   x_i + o_i (torch's add)
 
 #include <immintrin.h>
@@ -68,33 +68,6 @@ namespace {
 
 constexpr int SPINS = 1 << 12;  // pauses at a barrier before yielding the core (~0.1 ms)
 
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// exp(x) for any x: clamped to [-87, 88] (the MLP gate's tails: silu is then x or 0 to fp32 precision),
-// x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial (relative error ~2e-7), 2^n by exponent
-// bits. Pure arithmetic: the same bits on every call.
-inline __m256 exp_any(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 // Threads meet here between phases: spin (the other thread is mid-phase, microseconds away), then yield.
 class Barrier {
    public:
@@ -133,7 +106,7 @@ void rms_norm(const float *x, const float *w, float *y, Range rows, int64_t H, f
             const __m256 v = _mm256_loadu_ps(xr + i);
             acc = _mm256_fmadd_ps(v, v, acc);
         }
-        const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(acc) / (float)H + eps));
+        const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(cpu_attention_kernel::hsum(acc) / (float)H + eps));
         for (int64_t i = 0; i < H; i += 8)
             _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv),
                                                    _mm256_loadu_ps(w + i)));
@@ -158,7 +131,8 @@ void rotary(float *x, Range rows, int64_t stride, int64_t heads, int64_t D, cons
     }
 }
 
-// gu [M, 2 * I] (gate then up) -> a [M, I]
+// gu [M, 2 * I] (gate then up) -> a [M, I]. silu(g) = g / (1 + e^-g) = g e^g / (1 + e^g): with t = e^-|g| (the
+// attention kernel's exp of a nonpositive argument), g / (1 + t) for g >= 0 and g t / (1 + t) below.
 void silu_mul(const float *gu, float *a, Range rows, int64_t I) {
     const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
     for (int64_t r = rows.a; r < rows.b; r++) {
@@ -166,7 +140,10 @@ void silu_mul(const float *gu, float *a, Range rows, int64_t I) {
         float *ar = a + r * I;
         for (int64_t i = 0; i < I; i += 8) {
             const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp_any(_mm256_sub_ps(zero, gv))));
+            const __m256 neg = _mm256_cmp_ps(gv, zero, _CMP_LT_OQ);
+            const __m256 t = cpu_attention_kernel::exp_nonpositive(_mm256_or_ps(gv, _mm256_set1_ps(-0.0f)));
+            const __m256 num = _mm256_blendv_ps(gv, _mm256_mul_ps(gv, t), neg);
+            const __m256 s = _mm256_div_ps(num, _mm256_add_ps(one, t));
             _mm256_storeu_ps(ar + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
         }
     }
@@ -184,10 +161,13 @@ struct Buffers {
     void *mem;
 
     // gemm: [M] uint8, the rows that take the prompt GEMM, or null (none)
-    Buffers(const Shape *s, int64_t M, int threads, int64_t most_keys, const uint8_t *gemm) : mem(nullptr) {
+    // q_rows: the most query rows a lane has (attention's scores), 0 where the call does not attend
+    Buffers(const Shape *s, int64_t M, int threads, int64_t most_keys, int64_t q_rows, const uint8_t *gemm)
+        : mem(nullptr) {
         const int64_t D = s->head_dim, qn = s->heads * D, width = qn + 2 * s->kv_heads * D;
-        const int64_t widest = s->hidden > s->inter ? s->hidden : s->inter;
-        const int64_t widest_out = 2 * s->inter > width ? 2 * s->inter : width;
+        auto most = [](int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); };
+        const int64_t widest = most(s->hidden, s->inter, qn);  // a linear's input width: o_proj's is qn
+        const int64_t widest_out = most(width, 2 * s->inter, s->hidden);
         if (gemm)
             for (int64_t r = 0; r < M; r++) gemm_rows += gemm[r] != 0;
         n_kernel = gemm_rows ? M - gemm_rows : M;
@@ -195,7 +175,7 @@ struct Buffers {
         auto up = [](int64_t n) { return (n + 7) / 8 * 8; };  // whole 32-byte lines: every buffer stays aligned
         xsum_n = up(gguf_kernel::xsum_floats(M, widest));
         panel_n = gemm_rows ? up(gguf_kernel::panel_floats(widest)) : 0;
-        scores_n = most_keys ? up(cpu_attention_kernel::scores_floats(s->heads / s->kv_heads, M, most_keys)) : 0;
+        scores_n = most_keys ? up(cpu_attention_kernel::scores_floats(s->heads / s->kv_heads, q_rows, most_keys)) : 0;
         slots_n = most_keys ? up(most_keys + 1) : 0;
         xk_n = mixed ? up(n_kernel * widest) : 0;
         yk_n = mixed ? up(n_kernel * widest_out) : 0;
@@ -264,6 +244,8 @@ void phase_in(const Shape *s, const Layer *L, const float *x, int64_t M, const f
     for (int64_t r = rows.a; r < rows.b; r++) {
         const float *row = buf.qkv + r * width;
         memcpy(buf.q + r * qn, row, sizeof(float) * qn);
+        // lanes that keep no K/V all write the dummy page's slot (never read as a key): the same bytes' last
+        // writer wins, as with torch's index_copy_
         memcpy(k_cache + slots[r] * kvn, row + qn, sizeof(float) * kvn);
         memcpy(v_cache + slots[r] * kvn, row + qn + kvn, sizeof(float) * kvn);
         memset(buf.out + r * qn, 0, sizeof(float) * qn);  // rows no valid query writes (padding lanes) stay 0
@@ -317,7 +299,7 @@ bool slots_ok(const int64_t *slots, int64_t M, int64_t num_slots) {
 
 extern "C" {
 // The library's version: bump it with any change to the arithmetic above.
-int decode_layers_version(void) { return 1; }
+int decode_layers_version(void) { return 2; }
 
 // x [M, hidden] (the residual stream, read) -> q [M, heads * D] rotated, and the rotated keys and the values
 // written to k_cache / v_cache [num_slots, kv_heads, D] at slots [M]. gemm_rows [M] (uint8) or null: the rows
@@ -326,7 +308,7 @@ int attention_in(const Shape *s, const Layer *layer, const float *x, int64_t M, 
                  const int64_t *slots, float *k_cache, float *v_cache, int64_t num_slots, float *q,
                  const uint8_t *gemm_rows, int threads) {
     if (!layer_ok(s, layer) || !slots_ok(slots, M, num_slots)) return -1;
-    Buffers buf(s, M, threads, 0, gemm_rows);
+    Buffers buf(s, M, threads, 0, 0, gemm_rows);
     if (!buf.mem) return -2;
     Barrier bar;
     #pragma omp parallel num_threads(threads)
@@ -344,7 +326,7 @@ int attention_in(const Shape *s, const Layer *layer, const float *x, int64_t M, 
 int attention_out_mlp(const Shape *s, const Layer *layer, float *x, int64_t M, const float *attn,
                       const uint8_t *gemm_rows, int threads) {
     if (!layer_ok(s, layer)) return -1;
-    Buffers buf(s, M, threads, 0, gemm_rows);
+    Buffers buf(s, M, threads, 0, 0, gemm_rows);
     if (!buf.mem) return -2;
     Barrier bar;
     #pragma omp parallel num_threads(threads)
@@ -364,7 +346,9 @@ int decode_stack(const Shape *s, const Layer *layers, int64_t L, float *x, int64
         if (!layer_ok(s, layers + l)) return -1;
     const int64_t most_keys = cpu_attention_kernel::longest(pg->kv_len, pg->B);
     if (!slots_ok(slots, M, num_slots) || most_keys > pg->P * pg->page_size || pg->Q > M) return -1;
-    Buffers buf(s, M, threads, most_keys, nullptr);
+    for (int64_t i = 0; i < pg->B * pg->Q; i++)  // every query row names one of the call's rows
+        if (pg->q_valid[i] && (pg->q_index[i] < 0 || pg->q_index[i] >= M)) return -1;
+    Buffers buf(s, M, threads, most_keys, pg->Q, nullptr);
     if (!buf.mem) return -2;
     Barrier bar;
     #pragma omp parallel num_threads(threads)

@@ -98,7 +98,8 @@ def why_not(model: nn.Module) -> str:
         if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in layer.parameters()):
             return "not fp32 on CPU"
     rank = model.rank_cfg
-    if rank.hidden_size % 8 or rank.intermediate_size % 8 or rank.head_dim % 8 or rank.head_dim > 256:
+    if (rank.hidden_size % 8 or rank.intermediate_size % 8 or rank.head_dim % 8 or rank.head_dim > 256
+            or rank.num_heads % rank.num_kv_heads):
         return f"a shape the C++ layers do not take (hidden {rank.hidden_size}, head_dim {rank.head_dim})"
     return unavailable()
 
