@@ -155,3 +155,38 @@ def test_engine_greedy_output_is_the_torch_layers(gguf_model):
     outs = {layers: [r.output_token_ids for r in run_to_completion(
         make_core(gguf_model, spec="ngram", cpu_layers=layers), prompts, params)] for layers in ("auto", "torch")}
     assert outs["auto"] == outs["torch"]
+
+
+def test_qwen2_biases_and_a_long_context(tmp_path):
+    """Off the tuned path: Qwen2's q/k/v biases (filled with random values in both models: a checkpoint's are
+    zero at init) and a 400-token context (many pages, keys past 8 vectors of scores): the C++ layers' logits are
+    the torch layers' to rounding, and a verify step's rows are the decode steps' bits there too."""
+    from tests.helpers import make_checkpoint
+
+    src = make_checkpoint(tmp_path / "src", seed=7, arch="qwen2", tokenizer=True)
+    model = converted_folder(write_gguf(tmp_path / "q.gguf", src, arch="qwen2", qtype="Q4_1"), cache=tmp_path)
+    nets = {name: load(model, name) for name in ("auto", "torch")}
+    assert nets["auto"].native is not None
+    g = torch.Generator().manual_seed(0)
+    biases = [torch.randn(layer.self_attn.qkv_proj.bias.shape, generator=g) * 0.5 for layer in nets["auto"].layers]
+    context, n = [(7 * i) % 250 + 1 for i in range(400)], 400
+    outs = {}
+    for name, net in nets.items():
+        with torch.no_grad():
+            for layer, b in zip(net.layers, biases, strict=True):
+                layer.self_attn.qkv_proj.bias.copy_(b)  # in place: the C++ layers read this memory
+        pool = KVPool(net.rank_cfg, len(net.layers), 110, PAGE, torch.float32, "cpu")
+        pages = list(range(1, 108))
+
+        def step(tokens, start, net=net, pool=pool):
+            fb = build_forward_batch([tokens], [start], [pages[: -(-(start + len(tokens)) // PAGE)]], PAGE, "cpu")
+            with torch.inference_mode():
+                return net.compute_logits(net(fb, pool))
+
+        step(context, 0)
+        single = torch.cat([step([t], n + i) for i, t in enumerate(NEXT)])
+        outs[name] = (single, step(NEXT, n))
+    single, verify = outs["auto"]
+    assert torch.equal(verify, single)
+    ref = outs["torch"][0]
+    assert (single - ref).abs().max() < 1e-4 * ref.abs().max()
