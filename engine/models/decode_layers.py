@@ -67,7 +67,7 @@ class LayerKernelError(RuntimeError):
 
 @cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = load_kernel(SOURCE, (gguf_kernel.SOURCE, cpu_attention.SOURCE))
+    lib, why = load_kernel(SOURCE, (gguf_kernel.SOURCE, gguf_kernel.GEMM_SOURCE, cpu_attention.SOURCE))
     if lib is None:
         return None, why
     p, c_int = ctypes.POINTER, ctypes.c_int
@@ -106,7 +106,7 @@ def why_not(model: nn.Module) -> str:
 
 def prompt_rows(meta: AttentionMetadata | SplitAttention, tokens: int) -> torch.Tensor | None:
     """uint8 [tokens]: 1 for the rows whose lane has more than MAX_QUERY_ROWS positions in this step (prompts and
-    prompt chunks: their linears take the prompt GEMM, `gguf_kernel.cpp`), 0 for the others (decode, verify,
+    prompt chunks: their linears take the prompt GEMM, `gguf_gemm.cpp`), 0 for the others (decode, verify,
     draft and refill rows keep the kernel, so their bits never depend on a prompt beside them); None if no row is
     a prompt's. The same rule decides which rows attend with SDPA (`TorchAttention`)."""
     parts = meta.parts if isinstance(meta, SplitAttention) else [(0, tokens, meta)]

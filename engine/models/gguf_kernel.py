@@ -14,6 +14,7 @@ from specstep.engine.native import load_kernel
 from specstep.engine.thread_choice import ThreadChoice
 
 SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
+GEMM_SOURCE = Path(__file__).with_name("gguf_gemm.cpp")  # the prompt GEMM, #included by SOURCE
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
 BLOCK = 32  # weights a block
 # Each kind of call (format, shape, rows) times one thread against all of torch's on its first calls and keeps
@@ -27,7 +28,7 @@ class KernelError(RuntimeError):
 
 @cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = load_kernel(SOURCE)
+    lib, why = load_kernel(SOURCE, (GEMM_SOURCE,))
     if lib is not None:
         lib.gguf_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                     ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -73,7 +74,7 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: s
 
 def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: str,
               bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-    """As `gguf_linear`, by the prompt GEMM (the dequantised weights unpacked in panels, `gguf_kernel.cpp`): faster
+    """As `gguf_linear`, by the prompt GEMM (the dequantised weights unpacked in panels, `gguf_gemm.cpp`): faster
     from tens of rows, row-invariant too, but other bits than the kernel's. The C++ layers take it for prompt rows
     (`decode_layers`); here for tests and benchmarks. Threads: all of torch's unless given."""
     lib, why = _build()

@@ -1,0 +1,96 @@
+// The prompt GEMM over GGUF's quantised blocks, for `gguf_kernel.cpp` (which includes this file after its block
+// formats `Q41`, `Q80` and `QK`; built only through it). Another arithmetic than that file's kernel: see below.
+
+// Prompts: a GEMM of the dequantised weights. At hundreds of rows the kernel (`gguf_kernel.cpp`) spends 6 FMA-port
+// operations a row per 32 weights and converts each block once a tile of 6 rows; unpacking a panel of 16 weight rows to
+// fp32 once (d q + m: exactly the converted checkpoint's weights, as the gguf package computes them) and running a 6 x
+// 16 register tile over it spends 4, and reached 116 against 48 GFLOP/s at 1,024 rows (2 threads, SmolLM2's layer
+// shapes), 2x at 128 rows. Its sums are another order (each output: a running FMA sum per 32 k, the blocks' sums added
+// in order), so a row's bits differ from the kernel's: callers take it for prompt rows only, chosen per row by
+// something the row's own step decides (`decode_layers.cpp`), never by how many rows share a call.
+namespace gguf_kernel {
+constexpr int64_t PANEL = 16;  // weight rows a packed panel: two ymm of outputs
+constexpr int64_t GEMM_TILE = 6;  // rows a GEMM tile: 12 accumulators
+
+// Weight rows [n, n + nb) as fp32 into P [K][PANEL] (columns past nb zero).
+template <class F>
+inline void pack_panel(const uint8_t *w, int64_t row_bytes, int64_t K, int64_t n, int64_t nb, float *P) {
+    const int64_t nblk = K / QK;
+    for (int64_t j = 0; j < PANEL; j++) {
+        if (j >= nb) {
+            for (int64_t k = 0; k < K; k++) P[k * PANEL + j] = 0.f;
+            continue;
+        }
+        const uint8_t *wr = w + (n + j) * row_bytes;
+        for (int64_t b = 0; b < nblk; b++) {
+            __m256 q[4], d, m;
+            F::load(wr + b * F::bytes, q, d, m);
+            alignas(32) float vals[QK];
+            for (int c = 0; c < 4; c++)
+                _mm256_store_ps(vals + 8 * c,
+                                F::has_min ? _mm256_add_ps(_mm256_mul_ps(d, q[c]), m) : _mm256_mul_ps(d, q[c]));
+            float *dst = P + b * QK * PANEL + j;
+            for (int i = 0; i < QK; i++) dst[i * PANEL] = vals[i];
+        }
+    }
+}
+
+template <int MB>
+inline void gemm_tile(const float *x, int64_t K, const float *P, float *y, int64_t N, int64_t n, int64_t nb,
+                      const float *bias) {
+    // each output: a sum per 32 k (FMAs in k order), the blocks' sums added in order (error ~(32 + K/32) eps,
+    // not ~K eps of one running sum)
+    __m256 acc[MB][2];
+    for (int i = 0; i < MB; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    alignas(32) float sums[MB][PANEL];
+    for (int i = 0; i < MB; i++) {
+        _mm256_store_ps(sums[i], acc[i][0]);
+        _mm256_store_ps(sums[i] + 8, acc[i][1]);
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += QK) {
+        for (int i = 0; i < MB; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int64_t k = k0; k < k0 + QK; k++) {
+            const __m256 w0 = _mm256_load_ps(P + k * PANEL), w1 = _mm256_load_ps(P + k * PANEL + 8);
+            for (int i = 0; i < MB; i++) {
+                const __m256 xi = _mm256_broadcast_ss(x + i * K + k);
+                acc[i][0] = _mm256_fmadd_ps(xi, w0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(xi, w1, acc[i][1]);
+            }
+        }
+        for (int i = 0; i < MB; i++) {
+            _mm256_store_ps(sums[i], _mm256_add_ps(_mm256_load_ps(sums[i]), acc[i][0]));
+            _mm256_store_ps(sums[i] + 8, _mm256_add_ps(_mm256_load_ps(sums[i] + 8), acc[i][1]));
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int64_t j = 0; j < nb; j++) y[i * N + n + j] = sums[i][j] + (bias ? bias[n + j] : 0.f);
+}
+
+// Rows [0, M) of x times weight rows [n0, n1), on the calling thread; P: panel_floats(K) floats, 32-byte aligned.
+template <class F>
+void gemm_range(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias, float *y,
+                int64_t n0, int64_t n1, float *P) {
+    const int64_t row_bytes = K / QK * F::bytes;
+    for (int64_t n = n0; n < n1; n += PANEL) {
+        const int64_t nb = n1 - n < PANEL ? n1 - n : PANEL;
+        pack_panel<F>(w, row_bytes, K, n, nb, P);
+        int64_t m = 0;
+        for (; m + GEMM_TILE <= M; m += GEMM_TILE) gemm_tile<6>(x + m * K, K, P, y + m * N, N, n, nb, bias);
+        switch (M - m) {
+            case 5: gemm_tile<5>(x + m * K, K, P, y + m * N, N, n, nb, bias); break;
+            case 4: gemm_tile<4>(x + m * K, K, P, y + m * N, N, n, nb, bias); break;
+            case 3: gemm_tile<3>(x + m * K, K, P, y + m * N, N, n, nb, bias); break;
+            case 2: gemm_tile<2>(x + m * K, K, P, y + m * N, N, n, nb, bias); break;
+            case 1: gemm_tile<1>(x + m * K, K, P, y + m * N, N, n, nb, bias); break;
+            default: break;
+        }
+    }
+}
+inline int64_t panel_floats(int64_t K) { return K * PANEL; }
+
+inline void gemm_range(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int fmt, const float *bias,
+                       float *y, int64_t n0, int64_t n1, float *P) {
+    if (fmt == 0) gemm_range<Q41>(x, M, K, w, N, bias, y, n0, n1, P);
+    else gemm_range<Q80>(x, M, K, w, N, bias, y, n0, n1, P);
+}
+}  // namespace gguf_kernel
