@@ -13,7 +13,10 @@ A step here is `StepEngine.decode_context` + `run_decode` + reading the outputs 
 forward, logits, sampling / rejection sampling and the host sync, exactly what `EngineCore` runs per step.
 Verify steps get k random draft tokens (their acceptance does not change the cost). Also prints the plain step
 against the memory-bandwidth floor (weight bytes / this host's read bandwidth, measured at the start unless
---bandwidth is given: hosts of this kind read 17-31 GB/s with 2 threads, so a fixed figure misplaces it) and,
+--bandwidth is given: hosts of this kind read 17-31 GB/s with 2 threads, so a fixed figure misplaces it), the
+lowest verify/decode fp32 arithmetic allows at the measured decode step (the verify step's extra rows x the
+target's multiply-adds a row, at one 8-lane FMA per 8 of them and this host's peak FMA rate, `fma_rate.cpp`:
+a step of several rows cannot cost less than that more than a decode step) and,
 with the target's shipped MTP head, one draft-loop iteration of it (head forward + logits + draw, per draft
 token) against the plain step.
 """
@@ -21,6 +24,7 @@ token) against the plain step.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,7 +40,9 @@ import torch
 from benchmarks.common import code_prompts, machine, table
 from specstep.engine.engine_config import EngineConfig
 from specstep.engine.model_source import default_draft, default_target, resolve_model
+from specstep.engine.models.cpu_linear import CpuLinear
 from specstep.engine.models.gguf_linear import GGUFLinear
+from specstep.engine.native import load_kernel
 from specstep.engine.sampling_params import SamplingParams
 from specstep.scheduler.build import build_engine
 from specstep.scheduler.core.request import Request
@@ -52,6 +59,25 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
         x.sum()
         times.append(time.perf_counter() - t0)
     return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def fma_rate(threads: int, repeats: int = 5) -> float | None:
+    """This host's peak 8-lane fp32 FMA instructions a second over `threads` threads (`fma_rate.cpp`), the best
+    of `repeats` (a peak: the other runs lost time to the host); None where the C++ kernels cannot run."""
+    lib, _ = load_kernel(Path(__file__).with_name("fma_rate.cpp"))
+    if lib is None:
+        return None
+    lib.fma_rate.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.POINTER(ctypes.c_float)]
+    lib.fma_rate.restype = ctypes.c_double
+    sink = ctypes.c_float()
+    return max(lib.fma_rate(20_000_000, threads, ctypes.byref(sink)) for _ in range(repeats))
+
+
+def multiply_adds(model: torch.nn.Module) -> int:
+    """Multiply-adds a row of a step spends in the target's linears (lm_head included): what a verify step's
+    extra rows add to a decode step's arithmetic."""
+    return sum(m.in_features * m.out_features for m in model.modules()
+               if isinstance(m, (GGUFLinear, CpuLinear, torch.nn.Linear)))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -158,10 +184,13 @@ def main() -> None:
             rows += _measure_batch(args, model, head is not None, prompts, b, max(batches), results)
     results["load_average"]["after"] = os.getloadavg()
     load = ", ".join(f"{k} {v[0]:.1f}" for k, v in results["load_average"].items())
+    fma = results["fma_per_s"]
     table(f"step costs, k={args.k} (verify = k + 1 tokens per request), medians of {args.reps} ({machine()}; "
           f"load average {load}; floor at {results['bandwidth_gb_s']:.1f} GB/s"
+          f"{f', FMA peak {fma / 1e9:.2f} G/s' if fma else ''}"
           f"{'; a busy loop on another core' if args.busy_core else ''})",
-          ["kernels", "batch", "decode ms", "verify ms", "verify/decode", "% of floor", "MTP draft/decode"],
+          ["kernels", "batch", "decode ms", "verify ms", "verify/decode", "fp32 floor of it", "% of floor",
+           "MTP draft/decode"],
           rows)
     if args.json:
         with open(args.json, "w") as f:
@@ -188,6 +217,7 @@ def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts
     mtp = timer(modes[-1], "mtp") if with_mtp else None
     if "bandwidth_gb_s" not in results:  # once the engines set torch's threads
         results["bandwidth_gb_s"] = args.bandwidth or read_bandwidth()
+        results["fma_per_s"] = fma_rate(torch.get_num_threads())
     floors = {m: weight_bytes(t.engine.target) / (results["bandwidth_gb_s"] * 1e9) for m, t in timers.items()}
     samples = _sample(timers, mtp, modes[-1], args.reps, args.k)
     rows = []
@@ -197,11 +227,17 @@ def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts
         spread = {kind: (min(v), max(v)) for kind, v in samples[m].items() if v}
         ratio = med["verify"] / med["decode"]
         draft = med.get("draft")
+        # the extra rows' arithmetic at the host's peak: b * k rows x multiply-adds / 8 a FMA
+        fma = results["fma_per_s"]
+        extra_s = b * args.k * multiply_adds(t.engine.target) / 8 / fma if fma else None
+        ratio_floor = 1 + extra_s / med["decode"] if extra_s else None
         rows.append([m, b, med["decode"] * 1e3, med["verify"] * 1e3, ratio,
+                     f"{ratio_floor:.2f}" if ratio_floor else "-",
                      f"{100 * floor_s / med['decode']:.0f}%" if b == 1 else "",
                      f"{draft / med['decode']:.3f}" if draft else "-"])
         results["rows"][f"{m}_b{b}"] = {"decode_ms": med["decode"] * 1e3, "verify_ms": med["verify"] * 1e3,
                                          "verify_over_decode": ratio, "floor_ms": floor_s * 1e3,
+                                         "verify_over_decode_fp32_floor": ratio_floor,
                                          "draft_over_decode": draft / med["decode"] if draft else None,
                                          "spread_ms": {k: [x * 1e3 for x in v] for k, v in spread.items()}}
         t.close()
