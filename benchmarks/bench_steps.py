@@ -220,6 +220,7 @@ def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts
         results["fma_per_s"] = fma_rate(torch.get_num_threads())
     floors = {m: weight_bytes(t.engine.target) / (results["bandwidth_gb_s"] * 1e9) for m, t in timers.items()}
     samples = _sample(timers, mtp, modes[-1], args.reps, args.k)
+    fma = results["fma_per_s"]
     rows = []
     for m, t in timers.items():
         floor_s = floors[m]
@@ -228,7 +229,6 @@ def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts
         ratio = med["verify"] / med["decode"]
         draft = med.get("draft")
         # the extra rows' arithmetic at the host's peak: b * k rows x multiply-adds / 8 a FMA
-        fma = results["fma_per_s"]
         extra_s = b * args.k * multiply_adds(t.engine.target) / 8 / fma if fma else None
         ratio_floor = 1 + extra_s / med["decode"] if extra_s else None
         rows.append([m, b, med["decode"] * 1e3, med["verify"] * 1e3, ratio,
