@@ -61,16 +61,22 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
-def fma_rate(threads: int, repeats: int = 5) -> float | None:
+FMA_SEEDS = tuple(1.0 + 0.01 * i for i in range(10))  # ten distinct chains (`fma_rate.cpp`)
+
+
+def fma_rate(threads: int, repeats: int = 5, iters: int = 20_000_000) -> tuple[float, list[float]] | None:
     """This host's peak 8-lane fp32 FMA instructions a second over `threads` threads (`fma_rate.cpp`), the best
-    of `repeats` (a peak: the other runs lost time to the host); None where the C++ kernels cannot run."""
+    of `repeats` (a peak: the other runs lost time to the host), and the ten chains' final values (each its own
+    computation); None where the C++ kernels cannot run."""
     lib, _ = load_kernel(Path(__file__).with_name("fma_rate.cpp"))
     if lib is None:
         return None
-    lib.fma_rate.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.POINTER(ctypes.c_float)]
+    f32p = ctypes.POINTER(ctypes.c_float)
+    lib.fma_rate.argtypes = [ctypes.c_long, ctypes.c_int, f32p, f32p]
     lib.fma_rate.restype = ctypes.c_double
-    sink = ctypes.c_float()
-    return max(lib.fma_rate(20_000_000, threads, ctypes.byref(sink)) for _ in range(repeats))
+    seeds, out = (ctypes.c_float * 10)(*FMA_SEEDS), (ctypes.c_float * 10)()
+    rate = max(lib.fma_rate(iters, threads, seeds, out) for _ in range(repeats))
+    return rate, list(out)
 
 
 def multiply_adds(model: torch.nn.Module) -> int:
@@ -217,7 +223,8 @@ def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts
     mtp = timer(modes[-1], "mtp") if with_mtp else None
     if "bandwidth_gb_s" not in results:  # once the engines set torch's threads
         results["bandwidth_gb_s"] = args.bandwidth or read_bandwidth()
-        results["fma_per_s"] = fma_rate(torch.get_num_threads())
+        peak = fma_rate(torch.get_num_threads())
+        results["fma_per_s"] = peak[0] if peak else None
     floors = {m: weight_bytes(t.engine.target) / (results["bandwidth_gb_s"] * 1e9) for m, t in timers.items()}
     samples = _sample(timers, mtp, modes[-1], args.reps, args.k)
     fma = results["fma_per_s"]
