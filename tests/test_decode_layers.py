@@ -178,7 +178,7 @@ def test_qwen2_biases_and_a_long_context(tmp_path):
         pool = KVPool(net.rank_cfg, len(net.layers), 110, PAGE, torch.float32, "cpu")
         pages = list(range(1, 108))
 
-        def step(tokens, start, net=net, pool=pool):
+        def step(tokens, start, net=net, pool=pool, pages=pages):
             fb = build_forward_batch([tokens], [start], [pages[: -(-(start + len(tokens)) // PAGE)]], PAGE, "cpu")
             with torch.inference_mode():
                 return net.compute_logits(net(fb, pool))

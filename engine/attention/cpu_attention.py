@@ -17,8 +17,9 @@ from specstep.engine.thread_choice import ThreadChoice
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # One thread or all of torch's, whichever a call of this much work (multiply-adds: rows x keys x head_dim, both
-# GEMM-like passes; in powers of two, since the keys grow every step) measured faster (`engine.thread_choice`,
-# as `gguf_kernel.THREADS`: a batch-1 decode step's layer, ~9 x 200 x 64 x 2, is far below a wake-up's worth).
+# GEMM-like passes; its size the work's power of two, since the keys grow every step) measured faster
+# (`engine.thread_choice`, as `gguf_kernel.THREADS`: a batch-1 decode step's layer, ~9 x 200 x 64 x 2, is far
+# below a wake-up's worth).
 THREADS = ThreadChoice()
 
 
@@ -77,7 +78,8 @@ def cpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  num_heads, hkv, d, q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(),
                                  kv_len.data_ptr(), table.data_ptr(), table.shape[1], meta.page_size, scale, n)
 
-    rc = call(threads) if threads else THREADS.run(work.bit_length(), work, torch.get_num_threads(), call)
+    rc = call(threads) if threads else THREADS.run("attention", work.bit_length(), work, torch.get_num_threads(),
+                                                   call)
     if rc != 0:
         raise AttentionKernelError(f"cpu_attention(B={b}, Q={qn}, H={num_heads}, Hkv={hkv}, D={d}) returned {rc}")
     return out

@@ -166,11 +166,12 @@ class NativeLayers:
         k = kv.k[0]
         return k.dtype == torch.float32 and k.device.type == "cpu" and k.is_contiguous()
 
-    def _run(self, key: tuple, rows: int, fn, *args) -> None:
-        """fn(*args, threads) with the thread count this kind of call takes (`THREADS`)."""
-        rc = THREADS.run(key, rows * self._max_work, torch.get_num_threads(), partial(fn, *args))
+    def _run(self, kind: str, size: int, rows: int, fn, *args) -> None:
+        """fn(*args, threads) with the thread count this kind of call over `size` rows (`rows`, or the power of
+        two a prompt's rows are timed as) takes (`THREADS`)."""
+        rc = THREADS.run(kind, size, rows * self._max_work, torch.get_num_threads(), partial(fn, *args))
         if rc != 0:
-            raise LayerKernelError(f"{key[0]} over {rows} rows returned {rc}")
+            raise LayerKernelError(f"{kind} over {rows} rows returned {rc}")
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: tuple[torch.Tensor, torch.Tensor],
                 attention) -> torch.Tensor:
@@ -193,7 +194,7 @@ class NativeLayers:
         paging = _Paging(q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(), kv_len.data_ptr(),
                          table.data_ptr(), q_index.shape[0], q_index.shape[1], table.shape[1], meta.page_size)
         ks, vs = self._cache_arrays(kv)
-        self._run(("decode_stack", m), m, self._lib.decode_stack, shape, self._layers, len(self._layers), x, m, cos,
+        self._run("decode_stack", m, m, self._lib.decode_stack, shape, self._layers, len(self._layers), x, m, cos,
                   sin, slots, ks, vs, kv.k[0].shape[0], ctypes.byref(paging))
 
     def _per_layer(self, step: tuple, meta: AttentionMetadata | SplitAttention, kv: KVPool, attention) -> None:
@@ -204,10 +205,10 @@ class NativeLayers:
         gemm_ptr = None if gemm is None else gemm.data_ptr()
         for i in range(len(self._layers)):
             layer = ctypes.byref(self._layers[i])  # an element shares the array's memory
-            self._run(("attention_in", rows), m, self._lib.attention_in, shape, layer, x, m, cos, sin, slots,
+            self._run("attention_in", rows, m, self._lib.attention_in, shape, layer, x, m, cos, sin, slots,
                       kv.k[i].data_ptr(), kv.v[i].data_ptr(), kv.k[i].shape[0], q.data_ptr(), gemm_ptr)
             o = attention.forward(q, kv.k[i], kv.v[i], meta, self.num_heads, self.scale).contiguous()
-            self._run(("attention_out_mlp", rows), m, self._lib.attention_out_mlp, shape, layer, x, m, o.data_ptr(),
+            self._run("attention_out_mlp", rows, m, self._lib.attention_out_mlp, shape, layer, x, m, o.data_ptr(),
                       gemm_ptr)
 
 

@@ -17,8 +17,8 @@ SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
 GEMM_SOURCE = Path(__file__).with_name("gguf_gemm.cpp")  # the prompt GEMM, #included by SOURCE
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
 BLOCK = 32  # weights a block
-# Each kind of call (format, shape, rows) times one thread against all of torch's on its first calls and keeps
-# the faster (`engine.thread_choice`: waking a passive OpenMP thread costs as much as a small linear's work).
+# Each kind of call (format, shape) and row count times one thread against all of torch's on its first calls and
+# keeps the faster (`engine.thread_choice`: waking a passive OpenMP thread costs as much as a small linear's work).
 THREADS = ThreadChoice()
 
 
@@ -65,7 +65,7 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: s
         return lib.gguf_linear(xp, m, k, wp, out_features, FORMATS[fmt], bp, yp, n)
 
     rows = m if m <= 64 else 1 << m.bit_length()  # prompts' row counts in powers of two: fewer keys to time
-    rc = call(threads) if threads else THREADS.run((fmt, out_features, k, rows), m * out_features * k,
+    rc = call(threads) if threads else THREADS.run((fmt, out_features, k), rows, m * out_features * k,
                                                    torch.get_num_threads(), call)
     if rc != 0:
         raise KernelError(f"gguf_linear({fmt}, K={k}, N={out_features}) returned {rc}")
