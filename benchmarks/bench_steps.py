@@ -66,17 +66,17 @@ FMA_SEEDS = tuple(1.0 + 0.01 * i for i in range(10))  # ten distinct chains (`fm
 
 def fma_rate(threads: int, repeats: int = 5, iters: int = 20_000_000) -> tuple[float, list[float]] | None:
     """This host's peak 8-lane fp32 FMA instructions a second over `threads` threads (`fma_rate.cpp`), the best
-    of `repeats` (a peak: the other runs lost time to the host), and the ten chains' final values (each its own
-    computation); None where the C++ kernels cannot run."""
+    of `repeats` (a peak: the other runs lost time to the host), and the first thread's ten chains' final values
+    (each its own computation); None where the C++ kernels cannot run."""
     lib, _ = load_kernel(Path(__file__).with_name("fma_rate.cpp"))
     if lib is None:
         return None
     f32p = ctypes.POINTER(ctypes.c_float)
     lib.fma_rate.argtypes = [ctypes.c_long, ctypes.c_int, f32p, f32p]
     lib.fma_rate.restype = ctypes.c_double
-    seeds, out = (ctypes.c_float * 10)(*FMA_SEEDS), (ctypes.c_float * 10)()
+    seeds, out = (ctypes.c_float * 10)(*FMA_SEEDS), (ctypes.c_float * (10 * threads))()
     rate = max(lib.fma_rate(iters, threads, seeds, out) for _ in range(repeats))
-    return rate, list(out)
+    return rate, list(out)[:10]
 
 
 def multiply_adds(model: torch.nn.Module) -> int:

@@ -12,7 +12,8 @@
 
 extern "C" {
 // FMA instructions a second over `threads` OpenMP threads, each running `iters` rounds of ten FMAs, chain i
-// starting from seeds[i]. out[i]: chain i's final value on the first thread (lane 0).
+// starting from seeds[i]. out[10 t + i]: chain i's final value on thread t (lane 0); every thread writes its
+// own, so no thread's loop is without an effect the compiler must keep.
 double fma_rate(long iters, int threads, const float *seeds, float *out) {
     const double t0 = omp_get_wtime();
     #pragma omp parallel num_threads(threads)
@@ -28,10 +29,8 @@ double fma_rate(long iters, int threads, const float *seeds, float *out) {
             a6 = _mm256_fmadd_ps(a6, m, c); a7 = _mm256_fmadd_ps(a7, m, c); a8 = _mm256_fmadd_ps(a8, m, c);
             a9 = _mm256_fmadd_ps(a9, m, c);
         }
-        if (omp_get_thread_num() == 0) {
-            const __m256 chains[10] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9};
-            for (int j = 0; j < 10; j++) out[j] = _mm256_cvtss_f32(chains[j]);
-        }
+        const __m256 chains[10] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9};
+        for (int j = 0; j < 10; j++) out[10 * omp_get_thread_num() + j] = _mm256_cvtss_f32(chains[j]);
     }
     return 10.0 * (double)iters * threads / (omp_get_wtime() - t0);
 }

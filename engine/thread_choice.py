@@ -16,7 +16,8 @@ without timing.
 
 Sizes of one kind are ordered: a call's cost of waking and meeting the other thread does not grow with its rows,
 its work does. So only the smallest size of a kind that has not settled on one thread is timed: every larger
-size takes all threads untimed, while it times both and once it settles on all of them. Timing each size on its
+size takes all threads untimed, while it times both (unless it has not been called for `STALE` calls of the
+kind: a size met a few times and never again) and once it settles on all of them. Timing each size on its
 own cost most where it is least needed: under the adaptive speculation policy a batch-8 run meets a dozen row
 counts a few times each, and half of each one's first calls ran on one thread at ~1.8x a step's cost. The
 converse (a size settled on one thread gives smaller sizes one) is not used: a choice made while the other core
@@ -36,6 +37,9 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 TRIALS = 3  # timed calls of each thread count before choosing
+# Calls of a kind after which a size still timing both (met a few times, never again) stops giving larger sizes
+# every thread: they time themselves.
+STALE = 4 * TRIALS
 RECHECK_FIRST = 16  # calls after a choice (or a change of it) before the other count is timed again
 RECHECK = 256  # the longest interval between re-timings of the count not chosen
 KEEP = 3  # latest timings kept per count: their median decides
@@ -48,6 +52,7 @@ ALWAYS_ALL = 1 << 26
 class _Timings:
     seconds: dict[int, list[float]] = field(default_factory=dict)
     calls: int = 0
+    last: int = 0  # the kind's call count at this size's latest timed call
     chosen: int | None = None  # the count the timings settled on, once both have TRIALS
     interval: int = RECHECK_FIRST  # calls from one re-timing of the other count to the next
     next_check: int = 0  # the call that re-times the other count
@@ -62,6 +67,7 @@ class ThreadChoice:
     def __init__(self, always_all: int = ALWAYS_ALL) -> None:
         self.always_all = always_all  # work (the kernel's own unit) from which every thread is taken untimed
         self._kinds: dict[Hashable, dict[int, _Timings]] = {}
+        self._kind_calls: dict[Hashable, int] = {}
 
     def run(self, kind: Hashable, size: int, work: int, max_threads: int, call: Callable[[int], int]) -> int:
         """`call(threads)` with the thread count a call of this kind and size (its rows: larger takes at least
@@ -69,12 +75,14 @@ class ThreadChoice:
         if max_threads <= 1 or work >= self.always_all:
             return call(max(1, max_threads))
         sizes = self._kinds.setdefault(kind, {})
+        now = self._kind_calls[kind] = self._kind_calls.get(kind, 0) + 1
         own = sizes.get(size)
         if own is None or own.chosen is None:
-            implied = self._implied(sizes, size, max_threads)
+            implied = self._implied(sizes, size, max_threads, now)
             if implied is not None:
                 return call(implied)
         t = sizes.setdefault(size, _Timings())
+        t.last = now
         threads = self._pick(t, max_threads)
         start = time.perf_counter()
         rc = call(threads)
@@ -87,19 +95,21 @@ class ThreadChoice:
 
     def choice(self, kind: Hashable, size: int, max_threads: int = 2) -> int | None:
         """The count a call of this kind and size takes without timing it now (`max_threads` at most): its own
-        settled choice, or the one a settled size of its kind implies (None while it would still time both)."""
+        settled choice, or the one a smaller size of its kind implies (None while it would still time both)."""
         sizes = self._kinds.get(kind, {})
         own = sizes.get(size)
-        if own is not None and own.chosen is not None:
+        if own is not None and own.chosen in (1, max_threads):
             return own.chosen
-        return self._implied(sizes, size, max_threads)
+        return self._implied(sizes, size, max_threads, self._kind_calls.get(kind, 0))
 
     @staticmethod
-    def _implied(sizes: dict[int, _Timings], size: int, max_threads: int) -> int | None:
-        """All threads if a smaller size of the kind settled on them or is still timing both; None (time this
-        size) if every smaller size settled on one thread, or there is none."""
-        if any(other < size and t.chosen != 1 for other, t in sizes.items()):
-            return max_threads
+    def _implied(sizes: dict[int, _Timings], size: int, max_threads: int, now: int) -> int | None:
+        """All threads if a smaller size of the kind settled on them, or is timing both (called within the
+        kind's last STALE calls); None (time this size) otherwise."""
+        for other, t in sizes.items():
+            timing = t.chosen is None and now - t.last <= STALE
+            if other < size and (timing or (t.chosen is not None and t.chosen > 1)):
+                return max_threads
         return None
 
     @staticmethod
@@ -116,6 +126,8 @@ class ThreadChoice:
     @staticmethod
     def _pick(t: _Timings, max_threads: int) -> int:
         counts = (1, max_threads)
+        if t.chosen not in (None, *counts):  # torch's thread count changed since: time the new count first
+            t.chosen = None
         short = [c for c in counts if len(t.seconds.get(c, ())) < TRIALS]
         if short or t.chosen is None:
             return short[t.calls % len(short)] if short else counts[1]

@@ -68,9 +68,13 @@ def test_a_choice_made_while_the_host_was_busy_is_undone_within_tens_of_calls():
         calls += 1
         assert calls < thread_choice.RECHECK // 2, "still on one thread"
     kernel.calls.clear()
-    for _ in range(400):
+    for _ in range(500):
         choice.run("stack", 1, 1000, 2, kernel)
-    assert 1 <= kernel.calls.count(1) <= 5  # re-timed after 16, 32, 64, 128, then every 256 calls
+    retimed = [i for i, c in enumerate(kernel.calls) if c == 1]
+    # one thread re-timed 16 calls after the choice changed, then 32, 64, 128, then every 256
+    first = thread_choice.RECHECK_FIRST
+    gaps = [b - a for a, b in zip(retimed, retimed[1:], strict=False)]
+    assert gaps == [2 * first, 4 * first, 8 * first, thread_choice.RECHECK][: len(gaps)] and len(gaps) >= 3
 
 
 def test_only_the_smallest_unsettled_size_of_a_kind_is_timed():
@@ -96,6 +100,36 @@ def test_only_the_smallest_unsettled_size_of_a_kind_is_timed():
     for rows in [8, 20, 8, 30]:
         choice.run("stack", rows, 1000, 2, kernel)
     assert kernel.calls == [1, 2, 2, 2]  # rows 8 times both (one, then all); 20 and 30 take all meanwhile
+
+
+def test_a_size_met_a_few_times_and_never_again_stops_holding_larger_sizes_on_every_thread():
+    """Rows 1 settle on one thread; rows 2 are met twice (still timing both) and never again: rows 6 take every
+    thread while rows 2 might still settle, then time themselves and settle on the faster one thread."""
+    choice, kernel = ThreadChoice(always_all=1 << 30), FakeKernel({1: 1e-4, 2: 3e-4})
+    for _ in range(2 * thread_choice.TRIALS):
+        choice.run("stack", 1, 1000, 2, kernel)
+    for _ in range(2):
+        choice.run("stack", 2, 1000, 2, kernel)
+    kernel.calls.clear()
+    for _ in range(thread_choice.STALE + 2 * thread_choice.TRIALS + 5):
+        choice.run("stack", 6, 1000, 2, kernel)
+    assert choice.choice("stack", 6) == 1
+    assert kernel.calls[: thread_choice.STALE - 2] == [2] * (thread_choice.STALE - 2)
+    assert kernel.calls[-5:] == [1] * 5
+
+
+def test_a_change_of_torchs_thread_count_never_runs_a_count_it_no_longer_has():
+    """Torch's threads go 2 -> 4 -> 2: settled on 2, then on 4 (timed against 1), then back at 2 no call runs 4
+    threads and the size settles on 2 again."""
+    choice, kernel = ThreadChoice(always_all=1 << 30), FakeKernel({1: 3e-4, 2: 2e-4, 4: 1e-4})
+    for threads in (2, 4):
+        for _ in range(2 * thread_choice.TRIALS):
+            choice.run("stack", 1, 1000, threads, kernel)
+        assert choice.choice("stack", 1, max_threads=threads) == threads
+    kernel.calls.clear()
+    for _ in range(2 * thread_choice.TRIALS):
+        choice.run("stack", 1, 1000, 2, kernel)
+    assert 4 not in kernel.calls and choice.choice("stack", 1) == 2
 
 
 def test_large_calls_and_one_thread_skip_the_timing():

@@ -35,8 +35,9 @@ from specstep.engine.native import load_kernel
 from specstep.engine.thread_choice import ThreadChoice
 
 SOURCE = Path(__file__).with_name("decode_layers.cpp")
-# One thread or all of torch's for a call, timed per kind of call and row count (`engine.thread_choice`; a call's
-# work is counted as its rows times its largest linear, so prompts take every thread untimed).
+# One thread or all of torch's for a call, chosen per kind of call (and model: a draft model's layers and the
+# target's cost differently) by timing row counts (`engine.thread_choice`); a call's work is counted as its rows
+# times its largest linear, so prompts take every thread untimed.
 THREADS = ThreadChoice()
 
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -138,6 +139,7 @@ class NativeLayers:
         self.scale = model.layers[0].self_attn.scale
         self._max_work = max(lin.out_features * lin.in_features for lin in model.modules()
                              if isinstance(lin, GGUFLinear) and lin is not getattr(model, "lm_head", None))
+        self._model_key = (len(model.layers), self._max_work)  # this model's calls time apart from another's
         self._shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
         self._keep: list[torch.Tensor] = []  # contiguous copies the structs point at
@@ -169,7 +171,8 @@ class NativeLayers:
     def _run(self, kind: str, size: int, rows: int, fn, *args) -> None:
         """fn(*args, threads) with the thread count this kind of call over `size` rows (`rows`, or the power of
         two a prompt's rows are timed as) takes (`THREADS`)."""
-        rc = THREADS.run(kind, size, rows * self._max_work, torch.get_num_threads(), partial(fn, *args))
+        rc = THREADS.run((kind, self._model_key), size, rows * self._max_work, torch.get_num_threads(),
+                         partial(fn, *args))
         if rc != 0:
             raise LayerKernelError(f"{kind} over {rows} rows returned {rc}")
 

@@ -17,8 +17,8 @@ SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
 GEMM_SOURCE = Path(__file__).with_name("gguf_gemm.cpp")  # the prompt GEMM, #included by SOURCE
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
 BLOCK = 32  # weights a block
-# Each kind of call (format, shape) and row count times one thread against all of torch's on its first calls and
-# keeps the faster (`engine.thread_choice`: waking a passive OpenMP thread costs as much as a small linear's work).
+# One thread or all of torch's per call, chosen per kind of call (format, shape) by timing its row counts on their
+# first calls (`engine.thread_choice`: waking a passive OpenMP thread costs as much as a small linear's work).
 THREADS = ThreadChoice()
 
 
