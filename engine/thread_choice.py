@@ -38,8 +38,10 @@ from dataclasses import dataclass, field
 
 TRIALS = 3  # timed calls of each thread count before choosing
 # Calls of a kind after which a size still timing both (met a few times, never again) stops giving larger sizes
-# every thread: they time themselves.
-STALE = 4 * TRIALS
+# every thread: they time themselves. Not much shorter: under the adaptive policy a batch-8 run meets its smallest
+# row count (no lane drafting) only every few dozen calls, and at 12 the sizes above it took turns timing
+# themselves (13-20 calls on one thread a run against 2 with no limit, measured).
+STALE = 64
 RECHECK_FIRST = 16  # calls after a choice (or a change of it) before the other count is timed again
 RECHECK = 256  # the longest interval between re-timings of the count not chosen
 KEEP = 3  # latest timings kept per count: their median decides
