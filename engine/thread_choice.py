@@ -110,16 +110,21 @@ class ThreadChoice:
         kind's last STALE calls); None (time this size) otherwise."""
         for other, t in sizes.items():
             timing = t.chosen is None and now - t.last <= STALE
-            if other < size and (timing or (t.chosen is not None and t.chosen > 1)):
+            if other < size and (timing or t.chosen not in (None, 1)):
                 return max_threads
         return None
+
+    @staticmethod
+    def _short(t: _Timings, counts: tuple[int, int]) -> list[int]:
+        """The counts still short of their TRIALS timings."""
+        return [c for c in counts if len(t.seconds.get(c, ())) < TRIALS]
 
     @staticmethod
     def _settle(t: _Timings, max_threads: int) -> None:
         """Once both counts have their trials: the faster by the median; a new choice (the first, or the load
         changed it) has the other count re-timed soon."""
         counts = (1, max_threads)
-        if any(len(t.seconds.get(c, ())) < TRIALS for c in counts):
+        if ThreadChoice._short(t, counts):
             return
         best = min(counts, key=t.median)
         if best != t.chosen:
@@ -130,7 +135,7 @@ class ThreadChoice:
         counts = (1, max_threads)
         if t.chosen not in (None, *counts):  # torch's thread count changed since: time the new count first
             t.chosen = None
-        short = [c for c in counts if len(t.seconds.get(c, ())) < TRIALS]
+        short = ThreadChoice._short(t, counts)
         if short or t.chosen is None:
             return short[t.calls % len(short)] if short else counts[1]
         if t.calls >= t.next_check:
