@@ -6,11 +6,12 @@
 
 Same checkpoint (the serving default, SmolLM2-135M-Instruct: its GGUF converted to fp32 for specstep, vLLM and
 transformers; the GGUF file itself, Q4_1, for llama.cpp), same prompts (held-out standard library code, and
-chat-formatted prose questions), greedy, batch 1 and 8. Modes: specstep plain / ngram / mtp (each with the
-default adaptive policy and with a fixed k); vLLM plain / ngram (fixed k); transformers plain and prompt lookup,
-llama.cpp plain and prompt lookup (both batch 1 only). Prints tokens/s, the ratios the README's goals are stated
-in, and whether each engine's tokens equal specstep plain's and its own plain decoding's. Engines run one after
-another on the same 2 threads; with --repeats, whole sweeps alternate and tables report medians and ranges.
+chat-formatted prose questions), greedy, batch 1 and 8. Modes: specstep plain / ngram / mtp (each with the default
+adaptive policy and with a fixed k; with `--activations fp32,int8` also with int8 activations); vLLM plain / ngram
+(fixed k); transformers plain and prompt lookup, llama.cpp plain and prompt lookup (both batch 1 only). Prints
+tokens/s, the ratios the README's goals are stated in, and whether each engine's tokens equal specstep plain's and
+its own plain decoding's. Engines run one after another on the same 2 threads; with --repeats, whole sweeps
+alternate and tables report medians and ranges.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def prose_prompts(model: str) -> list[list[int]]:
     return [tok.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n") for q in PROSE]
 
 
-def specstep_modes(model: str, k: int) -> dict[str, EngineConfig]:
-    base = dict(model=model, overlap=False, threads=2, num_spec_tokens=k, max_batch_size=8)
+def specstep_modes(model: str, k: int, activations: str = "fp32") -> dict[str, EngineConfig]:
+    base = dict(model=model, overlap=False, threads=2, num_spec_tokens=k, max_batch_size=8, activations=activations)
     modes = {"plain": EngineConfig(**base, spec="none"),
              "ngram": EngineConfig(**base, spec="ngram", spec_policy="adaptive"),
              f"ngram k={k}": EngineConfig(**base, spec="ngram", spec_policy="fixed")}
@@ -152,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--llamacpp-threads", default="2", help="llama.cpp's n_threads, comma-separated for several "
                     "(its spinning barriers collapse when a core is busy with other work); 2 reports as llamacpp, "
                     "others as llamacpp-Nt")
+    ap.add_argument("--activations", default="fp32", help="specstep's --activations, comma-separated for several: "
+                    "fp32 reports as specstep, int8 as specstep-int8 (its tokens compared with specstep's fp32 "
+                    "plain and with its own plain)")
     ap.add_argument("--repeats", type=int, default=1, help="whole sweeps; tables report the median time")
     ap.add_argument("--json", help="write every figure here")
     return ap
@@ -163,6 +167,7 @@ def main() -> None:
     model = str(resolve_model(reference))
     args.gguf = Path(reference) if Path(reference).is_file() else gguf_file_in(Path(reference))
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.activations = args.activations.split(",")
     args.llamacpp_threads = [int(t) for t in args.llamacpp_threads.split(",")]
     makers = {"code": lambda: code_prompts(args.prompts, args.prompt_tokens, seed=5, model=model),
               "prose": lambda: prose_prompts(model)[:args.prompts]}
@@ -204,18 +209,21 @@ def median_of_rounds(rounds: list[dict]) -> dict:
 
 def one_round(args, model: str, sets: dict, b1: dict, params: SamplingParams, only: set | None,
               skip: set) -> dict:
-    out: dict = {"specstep": {}}
-    for mode, cfg in specstep_modes(model, args.k).items():
-        if only is not None and mode not in only:
-            continue
-        for name in sets:
-            for batch, prompts in ((b, b1[name] if b == 1 else sets[name]) for b in args.batches):
-                r = run_engine(cfg, prompts, params, batch)
-                out["specstep"][f"{mode}/{name}/b{batch}"] = {
-                    "seconds": r.seconds, "tokens": r.tokens, "outputs": r.outputs,
-                    "mean_accepted_length": r.mean_accepted_length}
-                console.print(f"specstep {mode} {name} b{batch}: {r.tok_per_s:.1f} tok/s, mean accepted length "
-                              f"{r.mean_accepted_length:.2f}")
+    out: dict = {}
+    for activations in args.activations:
+        engine = "specstep" if activations == "fp32" else f"specstep-{activations}"
+        out[engine] = {}
+        for mode, cfg in specstep_modes(model, args.k, activations).items():
+            if only is not None and mode not in only:
+                continue
+            for name in sets:
+                for batch, prompts in ((b, b1[name] if b == 1 else sets[name]) for b in args.batches):
+                    r = run_engine(cfg, prompts, params, batch)
+                    out[engine][f"{mode}/{name}/b{batch}"] = {
+                        "seconds": r.seconds, "tokens": r.tokens, "outputs": r.outputs,
+                        "mean_accepted_length": r.mean_accepted_length}
+                    console.print(f"{engine} {mode} {name} b{batch}: {r.tok_per_s:.1f} tok/s, mean accepted "
+                                  f"length {r.mean_accepted_length:.2f}")
     if "transformers" not in skip:
         out["transformers"] = run_transformers(model, b1, args.new_tokens, args.k, only)
     for threads in args.llamacpp_threads if "llamacpp" not in skip and 1 in args.batches else []:

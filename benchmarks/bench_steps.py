@@ -3,11 +3,12 @@ decode step, per batch size and CPU kernel setting, side by side in one run (set
 
     python -m benchmarks.bench_steps [--model M] [--batches 1,8] [--k 4] [--reps 30] [--modes auto/off,auto/on]
 
-A mode is `--cpu-linear[/--batch-invariant[/--quantization[/--cpu-layers]]]`: auto/off is the per-row kernel
-plan with SDPA attention, auto/on (the default) one oneDNN kernel for every row count with the batch-invariant
-attention, and on a GGUF model the file's quantised blocks in the GGUF kernel (`--quantization auto`) with the
-decoder layers in C++ (`--cpu-layers auto`); auto/on/none keeps the dequantised fp32 weights, auto/on/auto/torch
-the GGUF kernel inside eager torch layers.
+A mode is `--cpu-linear[/--batch-invariant[/--quantization[/--cpu-layers[/--activations]]]]`: auto/off is the
+per-row kernel plan with SDPA attention, auto/on (the default) one oneDNN kernel for every row count with the
+batch-invariant attention, and on a GGUF model the file's quantised blocks in the GGUF kernel (`--quantization
+auto`) with the decoder layers in C++ (`--cpu-layers auto`); auto/on/none keeps the dequantised fp32 weights,
+auto/on/auto/torch the GGUF kernel inside eager torch layers, auto/on/auto/auto/int8 the C++ layers with int8
+activations.
 
 A step here is `StepEngine.decode_context` + `run_decode` + reading the outputs back: batch building, the target
 forward, logits, sampling / rejection sampling and the host sync, exactly what `EngineCore` runs per step.
@@ -213,10 +214,12 @@ def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts
     # draft cost from an engine with the head, on the last mode's kernels.
     def timer(m: str, spec: str) -> StepTimer:
         parts = m.split("/")
-        linear, invariant, quantization, layers = (parts + ["on", "auto", "auto"][len(parts) - 1:])[:4]
+        defaults = ["on", "auto", "auto", "fp32"][len(parts) - 1:]
+        linear, invariant, quantization, layers, activations = (parts + defaults)[:5]
         return StepTimer(EngineConfig(model=model, spec=spec, num_spec_tokens=args.k, overlap=False,
                                       threads=args.threads, cpu_linear=linear, batch_invariant=invariant != "off",
-                                      quantization=quantization, cpu_layers=layers, max_batch_size=max_batch),
+                                      quantization=quantization, cpu_layers=layers, activations=activations,
+                                      max_batch_size=max_batch),
                          prompts[:b], args.k)
 
     timers = {m: timer(m, "ngram") for m in modes}

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from benchmarks.common import console, table
 
-ENGINES = {"specstep": "specstep", "vllm": "vLLM", "transformers": "transformers"}
+ENGINES = {"specstep": "specstep", "specstep-int8": "specstep, int8 activations", "vllm": "vLLM",
+           "transformers": "transformers"}
 
 
 def engines(results: dict) -> dict[str, str]:
@@ -119,16 +120,26 @@ def goals(results: dict) -> None:
                              f"{mark(best_s[0] / best_v[0], spec_goal)}")
             if name == "code" and batch == "b1" and sp and best_s[0]:
                 lines.append(f"code b1: best specstep ({best_s[1]}) / specstep plain = {mark(best_s[0] / sp, 2)}")
+            ours = [e for e in engines(results) if e.startswith("specstep")]
+            for engine in ours[1:]:  # other activations: against their own plain and specstep's fp32
+                own, best_o = tps(results, engine, f"plain{suffix}"), best(results, engine, suffix)
+                if own and sp:
+                    lines.append(f"{name} {batch}: {engine} plain / specstep plain = {own / sp:.2f}")
+                if own and best_o[0]:
+                    lines.append(f"{name} {batch}: best {engine} ({best_o[1]}) / {engine} plain = "
+                                 f"{best_o[0] / own:.2f}")
             for engine, label in engines(results).items():
                 if not engine.startswith("llamacpp"):
                     continue
                 lp = tps(results, engine, f"plain{suffix}")
-                if sp and lp:
-                    lines.append(f"{name} {batch}: specstep plain / {label} plain = {sp / lp:.2f}")
                 best_l = best(results, engine, suffix, speculative=False)
-                top_s = best(results, "specstep", suffix, speculative=False)
-                if top_s[0] and best_l[0]:
-                    lines.append(f"{name} {batch}: fastest specstep ({top_s[1]}) / fastest {label} ({best_l[1]}) = "
-                                 f"{top_s[0] / best_l[0]:.2f}")
+                for ours_engine in ours:
+                    op = tps(results, ours_engine, f"plain{suffix}")
+                    if op and lp:
+                        lines.append(f"{name} {batch}: {ours_engine} plain / {label} plain = {op / lp:.2f}")
+                    top_s = best(results, ours_engine, suffix, speculative=False)
+                    if top_s[0] and best_l[0]:
+                        lines.append(f"{name} {batch}: fastest {ours_engine} ({top_s[1]}) / fastest {label} "
+                                     f"({best_l[1]}) = {top_s[0] / best_l[0]:.2f}")
     for line in lines:
         console.print(line)

@@ -21,6 +21,7 @@ LINEAR_MODES = ("auto", "matmul", "onednn")
 HALF_CHOICES = ("auto", "off")
 QUANTIZATION_CHOICES = ("auto", "gguf", "none")
 LAYER_CHOICES = ("auto", "torch")
+ACTIVATION_CHOICES = ("fp32", "int8")
 # bf16 must be this much faster than fp32 (decode and verify rows together) to be taken: it changes the numerics.
 BF16_MARGIN = 0.95
 
@@ -37,6 +38,7 @@ class CpuKernels:
     batch_invariant: bool = True
     quantization: str = "auto"
     layers: str = "auto"  # auto: a GGUF model's decoder layers in C++ where they run (`--cpu-layers`) | torch
+    activations: str = "fp32"  # int8: the GGUF kernel quantises activations per 32-value block (`--activations`)
 
     def __post_init__(self) -> None:
         if self.linear not in LINEAR_MODES:
@@ -48,6 +50,10 @@ class CpuKernels:
                              f"got {self.quantization!r}")
         if self.layers not in LAYER_CHOICES:
             raise ValueError(f"layers must be one of {', '.join(LAYER_CHOICES)}, got {self.layers!r}")
+        if self.activations not in ACTIVATION_CHOICES:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATION_CHOICES)}, got {self.activations!r}")
+        if self.activations != "fp32" and self.quantization == "none":
+            raise ValueError(f"{self.activations} activations run in the GGUF kernel: not with quantization none")
 
 
 @dataclass(frozen=True, slots=True)

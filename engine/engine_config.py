@@ -241,10 +241,18 @@ class EngineConfig:
                 "specstep's C++ (one call a decode, verify, draft or refill step; built with g++ at the first "
                 "start) where they run here; torch: eager torch ops around the GGUF kernel",
         choices=("auto", "torch"))
+    activations: str = option(
+        "fp32", "CPU, GGUF checkpoints: int8 quantises each linear's input per 32 values (scale amax / 127, as "
+                "llama.cpp does for these formats) and multiplies in integers: faster decode and verify steps, "
+                "not exact against fp32 (speculative output still equals plain output under it, bitwise); fp32: "
+                "exact", choices=("fp32", "int8"))
 
     def __post_init__(self) -> None:
         for f in fields(self):
             check_option(f, getattr(self, f.name))
+        if self.activations != "fp32" and self.quantization == "none":
+            raise InvalidOption(f"--activations {self.activations} runs in the GGUF kernel: not with "
+                                "--quantization none")
 
     @property
     def chunked_prefill(self) -> str:
@@ -258,7 +266,7 @@ class EngineConfig:
         """What the CPU's linears and attention may run; `--dtype auto` lets linears take bf16 weights where this
         CPU runs them faster, `--dtype float32` keeps them exact."""
         return CpuKernels(self.cpu_linear, "auto" if self.dtype == "auto" else "off", self.batch_invariant,
-                          self.quantization, self.cpu_layers)
+                          self.quantization, self.cpu_layers, self.activations)
 
     @property
     def draft_path(self) -> str | None:

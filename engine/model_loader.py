@@ -55,14 +55,18 @@ def _quantized(model: LlamaForCausalLM, folder: Path, kernels: str | CpuKernels,
     """Read a GGUF checkpoint's quantised blocks as they are where `kernels.quantization` allows it (a bare
     `--cpu-linear` mode keeps the fp32 plans it names); the ready line's note."""
     source = folder / "specstep_source.json"
-    if not isinstance(kernels, CpuKernels) or kernels.quantization == "none" or not source.is_file():
+    if not isinstance(kernels, CpuKernels) or kernels.quantization == "none":
         return ""
+    if not source.is_file():  # a Hugging Face folder (a draft beside a GGUF target, say): fp32 throughout
+        return "" if kernels.activations == "fp32" else "fp32 activations (not a GGUF checkpoint)"
     if tp.world_size > 1:  # shards would cut blocks: tensor-parallel ranks keep fp32 weights
-        if kernels.quantization == "gguf":
-            raise ConfigError("--quantization gguf does not run with --tensor-parallel-size > 1")
+        if kernels.quantization == "gguf" or kernels.activations != "fp32":
+            raise ConfigError(f"--quantization gguf / --activations {kernels.activations} do not run with "
+                              "--tensor-parallel-size > 1")
         return "fp32 weights (GGUF blocks are not sharded across tensor-parallel ranks)"
     gguf_path = Path(json.loads(source.read_text())["gguf"])
-    return use_gguf_linears(model, folder, gguf_path, required=kernels.quantization == "gguf")
+    return use_gguf_linears(model, folder, gguf_path, required=kernels.quantization == "gguf",
+                            activations=kernels.activations)
 
 
 def use_cpu_kernels(net: torch.nn.Module, kernels: str | CpuKernels) -> None:

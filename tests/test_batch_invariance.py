@@ -124,21 +124,25 @@ def proposers(tiny_target, tmp_path_factory):
             "mtp": dict(spec="mtp", draft=str(make_mtp_head(tmp_path_factory.mktemp("h") / "h", tiny_target)))}
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft_model", "mtp", "ngram_gguf_q4_1"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model", "mtp", "ngram_gguf_q4_1", "ngram_gguf_q4_1_int8"])
 def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, request, tiny_target):
     """Each verify row whose inputs are plain decoding's (every earlier draft of its step accepted) has plain
     decoding's logits at that position, bitwise: the target's own draft accepts all (draft_model), n-gram
     drafts from a repetitive prompt, the random MTP head mostly only the first row; and n-gram on a Q4_1 GGUF
-    target whose linears read its blocks."""
-    gguf = proposer == "ngram_gguf_q4_1"
+    target whose linears read its blocks, with fp32 or int8 activations."""
+    gguf = proposer.startswith("ngram_gguf_q4_1")
+    kernels = dict(activations="int8") if proposer.endswith("_int8") else {}
     if gguf:
         tiny_target, proposer = request.getfixturevalue("tiny_gguf"), "ngram"
     prompt = [7, 8, 9, 10] * 3
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    plain_core = make_core(tiny_target, page_size=PAGE)
+    plain_core = make_core(tiny_target, page_size=PAGE, **kernels)
     plain_logits = record_target_logits(plain_core)
     (plain,) = run_to_completion(plain_core, [prompt], params)
-    core = make_core(tiny_target, page_size=PAGE, num_spec_tokens=4, spec_policy="fixed", **proposers[proposer])
+    core = make_core(tiny_target, page_size=PAGE, num_spec_tokens=4, spec_policy="fixed", **proposers[proposer],
+                     **kernels)
+    if kernels:
+        assert {m.activations for m in core.engine.target.modules() if isinstance(m, GGUFLinear)} == {"int8"}
     spec_logits = record_target_logits(core)
     assert gguf == any(isinstance(m, GGUFLinear) for m in core.engine.target.modules())
     (spec,) = run_to_completion(core, [prompt], params)

@@ -39,8 +39,8 @@ GIVEN = {"model": ("m", "m"), "spec": ("ngram", "ngram"), "draft": ("d", "d"), "
          "threads": ("3", 3), "spec_policy": ("fixed", "fixed"), "spec_objective": ("latency", "latency"),
          "spec_itl_budget": ("1.5", 1.5), "spec_delta": ("0.05", 0.05), "spec_epsilon": ("0.1", 0.1),
          "overlap": ("on", True), "graphs": ("on", "on"), "attention": ("torch", "torch"),
-         "cpu_linear": ("matmul", "matmul"), "batch_invariant": ("off", False), "quantization": ("none", "none"),
-         "cpu_layers": ("torch", "torch")}
+         "cpu_linear": ("matmul", "matmul"), "batch_invariant": ("off", False), "quantization": ("gguf", "gguf"),
+         "cpu_layers": ("torch", "torch"), "activations": ("int8", "int8")}
 # A value every field with a rule rejects.
 INVALID = {"spec": "eagle", "num_spec_tokens": 17, "draft_vocab": -1, "page_size": 0, "kv_cache_tokens": 0,
            "num_pages": 1, "gpu_memory_utilization": 1.5, "tensor_parallel_size": 0, "max_batch_size": 0,
@@ -48,7 +48,7 @@ INVALID = {"spec": "eagle", "num_spec_tokens": 17, "draft_vocab": -1, "page_size
            "dtype": "int8", "device": "tpu", "threads": 0, "spec_policy": "greedy", "spec_objective": "cost",
            "spec_itl_budget": 0.5, "spec_delta": 1.0, "spec_epsilon": 0.0, "graphs": "yes", "attention": "sdpa",
            "cpu_linear": "mkl", "overlap": "auto", "batch_invariant": "on", "quantization": "q4",
-           "cpu_layers": "compiled"}
+           "cpu_layers": "compiled", "activations": "bf16"}
 
 
 def parser(command: str) -> argparse.ArgumentParser:

@@ -34,8 +34,8 @@ def gguf_model(tiny_target, tmp_path_factory):
     return converted_folder(write_gguf(tmp / "t.gguf", tiny_target, qtype="Q4_1"), cache=tmp)
 
 
-def load(model, layers: str):
-    return load_model(model, "cpu", "float32", CpuKernels(layers=layers))
+def load(model, layers: str, activations: str = "fp32"):
+    return load_model(model, "cpu", "float32", CpuKernels(layers=layers, activations=activations))
 
 
 def steps(net):
@@ -87,6 +87,21 @@ def test_one_call_a_step_and_per_layer_calls_give_the_same_bits(gguf_model, monk
     monkeypatch.setattr(type(net.attention), "runs_kernel", lambda *a: False)  # every step per layer
     again = steps(net)
     assert all(torch.equal(a, b) for a, b in zip(again, (prompt, single, verify, beside), strict=True))
+
+
+def test_int8_activations_keep_verify_rows_bitwise_and_stay_near_the_fp32_logits(gguf_model):
+    """`--activations int8` in the C++ layers: a verify step's rows are the decode steps' bits (alone and beside
+    another lane), and the logits stay near the exact fp32 layers' (about 1% of the largest logit on this random
+    model, as near as the torch layers over the same int8 kernel are: a rounding apart before a quantisation
+    moves a value by a quantisation step; prompt rows take the fp32 prompt GEMM in the C++ layers)."""
+    net, eager, exact = load(gguf_model, "auto", "int8"), load(gguf_model, "torch", "int8"), load(gguf_model, "auto")
+    assert "int8 activations" in describe_cpu_kernels(net)
+    prompt, single, verify, beside = steps(net)
+    assert torch.equal(verify, single) and torch.equal(beside[: len(NEXT)], single)
+    for a, b, c in zip(steps(net), steps(eager), steps(exact), strict=True):
+        scale = c.abs().max()
+        assert (a - b).abs().max() < 5e-2 * scale
+        assert 1e-4 * scale < (a - c).abs().max() < 5e-2 * scale  # int8, not fp32: near it
 
 
 def test_prompt_rows_take_the_gemm_and_decode_rows_beside_them_keep_their_bits(gguf_model):

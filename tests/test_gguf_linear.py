@@ -1,7 +1,7 @@
 """The GGUF kernel (`engine/models/gguf_kernel.cpp`) and the linears that use it: results are the dequantised
-weights' products up to fp32 rounding, every row's bits are independent of the rows beside it and of the threads,
-a GGUF checkpoint loads onto it (and off it with `--quantization none`), and its greedy output is the fp32
-model's."""
+weights' products up to fp32 rounding (with int8 activations: the quantised activations' products, the header's
+arithmetic), every row's bits are independent of the rows beside it and of the threads, a GGUF checkpoint loads
+onto it (and off it with `--quantization none`), and its greedy output is the fp32 model's."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from tests.helpers import make_checkpoint, make_core, run_to_completion
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"GGUF kernel unavailable: {unavailable()}")
 
 FORMATS = ["Q4_1", "Q8_0"]
+KERNEL_FORMATS = [*FORMATS, "Q4_1/int8", "Q8_0/int8"]
 
 
 def quantised(fmt: str, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,11 +60,58 @@ def test_prompt_gemm_is_the_fp32_product_and_row_invariant(fmt):
         assert torch.equal(gguf_gemm(x[start: start + m], blocks, 67, fmt, bias, threads=2), alone[start: start + m])
 
 
+def int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor) -> torch.Tensor:
+    """fp64 of `gguf_kernel.cpp`'s int8 arithmetic: each 32-value block of a row quantised in fp32 (d = amax / 127,
+    q = round-half-even(x * (127 / amax)), s = the block's sum), then sum_b d_w d_x (q_w . q_x) + m_w s."""
+    xb = x.numpy().reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(-1)
+    d_x = amax / np.float32(127)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    q_x = np.rint(xb * inv[..., None]).astype(np.float64)  # fp32 product, then nearest-even
+    raw = blocks.numpy().reshape(blocks.shape[0], xb.shape[1], -1)
+    d_w = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    if fmt == "Q4_1":
+        m_w = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        q_w = np.concatenate([raw[..., 4:] & 15, raw[..., 4:] >> 4], -1).astype(np.float64)
+    else:
+        m_w, q_w = np.zeros_like(d_w), raw[..., 2:].view(np.int8).astype(np.float64)
+    dots = np.einsum("mbk,nbk->mnb", q_x, q_w)
+    y = (dots * d_x[:, None, :] * d_w[None]).sum(-1) + (m_w[None] * xb.astype(np.float64).sum(-1)[:, None]).sum(-1)
+    return torch.from_numpy(y + bias.double().numpy())
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_int8_activations_compute_the_quantised_product(fmt):
+    """`--activations int8`: the kernel's result is the quantised activations' product with the blocks (fp64
+    reference of the header's arithmetic) to fp32 rounding, a row of zeros and a block of ties included, and it
+    is the fp32 product to within int8 quantisation's error."""
+    blocks, w = quantised(fmt, 200, 576, seed=3)
+    x, bias = torch.randn(9, 576), torch.randn(200)
+    x[3] = 0.0  # amax = 0: d = 0, q = 0
+    x[4, :32] = torch.tensor([127.0, 0.5, -0.5, 1.5, -2.5] + [0.25] * 27)  # x * 127 / amax lands on .5: ties
+    ref = int8_reference(x, blocks, fmt, bias)
+    got = gguf_linear(x, blocks, 200, f"{fmt}/int8", bias)
+    assert got.dtype == torch.float32 and got.shape == (9, 200)
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert torch.equal(got[3], bias)
+    gaussian = [0, 1, 2, 5, 6, 7, 8]  # (row 4's outlier makes its first block coarse)
+    exact = x[gaussian].double() @ w.double().T + bias.double()
+    err = (got[gaussian].double() - exact).abs().max() / exact.abs().max()
+    assert 1e-4 < err < 3e-2  # quantised (not the fp32 product), and close to it
+
+
+def test_int8_activations_reject_inputs_wider_than_the_kernel_takes():
+    blocks, _ = quantised("Q8_0", 2, 32 * 1025)
+    with pytest.raises(gguf_kernel.KernelError, match="returned -1"):
+        gguf_linear(torch.randn(1, 32 * 1025), blocks, 2, "Q8_0/int8")
+    assert gguf_linear(torch.randn(1, 32 * 1025), blocks, 2, "Q8_0").shape == (1, 2)
+
+
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(fmt):
     """Every row count a step can have (1 to 40: decode, verify, mixed) and prompts of 130 and 1,100 rows (past the
     kernel's 256-row blocks at this width), every row position, 1 and 2 threads: bitwise the row alone."""
-    blocks, _ = quantised(fmt, 67, 192, seed=1)  # 67 rows: a partial last work item
+    blocks, _ = quantised(fmt.split("/")[0], 67, 192, seed=1)  # 67 rows: a partial last work item
     x = torch.randn(1100, 192)
     alone = torch.cat([gguf_linear(x[i: i + 1], blocks, 67, fmt, threads=1) for i in range(1100)])
     for m in [*range(1, 18), 40, 130, 1100]:
@@ -124,3 +172,26 @@ def test_quantization_gguf_where_the_kernel_cannot_run_is_a_config_error(tmp_pat
     auto = load_model(path, "cpu", "float32", CpuKernels(quantization="auto"))
     assert not any(isinstance(m, GGUFLinear) for m in auto.modules())
     assert "GGUF kernel unavailable: this CPU lacks AVX2" in describe_cpu_kernels(auto)
+
+
+def test_int8_activations_need_the_gguf_kernel(tmp_path, cache, monkeypatch):
+    """`--activations int8` is the GGUF kernel's: with `--quantization none`, on a checkpoint that is not GGUF or
+    where the kernel cannot run it is a typed error, never a silent fp32 run; a Hugging Face draft beside a GGUF
+    target keeps fp32 and says so."""
+    from specstep.engine.engine_config import EngineConfig, InvalidOption
+
+    src = make_checkpoint(tmp_path / "src", seed=5, tokenizer=True)
+    path = write_gguf(tmp_path / "m.gguf", src, qtype="Q4_1")
+    with pytest.raises(InvalidOption, match="--activations int8 runs in the GGUF kernel"):
+        EngineConfig(model=str(path), activations="int8", quantization="none")
+    with pytest.raises(ValueError, match="not with quantization none"):
+        CpuKernels(quantization="none", activations="int8")
+    with pytest.raises(ConfigError, match="not a GGUF checkpoint"):
+        make_core(src, activations="int8")
+    hf = load_model(src, "cpu", "float32", CpuKernels(activations="int8"))
+    assert "fp32 activations (not a GGUF checkpoint)" in describe_cpu_kernels(hf)
+    int8 = load_model(path, "cpu", "float32", CpuKernels(activations="int8"))
+    assert {m.kernel_fmt for m in int8.modules() if isinstance(m, GGUFLinear)} == {"Q4_1/int8"}
+    monkeypatch.setattr("specstep.engine.models.gguf_linear.unavailable", lambda: "this CPU lacks AVX2")
+    with pytest.raises(ConfigError, match="--activations int8: the GGUF kernel cannot run here: this CPU lacks"):
+        load_model(path, "cpu", "float32", CpuKernels(activations="int8"))

@@ -283,7 +283,7 @@ void phase_out(const Shape *s, const Layer *L, float *x, int64_t M, const float 
 bool layer_ok(const Shape *s, const Layer *L) {
     const int64_t qn = s->heads * s->head_dim, width = qn + 2 * s->kv_heads * s->head_dim;
     auto ok = [](const Linear &l, int64_t n, int64_t k) {
-        return l.n == n && l.k == k && l.k % 32 == 0 && (l.fmt == 0 || l.fmt == 1);
+        return l.n == n && l.k == k && l.k % 32 == 0 && gguf_kernel::fmt_ok(l.fmt, l.k);
     };
     return s->hidden % 8 == 0 && s->inter % 8 == 0 && s->head_dim % 8 == 0 && s->head_dim <= 256 &&
            s->heads % s->kv_heads == 0 && ok(L->qkv, width, s->hidden) && ok(L->o, s->hidden, qn) &&

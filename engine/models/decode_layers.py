@@ -29,7 +29,7 @@ from specstep.engine.attention.invariant_attention import MAX_QUERY_ROWS
 from specstep.engine.forward_batch import AttentionMetadata, ForwardBatch, SplitAttention
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.models import gguf_kernel
-from specstep.engine.models.gguf_kernel import FORMATS
+from specstep.engine.models.gguf_kernel import fmt_code
 from specstep.engine.models.gguf_linear import GGUFLinear
 from specstep.engine.native import load_kernel
 from specstep.engine.thread_choice import ThreadChoice
@@ -125,7 +125,7 @@ def _linear(lin: GGUFLinear, keep: list[torch.Tensor]) -> _Linear:
     if bias is not None:
         keep.append(bias)
     return _Linear(lin.blocks.data_ptr(), 0 if bias is None else bias.data_ptr(), lin.out_features,
-                   lin.in_features, FORMATS[lin.fmt])
+                   lin.in_features, fmt_code(lin.kernel_fmt))
 
 
 class NativeLayers:

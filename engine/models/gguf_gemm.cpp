@@ -90,7 +90,7 @@ inline int64_t panel_floats(int64_t K) { return K * PANEL; }
 
 inline void gemm_range(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int fmt, const float *bias,
                        float *y, int64_t n0, int64_t n1, float *P) {
-    if (fmt == 0) gemm_range<Q41>(x, M, K, w, N, bias, y, n0, n1, P);
+    if ((fmt & 1) == 0) gemm_range<Q41>(x, M, K, w, N, bias, y, n0, n1, P);  // fp32 activations whatever bit 1 says
     else gemm_range<Q80>(x, M, K, w, N, bias, y, n0, n1, P);
 }
 }  // namespace gguf_kernel

@@ -1,5 +1,7 @@
-"""Call `gguf_kernel.cpp`: GGUF's quantised blocks (Q4_1, Q8_0) times fp32 activations (built and loaded by
-`engine.native`; where it cannot run, `unavailable()` says why and the loader keeps the dequantised fp32 weights).
+"""Call `gguf_kernel.cpp`: GGUF's quantised blocks (Q4_1, Q8_0) times fp32 activations, or times activations
+quantised to int8 per 32-value block (`--activations int8`, llama.cpp's arithmetic: faster, not exact), built and
+loaded by `engine.native`; where it cannot run, `unavailable()` says why and the loader keeps the dequantised fp32
+weights.
 """
 
 from __future__ import annotations
@@ -16,6 +18,18 @@ from specstep.engine.thread_choice import ThreadChoice
 SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
 GEMM_SOURCE = Path(__file__).with_name("gguf_gemm.cpp")  # the prompt GEMM, #included by SOURCE
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
+ACTIVATIONS = {"fp32": 0, "int8": 2}  # `--activations` -> the `fmt` argument's bit 1
+
+
+def kernel_fmt(fmt: str, activations: str = "fp32") -> str:
+    """The kernel's name for GGML type `fmt` times `activations`: "Q4_1", or "Q4_1/int8"."""
+    return fmt if activations == "fp32" else f"{fmt}/{activations}"
+
+
+def fmt_code(name: str) -> int:
+    """The kernel's `fmt` argument for a `kernel_fmt` name."""
+    fmt, _, act = name.partition("/")
+    return FORMATS[fmt] | ACTIVATIONS[act or "fp32"]
 BLOCK = 32  # weights a block
 # One thread or all of torch's per call, chosen per kind of call (format, shape) by timing its row counts on their
 # first calls (`engine.thread_choice`: waking a passive OpenMP thread costs as much as a small linear's work).
@@ -46,8 +60,9 @@ def unavailable() -> str:
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: str,
                 bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """x [..., K] float32 on CPU @ W.T (+ bias): W [out_features, K] as `blocks` [out_features, K / 32 blocks]
-    uint8 of GGML type `fmt`. Threads: one or all of torch's, whichever this kind of call measured faster
-    (`THREADS`), unless given; the result does not depend on them."""
+    uint8 of GGML type `fmt`, or `kernel_fmt(type, "int8")` for int8 activations. Threads: one or all of
+    torch's, whichever this kind of call measured faster (`THREADS`), unless given; the result does not depend
+    on them."""
     lib, why = _build()
     if lib is None:
         raise KernelError(f"the GGUF kernel cannot run here: {why}")
@@ -59,10 +74,10 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: s
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
     m, xp, yp = x2.shape[0], x2.data_ptr(), y.data_ptr()
-    bp, wp = None if bias is None else bias.data_ptr(), blocks.data_ptr()
+    bp, wp, code = None if bias is None else bias.data_ptr(), blocks.data_ptr(), fmt_code(fmt)
 
     def call(n: int) -> int:
-        return lib.gguf_linear(xp, m, k, wp, out_features, FORMATS[fmt], bp, yp, n)
+        return lib.gguf_linear(xp, m, k, wp, out_features, code, bp, yp, n)
 
     rows = m if m <= 64 else 1 << m.bit_length()  # prompts' row counts in powers of two: fewer keys to time
     rc = call(threads) if threads else THREADS.run((fmt, out_features, k), rows, m * out_features * k,

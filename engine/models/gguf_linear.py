@@ -26,7 +26,7 @@ from torch import nn
 from specstep.engine.errors import CheckpointError, ConfigError
 from specstep.engine.gguf_checkpoint import quantized_blocks
 from specstep.engine.loader import _MERGED  # merged projection -> its Hugging Face pieces, in row order
-from specstep.engine.models.gguf_kernel import BLOCK, FORMATS, gguf_linear, unavailable
+from specstep.engine.models.gguf_kernel import ACTIVATIONS, BLOCK, FORMATS, gguf_linear, kernel_fmt, unavailable
 from specstep.engine.models.gguf_op import gguf_linear_op
 
 CHECK_ROWS = 4  # rows of each weight compared bitwise with the converted checkpoint at load
@@ -41,14 +41,18 @@ def dequantize(fmt: str, blocks: torch.Tensor, in_features: int) -> torch.Tensor
 
 
 class GGUFLinear(nn.Module):
-    """y = x @ W.T + b with W read from GGUF blocks (`blocks` [out_features, in_features / 32 blocks], uint8)."""
+    """y = x @ W.T + b with W read from GGUF blocks (`blocks` [out_features, in_features / 32 blocks], uint8);
+    `activations` "int8": x quantised per 32-value block first (`gguf_kernel.cpp`'s header: not exact)."""
 
     def __init__(self, fmt: str, blocks: torch.Tensor, in_features: int, bias: nn.Parameter | None,
-                 tied: nn.Parameter | None = None) -> None:
+                 tied: nn.Parameter | None = None, activations: str = "fp32") -> None:
         super().__init__()
         if in_features % BLOCK:
             raise CheckpointError(f"a {fmt} weight's input width {in_features} is not a multiple of {BLOCK}")
-        self.fmt = fmt
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        self.fmt, self.activations = fmt, activations
+        self.kernel_fmt = kernel_fmt(fmt, activations)
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
         self.bias = bias
@@ -65,11 +69,11 @@ class GGUFLinear(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:  # training through it: the kernel has no backward
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():  # a compiled step calls it as an opaque op
-            return gguf_linear_op(x, self.blocks, self.out_features, self.fmt, self.bias)
-        return gguf_linear(x, self.blocks, self.out_features, self.fmt, self.bias)
+            return gguf_linear_op(x, self.blocks, self.out_features, self.kernel_fmt, self.bias)
+        return gguf_linear(x, self.blocks, self.out_features, self.kernel_fmt, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, {self.fmt}"
+        return f"in={self.in_features}, out={self.out_features}, {self.kernel_fmt}"
 
 
 def _pieces(name: str, tied: bool) -> list[str]:
@@ -89,18 +93,22 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
             if type(child) is nn.Linear]
 
 
-def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: bool) -> str:
+def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: bool,
+                     activations: str = "fp32") -> str:
     """Swap the model's linears for `GGUFLinear`s over `gguf_path`'s blocks where the file stores them in a format
-    the kernel reads; returns the ready line's note ("" if none). `required` (`--quantization gguf`): where the
-    kernel cannot run, an error rather than the fp32 weights."""
+    the kernel reads; returns the ready line's note ("" if none). `required` (`--quantization gguf`, or int8
+    `activations`, which only the kernel runs): where the kernel cannot run, an error rather than the fp32
+    weights."""
+    flag = "--quantization gguf" if activations == "fp32" else f"--activations {activations}"
+    required = required or activations != "fp32"
     why = unavailable()
     if why:
         if required:
-            raise ConfigError(f"--quantization gguf: the GGUF kernel cannot run here: {why}")
+            raise ConfigError(f"{flag}: the GGUF kernel cannot run here: {why}")
         return f"fp32 weights (GGUF kernel unavailable: {why})"
     if not gguf_path.is_file():
         if required:
-            raise ConfigError(f"--quantization gguf: {folder} was converted from {gguf_path}, which is gone")
+            raise ConfigError(f"{flag}: {folder} was converted from {gguf_path}, which is gone")
         return f"fp32 weights ({gguf_path} is gone)"
     blocks = quantized_blocks(gguf_path, tuple(FORMATS))
     tied = bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
@@ -122,11 +130,14 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
                                   "weights (a stale conversion? delete it from the cache)")
         is_tied = tied and name == "lm_head" and embed is not None
         setattr(parent, child_name, GGUFLinear(fmt, rows, child.in_features, child.bias,
-                                               embed.weight if is_tied else None))
+                                               embed.weight if is_tied else None, activations))
         swapped[fmt] = swapped.get(fmt, 0) + 1
         nbytes += rows.numel()
     if not swapped:
         return ""
     kinds = ", ".join(f"{n} {fmt}" for fmt, n in sorted(swapped.items()))
+    if activations == "int8":
+        return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB) times int8 activations (llama.cpp's "
+                "arithmetic: not exact) in specstep's AVX2 kernel, batch-invariant; --activations fp32 for exact")
     return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB) in specstep's AVX2 kernel, "
             "batch-invariant; --quantization none for fp32 weights")
