@@ -139,7 +139,9 @@ class NativeLayers:
         self.scale = model.layers[0].self_attn.scale
         self._max_work = max(lin.out_features * lin.in_features for lin in model.modules()
                              if isinstance(lin, GGUFLinear) and lin is not getattr(model, "lm_head", None))
-        self._model_key = (len(model.layers), self._max_work)  # this model's calls time apart from another's
+        # this model's calls time apart from another's (a draft's; the same model's with other activations)
+        acts = sorted({lin.activations for lin in model.modules() if isinstance(lin, GGUFLinear)})
+        self._model_key = (len(model.layers), self._max_work, *acts)
         self._shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
         self._keep: list[torch.Tensor] = []  # contiguous copies the structs point at
