@@ -68,7 +68,7 @@ class LayerKernelError(RuntimeError):
 
 @cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = load_kernel(SOURCE, (gguf_kernel.SOURCE, gguf_kernel.GEMM_SOURCE, cpu_attention.SOURCE))
+    lib, why = load_kernel(SOURCE, (gguf_kernel.SOURCE, *gguf_kernel.INCLUDES, cpu_attention.SOURCE))
     if lib is None:
         return None, why
     p, c_int = ctypes.POINTER, ctypes.c_int

@@ -17,6 +17,8 @@ from specstep.engine.thread_choice import ThreadChoice
 
 SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
 GEMM_SOURCE = Path(__file__).with_name("gguf_gemm.cpp")  # the prompt GEMM, #included by SOURCE
+INT8_SOURCE = Path(__file__).with_name("gguf_int8.cpp")  # int8 activations, #included by SOURCE
+INCLUDES = (GEMM_SOURCE, INT8_SOURCE)  # what a build of SOURCE reads besides it (keys the build cache)
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
 ACTIVATIONS = {"fp32": 0, "int8": 2}  # `--activations` -> the `fmt` argument's bit 1
 
@@ -42,7 +44,7 @@ class KernelError(RuntimeError):
 
 @cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = load_kernel(SOURCE, (GEMM_SOURCE,))
+    lib, why = load_kernel(SOURCE, INCLUDES)
     if lib is not None:
         lib.gguf_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                     ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
