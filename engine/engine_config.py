@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from specstep.engine.cpu_kernels import CpuKernels
+from specstep.engine.cpu_kernels import ACTIVATION_CHOICES, CpuKernels
 from specstep.engine.errors import ConfigError
 from specstep.engine.model_source import EMBEDDED_TARGET as DEFAULT_TARGET
 from specstep.engine.model_source import default_draft, resolve_model
@@ -245,7 +245,7 @@ class EngineConfig:
         "fp32", "CPU, GGUF checkpoints: int8 quantises each linear's input per 32 values (scale amax / 127, as "
                 "llama.cpp does for these formats) and multiplies in integers: faster decode and verify steps, "
                 "not exact against fp32 (speculative output still equals plain output under it, bitwise); fp32: "
-                "exact", choices=("fp32", "int8"))
+                "exact", choices=ACTIVATION_CHOICES)
 
     def __post_init__(self) -> None:
         for f in fields(self):
