@@ -40,6 +40,7 @@ import torch
 
 from benchmarks.common import code_prompts, machine, table
 from specstep.engine.engine_config import EngineConfig
+from specstep.engine.model_loader import describe_cpu_kernels
 from specstep.engine.model_source import default_draft, default_target, resolve_model
 from specstep.engine.models.cpu_linear import CpuLinear
 from specstep.engine.models.gguf_linear import GGUFLinear
@@ -199,6 +200,8 @@ def main() -> None:
           ["kernels", "batch", "decode ms", "verify ms", "verify/decode", "fp32 floor of it", "% of floor",
            "MTP draft/decode"],
           rows)
+    for m, text in results["kernels"].items():
+        print(f"{m}: {text}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -229,6 +232,8 @@ def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts
         peak = fma_rate(torch.get_num_threads())
         results["fma_per_s"] = peak[0] if peak else None
     floors = {m: weight_bytes(t.engine.target) / (results["bandwidth_gb_s"] * 1e9) for m, t in timers.items()}
+    # what each mode's engine chose (dtype and why, kernels): the ready line's words, so a figure names its plan
+    results.setdefault("kernels", {}).update({m: describe_cpu_kernels(t.engine.target) for m, t in timers.items()})
     samples = _sample(timers, mtp, modes[-1], args.reps, args.k)
     fma = results["fma_per_s"]
     rows = []
