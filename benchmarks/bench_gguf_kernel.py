@@ -1,0 +1,81 @@
+"""The GGUF kernel alone, fp32 against int8 activations: one pass over a SmolLM2-135M-shaped stack of Q4_1
+weights (30 layers of qkv, o, gate_up and down: 66 MB of blocks, past the L3 cache, as a decode step reads them),
+per row count and thread count, side by side in one run (settings alternate every repetition).
+
+    python -m benchmarks.bench_gguf_kernel [--rows 1,5,8] [--threads 1,2] [--reps 15]
+
+Answers "is it the kernel or the step around it" when a step-level figure (bench_steps) moves on a new host.
+The blocks are random nibbles with fixed scales: the kernel's time does not depend on the values. Each linear is
+its own call here (121 a pass), where a step's C++ layers make one call: with several threads and
+OMP_WAIT_POLICY=PASSIVE each call wakes sleeping threads, so compare activations at one thread count, and trust
+threads=1 for the kernel's own rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.common import machine, table
+from specstep.engine.models.gguf_kernel import gguf_linear, kernel_fmt, unavailable
+
+BLOCK, Q4_1_BYTES = 32, 20  # a Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles for 32 weights
+HIDDEN, INTERMEDIATE, LAYERS, KV = 576, 1536, 30, 192  # SmolLM2-135M
+# (out, in) of one layer's linears as the engine merges them
+LAYER_SHAPES = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+
+
+def q4_1_blocks(out_features: int, in_features: int, rng: np.random.Generator) -> torch.Tensor:
+    nb = in_features // BLOCK
+    raw = rng.integers(0, 256, size=(out_features, nb, Q4_1_BYTES), dtype=np.uint8)
+    scales = np.array([0.01, -0.08], dtype=np.float16).view(np.uint8)  # d, m: finite, like a real file's
+    raw[:, :, :4] = scales
+    return torch.from_numpy(raw.reshape(out_features, nb * Q4_1_BYTES))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,5,8")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args()
+    if unavailable():
+        raise SystemExit(f"GGUF kernel unavailable: {unavailable()}")
+    rng = np.random.default_rng(0)
+    stack = [(q4_1_blocks(o, i, rng), o, i) for _ in range(LAYERS) for o, i in LAYER_SHAPES]
+    nbytes = sum(b.numel() for b, _, _ in stack)
+    settings = [(act, rows, threads) for act in ("fp32", "int8") for rows in map(int, args.rows.split(","))
+                for threads in map(int, args.threads.split(","))]
+    xs = {r: {i: torch.randn(r, i) for i in (HIDDEN, INTERMEDIATE)} for r in map(int, args.rows.split(","))}
+
+    def one_pass(act: str, rows: int, threads: int) -> float:
+        fmt = kernel_fmt("Q4_1", act)
+        t0 = time.perf_counter()
+        for blocks, out, inp in stack:
+            gguf_linear(xs[rows][inp], blocks, out, fmt, threads=threads)
+        return time.perf_counter() - t0
+
+    times: dict[tuple, list[float]] = {s: [] for s in settings}
+    for s in settings:  # warm: builds, first touches
+        one_pass(*s)
+    for _ in range(args.reps):
+        for s in settings:
+            times[s].append(one_pass(*s))
+    rows = []
+    for act, r, th in settings:
+        med = statistics.median(times[(act, r, th)])
+        fp32 = statistics.median(times[("fp32", r, th)])
+        lo, hi = min(times[(act, r, th)]), max(times[(act, r, th)])
+        rows.append([act, r, th, f"{med * 1e3:.2f} [{lo * 1e3:.2f}-{hi * 1e3:.2f}]", f"{nbytes / med / 1e9:.1f}",
+                     f"{fp32 / med:.2f}"])
+    table(f"GGUF kernel, one pass over {LAYERS} SmolLM2-shaped layers of Q4_1 ({nbytes / 1e6:.0f} MB), medians of "
+          f"{args.reps} [min-max] ({machine()})",
+          ["activations", "rows", "threads", "ms a pass", "GB/s", "speed vs fp32"], rows)
+
+
+if __name__ == "__main__":
+    main()
