@@ -245,7 +245,9 @@ class EngineConfig:
         "fp32", "CPU, GGUF checkpoints: int8 quantises each linear's input per 32 values (scale amax / 127, as "
                 "llama.cpp does for these formats) and multiplies in integers: faster decode and verify steps, "
                 "not exact against fp32 (speculative output still equals plain output under it, bitwise); fp32: "
-                "exact", choices=ACTIVATION_CHOICES)
+                "exact. int8 runs in AMX tiles where the CPU has AMX-INT8 (each block's products summed in "
+                "integers, verify rows nearly free), else in AVX2 lanes; int8-tiles / int8-lanes choose one",
+        choices=ACTIVATION_CHOICES)
 
     def __post_init__(self) -> None:
         for f in fields(self):

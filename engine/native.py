@@ -27,7 +27,9 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
-def _cpu_flags() -> set[str]:
+@cache
+def cpu_flags() -> set[str]:
+    """The CPU's flags (/proc/cpuinfo), empty where it cannot be read."""
     try:
         line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
     except (OSError, StopIteration):
@@ -63,7 +65,7 @@ def load_kernel(source: Path, includes: tuple[Path, ...] = ()) -> tuple[ctypes.C
     sources `source` #includes (they key the build cache with it)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None, f"not x86 ({platform.machine()})"
-    missing = [f for f in NEEDED_CPU_FLAGS if f not in _cpu_flags()]
+    missing = [f for f in NEEDED_CPU_FLAGS if f not in cpu_flags()]
     if missing:
         return None, f"this CPU lacks {'/'.join(missing).upper()}"
     missing_source = next((p for p in (source, *includes) if not p.is_file()), None)

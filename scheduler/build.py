@@ -150,7 +150,7 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
     if cfg.activations != "fp32" and device.type != "cpu":
         raise ConfigError(f"--activations {cfg.activations} is the CPU GGUF kernel's: not on {device.type}")
     target = load_model(cfg.model, device, cfg.dtype, cfg.cpu_kernels, tp=tp)
-    if cfg.activations != "fp32" and not any(getattr(m, "activations", "fp32") == cfg.activations
+    if cfg.activations != "fp32" and not any(getattr(m, "activations", "fp32") != "fp32"
                                              for m in target.modules()):
         raise ConfigError(f"--activations {cfg.activations} runs in the GGUF kernel: {cfg.model} is not a GGUF "
                           f"checkpoint it reads ({target.gguf_note or 'no GGUF blocks'})")

@@ -15,6 +15,7 @@ from specstep.engine.gguf_checkpoint import converted_folder
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.model_loader import describe_cpu_kernels, load_model
 from specstep.engine.models import decode_layers
+from specstep.engine.models.gguf_kernel import tiles_unavailable
 from specstep.engine.sampling_params import SamplingParams
 from specstep.engine.thread_choice import ThreadChoice
 from tests.fixtures_gguf import write_gguf
@@ -89,13 +90,17 @@ def test_one_call_a_step_and_per_layer_calls_give_the_same_bits(gguf_model, monk
     assert all(torch.equal(a, b) for a, b in zip(again, (prompt, single, verify, beside), strict=True))
 
 
-def test_int8_activations_keep_verify_rows_bitwise_and_stay_near_the_fp32_logits(gguf_model):
-    """`--activations int8` in the C++ layers: a verify step's rows are the decode steps' bits (alone and beside
-    another lane), and the logits stay near the exact fp32 layers' (about 1% of the largest logit on this random
-    model, as near as the torch layers over the same int8 kernel are: a rounding apart before a quantisation
-    moves a value by a quantisation step; prompt rows take the fp32 prompt GEMM in the C++ layers)."""
-    net, eager, exact = load(gguf_model, "auto", "int8"), load(gguf_model, "torch", "int8"), load(gguf_model, "auto")
+@pytest.mark.parametrize("acts", ["int8-lanes", pytest.param("int8-tiles", marks=pytest.mark.skipif(
+    bool(tiles_unavailable()), reason=f"AMX tiles: {tiles_unavailable()}"))])
+def test_int8_activations_keep_verify_rows_bitwise_and_stay_near_the_fp32_logits(gguf_model, acts):
+    """`--activations int8` in the C++ layers (AVX2 lanes; AMX tiles): a verify step's rows are the decode steps'
+    bits (alone and beside another lane), and the logits stay near the exact fp32 layers' (about 1% of the
+    largest logit on this random model, as near as the torch layers over the same int8 kernel are: a rounding
+    apart before a quantisation moves a value by a quantisation step; prompt rows take the fp32 prompt GEMM in
+    the C++ layers)."""
+    net, eager, exact = load(gguf_model, "auto", acts), load(gguf_model, "torch", acts), load(gguf_model, "auto")
     assert "int8 activations" in describe_cpu_kernels(net)
+    assert ("in AMX tiles" in describe_cpu_kernels(net)) == (acts == "int8-tiles")
     prompt, single, verify, beside = steps(net)
     assert torch.equal(verify, single) and torch.equal(beside[: len(NEXT)], single)
     for a, b, c in zip(steps(net), steps(eager), steps(exact), strict=True):

@@ -13,7 +13,7 @@ from specstep.engine.cpu_kernels import CpuKernels
 from specstep.engine.errors import ConfigError
 from specstep.engine.model_loader import describe_cpu_kernels, load_model
 from specstep.engine.models import gguf_kernel
-from specstep.engine.models.gguf_kernel import gguf_gemm, gguf_linear, unavailable
+from specstep.engine.models.gguf_kernel import amx_pack, gguf_gemm, gguf_linear, tiles_unavailable, unavailable
 from specstep.engine.models.gguf_linear import GGUFLinear, dequantize
 from specstep.engine.sampling_params import SamplingParams
 from tests.fixtures_gguf import write_gguf
@@ -22,7 +22,15 @@ from tests.helpers import make_checkpoint, make_core, run_to_completion
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"GGUF kernel unavailable: {unavailable()}")
 
 FORMATS = ["Q4_1", "Q8_0"]
-KERNEL_FORMATS = [*FORMATS, "Q4_1/int8", "Q8_0/int8"]
+TILES = [pytest.param("int8-tiles", marks=pytest.mark.skipif(bool(tiles_unavailable()),
+                                                              reason=f"AMX tiles: {tiles_unavailable()}"))]
+KERNEL_FORMATS = [*FORMATS, "Q4_1/int8", "Q8_0/int8"] + [pytest.param(f"{f}/int8-tiles", marks=TILES[0].marks)
+                                                       for f in FORMATS]
+
+
+def weights_for(fmt: str, blocks: torch.Tensor, cols: int) -> torch.Tensor:
+    """What kernel format `fmt` reads: the blocks, or their AMX tiles copy."""
+    return amx_pack(blocks, fmt.split("/")[0], cols) if fmt.endswith("-tiles") else blocks
 
 
 def quantised(fmt: str, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,17 +88,19 @@ def int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.
     return torch.from_numpy(y + bias.double().numpy())
 
 
+@pytest.mark.parametrize("acts", ["int8", *TILES])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_int8_activations_compute_the_quantised_product(fmt):
+def test_int8_activations_compute_the_quantised_product(fmt, acts):
     """`--activations int8`: the kernel's result is the quantised activations' product with the blocks (fp64
     reference of the header's arithmetic) to fp32 rounding, a row of zeros and a block of ties included, and it
-    is the fp32 product to within int8 quantisation's error."""
+    is the fp32 product to within int8 quantisation's error; in AVX2 lanes and in AMX tiles (200 outputs: 12
+    whole 16-row groups and a partial one)."""
     blocks, w = quantised(fmt, 200, 576, seed=3)
     x, bias = torch.randn(9, 576), torch.randn(200)
     x[3] = 0.0  # amax = 0: d = 0, q = 0
     x[4, :32] = torch.tensor([127.0, 0.5, -0.5, 1.5, -2.5] + [0.25] * 27)  # x * 127 / amax lands on .5: ties
     ref = int8_reference(x, blocks, fmt, bias)
-    got = gguf_linear(x, blocks, 200, f"{fmt}/int8", bias)
+    got = gguf_linear(x, weights_for(f"{fmt}/{acts}", blocks, 576), 200, f"{fmt}/{acts}", bias)
     assert got.dtype == torch.float32 and got.shape == (9, 200)
     assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert torch.equal(got[3], bias)
@@ -112,6 +122,7 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(fmt):
     """Every row count a step can have (1 to 40: decode, verify, mixed) and prompts of 130 and 1,100 rows (past the
     kernel's 256-row blocks at this width), every row position, 1 and 2 threads: bitwise the row alone."""
     blocks, _ = quantised(fmt.split("/")[0], 67, 192, seed=1)  # 67 rows: a partial last work item
+    blocks = weights_for(fmt, blocks, 192)
     x = torch.randn(1100, 192)
     alone = torch.cat([gguf_linear(x[i: i + 1], blocks, 67, fmt, threads=1) for i in range(1100)])
     for m in [*range(1, 18), 40, 130, 1100]:
@@ -119,6 +130,29 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(fmt):
             if start + m <= 1100:
                 got = gguf_linear(x[start: start + m], blocks, 67, fmt, threads=2)
                 assert torch.equal(got, alone[start: start + m]), (m, start)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_amx_pack_holds_every_block_byte_once_in_the_tile_layout(fmt):
+    """The AMX copy (`gguf_amx.cpp`'s layout, on any host): per 16-row group and block, the rows' d's, m's (Q4_1)
+    and quantised bytes in 4-byte columns; rows past the last are zeros."""
+    k, n = 96, 35
+    blocks, _ = quantised(fmt, n, k, seed=4)
+    raw = blocks.numpy().reshape(n, k // 32, -1)
+    size = raw.shape[-1]
+    packed = amx_pack(blocks, fmt, k).numpy()
+    groups, nblk = 3, k // 32
+    pad = np.zeros((groups * 16, nblk, size), np.uint8)
+    pad[:n] = raw
+    per = packed.reshape(groups, nblk, -1)  # [group, block, bytes]
+    by_row = pad.reshape(groups, 16, nblk, size).transpose(0, 2, 1, 3)  # [group, block, row, block bytes]
+    heads = 4 if fmt == "Q4_1" else 2  # d (and m)
+    assert np.array_equal(per[..., :32], by_row[..., 0:2].reshape(groups, nblk, 32))
+    if fmt == "Q4_1":
+        assert np.array_equal(per[..., 32:64], by_row[..., 2:4].reshape(groups, nblk, 32))
+    qs = by_row[..., heads:].reshape(groups, nblk, 16, -1, 4).transpose(0, 1, 3, 2, 4)  # [.., column k, row, 4]
+    assert np.array_equal(per[..., 16 * heads:], qs.reshape(groups, nblk, -1))
+    assert packed.size == groups * nblk * (20 if fmt == "Q4_1" else 34) * 16
 
 
 def test_kernel_rejects_a_width_that_is_not_whole_blocks():
@@ -190,8 +224,18 @@ def test_int8_activations_need_the_gguf_kernel(tmp_path, cache, monkeypatch):
         make_core(src, activations="int8")
     hf = load_model(src, "cpu", "float32", CpuKernels(activations="int8"))
     assert "fp32 activations (not a GGUF checkpoint)" in describe_cpu_kernels(hf)
-    int8 = load_model(path, "cpu", "float32", CpuKernels(activations="int8"))
-    assert {m.kernel_fmt for m in int8.modules() if isinstance(m, GGUFLinear)} == {"Q4_1/int8"}
+    lanes = load_model(path, "cpu", "float32", CpuKernels(activations="int8-lanes"))
+    assert {m.kernel_fmt for m in lanes.modules() if isinstance(m, GGUFLinear)} == {"Q4_1/int8"}
+    int8 = load_model(path, "cpu", "float32", CpuKernels(activations="int8"))  # the host's int8 kernel
+    tiles = not tiles_unavailable()
+    assert {m.kernel_fmt for m in int8.modules() if isinstance(m, GGUFLinear)} == {
+        "Q4_1/int8-tiles" if tiles else "Q4_1/int8"}
+    assert ("in AMX tiles" in describe_cpu_kernels(int8)) == tiles
+    monkeypatch.setattr("specstep.engine.models.gguf_linear.tiles_unavailable", lambda: "this CPU lacks AMX_TILE")
+    with pytest.raises(ConfigError, match="--activations int8-tiles: AMX tiles cannot run here: this CPU lacks"):
+        load_model(path, "cpu", "float32", CpuKernels(activations="int8-tiles"))
+    lanes = load_model(path, "cpu", "float32", CpuKernels(activations="int8"))
+    assert "(AMX tiles: this CPU lacks AMX_TILE)" in describe_cpu_kernels(lanes)
     monkeypatch.setattr("specstep.engine.models.gguf_linear.unavailable", lambda: "this CPU lacks AVX2")
     with pytest.raises(ConfigError, match="--activations int8: the GGUF kernel cannot run here: this CPU lacks"):
         load_model(path, "cpu", "float32", CpuKernels(activations="int8"))

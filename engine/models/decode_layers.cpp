@@ -38,11 +38,13 @@
 #include "gguf_kernel.cpp"
 
 extern "C" {
-// One GGUF linear: blocks [n, k / 32] of GGML type `fmt` (gguf_kernel's numbering), an fp32 bias [n] or null.
+// One GGUF linear: blocks [n, k / 32] of GGML type `fmt` (gguf_kernel's numbering), an fp32 bias [n] or null;
+// tiles: the blocks repacked by gguf_amx_pack, which AMX formats read (null otherwise; prompt rows read blocks).
 struct Linear {
     const uint8_t *blocks;
     const float *bias;
     int64_t n, k, fmt;
+    const uint8_t *tiles;
 };
 
 struct Layer {
@@ -210,18 +212,24 @@ struct Buffers {
 // Rows the call marked for the prompt GEMM take it; the others the kernel (gathered, when a call has both: the
 // GEMM runs over every row, then the kernel's rows overwrite theirs).
 void linear(const Linear &l, const float *in, int64_t M, float *y, float *residual, Buffers &buf, int t, int nt) {
-    const Range cols(l.n, t, nt);
+    Range cols(l.n, t, nt);
+    const bool amx = l.fmt & gguf_kernel::FMT_AMX;
+    if (amx) {  // whole 16-row groups: the tiles' unit
+        const Range g(gguf_kernel::amx_groups(l.n), t, nt);
+        cols.a = g.a * 16 < l.n ? g.a * 16 : l.n, cols.b = g.b * 16 < l.n ? g.b * 16 : l.n;
+    }
+    const uint8_t *w = amx ? l.tiles : l.blocks;
     float *xsum = buf.xsum + t * buf.xsum_n;
     if (buf.gemm_rows)
         gguf_kernel::gemm_range(in, M, l.k, l.blocks, l.n, (int)l.fmt, l.bias, y, cols.a, cols.b,
                                 buf.panel + t * buf.panel_n);
     if (!buf.gemm_rows) {
-        gguf_kernel::linear_range(in, M, l.k, l.blocks, l.n, (int)l.fmt, l.bias, y, cols.a, cols.b, xsum);
+        gguf_kernel::linear_range(in, M, l.k, w, l.n, (int)l.fmt, l.bias, y, cols.a, cols.b, xsum);
     } else if (buf.n_kernel) {
         float *xk = buf.xk + t * buf.xk_n, *yk = buf.yk + t * buf.yk_n;
         for (int64_t i = 0; i < buf.n_kernel; i++)
             memcpy(xk + i * l.k, in + buf.kernel_rows[i] * l.k, sizeof(float) * l.k);
-        gguf_kernel::linear_range(xk, buf.n_kernel, l.k, l.blocks, l.n, (int)l.fmt, l.bias, yk, cols.a, cols.b,
+        gguf_kernel::linear_range(xk, buf.n_kernel, l.k, w, l.n, (int)l.fmt, l.bias, yk, cols.a, cols.b,
                                   xsum);
         for (int64_t i = 0; i < buf.n_kernel; i++)
             memcpy(y + buf.kernel_rows[i] * l.n + cols.a, yk + i * l.n + cols.a, sizeof(float) * (cols.b - cols.a));
@@ -283,7 +291,8 @@ void phase_out(const Shape *s, const Layer *L, float *x, int64_t M, const float 
 bool layer_ok(const Shape *s, const Layer *L) {
     const int64_t qn = s->heads * s->head_dim, width = qn + 2 * s->kv_heads * s->head_dim;
     auto ok = [](const Linear &l, int64_t n, int64_t k) {
-        return l.n == n && l.k == k && l.k % 32 == 0 && gguf_kernel::fmt_ok(l.fmt, l.k);
+        return l.n == n && l.k == k && l.k % 32 == 0 && gguf_kernel::fmt_ok(l.fmt, l.k) &&
+               (!(l.fmt & gguf_kernel::FMT_AMX) || l.tiles);
     };
     return s->hidden % 8 == 0 && s->inter % 8 == 0 && s->head_dim % 8 == 0 && s->head_dim <= 256 &&
            s->heads % s->kv_heads == 0 && ok(L->qkv, width, s->hidden) && ok(L->o, s->hidden, qn) &&

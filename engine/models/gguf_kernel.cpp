@@ -88,6 +88,8 @@ struct Q80 {
 
 // Int8 activations (the header's second arithmetic): their quantisation, block formats and tiles.
 #include "gguf_int8.cpp"
+// Int8 activations in AMX tiles (block sums: a third arithmetic, on repacked weights, where the host has AMX-INT8).
+#include "gguf_amx.cpp"
 
 namespace gguf_kernel {
 // Rows [0, MT) of x (row stride K) times weight row n: each block's values are converted once for MT rows.
@@ -218,20 +220,24 @@ void run_range(const float *x, float *xsum, int64_t M, int64_t K, const uint8_t 
 // activations (32 bytes, d and s a block).
 inline int64_t xsum_floats(int64_t M, int64_t K) { return M * (K / QK) * 8 + M * (2 * (K / QK) + 8); }
 
-// `fmt`: bit 0 the GGML type (0: Q4_1, 1: Q8_0), bit 1 int8 activations (the header's two arithmetics).
-constexpr int FMT_INT8 = 2;
+// `fmt`: bit 0 the GGML type (0: Q4_1, 1: Q8_0), bit 1 int8 activations (the header's two arithmetics), bit 2
+// (with bit 1) int8 activations in AMX tiles over weights repacked by gguf_amx_pack (gguf_amx.cpp's block sums).
+constexpr int FMT_INT8 = 2, FMT_AMX = 4;
 inline bool fmt_ok(int64_t fmt, int64_t K) {
-    return fmt >= 0 && fmt <= 3 && (fmt < FMT_INT8 || K / QK <= MAX_BLOCKS_I8);
+    return (fmt >= 0 && fmt <= 3 && (fmt < FMT_INT8 || K / QK <= MAX_BLOCKS_I8)) || fmt == 6 || fmt == 7;
 }
 
-// run_range for `fmt`; xsum: xsum_floats(M, K) floats, 32-byte aligned.
+// run_range for `fmt`; xsum: xsum_floats(M, K) floats, 32-byte aligned. With FMT_AMX, w is gguf_amx_pack's layout
+// and [n0, n1) takes the 16-row groups that start in it.
 inline void linear_range(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int fmt,
                          const float *bias, float *y, int64_t n0, int64_t n1, float *xsum) {
     switch (fmt) {
         case 0: run_range<Q41>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
         case 1: run_range<Q80>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
         case 2: run_range_i8<Q41i8>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
-        default: run_range_i8<Q80i8>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
+        case 3: run_range_i8<Q80i8>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
+        case 6: amx_range<true>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
+        default: amx_range<false>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
     }
 }
 }  // namespace gguf_kernel
@@ -242,9 +248,9 @@ extern "C" {
 // The kernel's version: bump it with any change to the arithmetic above (the build cache keys on the source too).
 int gguf_kernel_version(void) { return 2; }
 
-// x [M, K] fp32 contiguous; w [N, K / 32 blocks] of `fmt` (0: Q4_1, 1: Q8_0; + 2: int8 activations); bias [N] or
-// null; y [M, N]. Returns 0, or -1 if K is not a multiple of 32 or fmt is unknown, -2 if the scratch cannot be
-// allocated.
+// x [M, K] fp32 contiguous; w [N, K / 32 blocks] of `fmt` (0: Q4_1, 1: Q8_0; + 2: int8 activations; + 4 more:
+// in AMX tiles, w repacked by gguf_amx_pack); bias [N] or null; y [M, N]. Returns 0, or -1 if K is not a
+// multiple of 32 or fmt is unknown, -2 if the scratch cannot be allocated.
 int gguf_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int fmt, const float *bias,
                 float *y, int threads) {
     if (K % gguf_kernel::QK != 0 || !gguf_kernel::fmt_ok(fmt, K)) return -1;
@@ -268,6 +274,27 @@ int gguf_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t 
     if (fmt == 0) gguf_kernel::run<gguf_kernel::Q41>(x, xsum, M, K, w, N, bias, y, threads);
     else gguf_kernel::run<gguf_kernel::Q80>(x, xsum, M, K, w, N, bias, y, threads);
     free(xsum);
+    return 0;
+}
+
+// Ask the kernel for this process's AMX tile state (Linux grants it per process, once): 0 if granted, else -1. The
+// AMX formats (fmt 6, 7) must not run before it returned 0.
+int gguf_amx_init(void) {
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+}
+
+// Bytes gguf_amx_pack writes for an [N, K] weight of GGML type `fmt` (0: Q4_1, 1: Q8_0).
+int64_t gguf_amx_bytes(int fmt, int64_t N, int64_t K) {
+    return gguf_kernel::amx_groups(N) * (K / gguf_kernel::QK) *
+           (fmt == 0 ? gguf_kernel::amx_block_bytes<true>() : gguf_kernel::amx_block_bytes<false>());
+}
+
+// blocks [N, K / 32] of `fmt` -> out (gguf_amx_bytes): the AMX formats' weights. Returns 0, -1 for a bad fmt or K.
+int gguf_amx_pack(const uint8_t *blocks, int64_t N, int64_t K, int fmt, uint8_t *out) {
+    if (K % gguf_kernel::QK != 0 || (fmt != 0 && fmt != 1)) return -1;
+    if (fmt == 0) gguf_kernel::amx_pack<true>(blocks, N, K, out);
+    else gguf_kernel::amx_pack<false>(blocks, N, K, out);
     return 0;
 }
 

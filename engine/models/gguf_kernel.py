@@ -1,7 +1,8 @@
 """Call `gguf_kernel.cpp`: GGUF's quantised blocks (Q4_1, Q8_0) times fp32 activations, or times activations
-quantised to int8 per 32-value block (`--activations int8`, llama.cpp's arithmetic: faster, not exact), built and
-loaded by `engine.native`; where it cannot run, `unavailable()` says why and the loader keeps the dequantised fp32
-weights.
+quantised to int8 per 32-value block (`--activations int8`, llama.cpp's arithmetic: faster, not exact) in AVX2
+lanes or, where the host has AMX-INT8, in AMX tiles over a repacked copy of the blocks (`gguf_amx.cpp`: block
+sums, verify rows nearly free), built and loaded by `engine.native`; where it cannot run, `unavailable()` says why
+and the loader keeps the dequantised fp32 weights.
 """
 
 from __future__ import annotations
@@ -12,19 +13,23 @@ from pathlib import Path
 
 import torch
 
-from specstep.engine.native import load_kernel
+from specstep.engine.native import cpu_flags, load_kernel
 from specstep.engine.thread_choice import ThreadChoice
 
 SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
 GEMM_SOURCE = Path(__file__).with_name("gguf_gemm.cpp")  # the prompt GEMM, #included by SOURCE
 INT8_SOURCE = Path(__file__).with_name("gguf_int8.cpp")  # int8 activations, #included by SOURCE
-INCLUDES = (GEMM_SOURCE, INT8_SOURCE)  # what a build of SOURCE reads besides it (keys the build cache)
+AMX_SOURCE = Path(__file__).with_name("gguf_amx.cpp")  # int8 activations in AMX tiles, #included by SOURCE
+INCLUDES = (GEMM_SOURCE, INT8_SOURCE, AMX_SOURCE)  # what a build of SOURCE reads besides it (keys the build cache)
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
-ACTIVATIONS = {"fp32": 0, "int8": 2}  # `--activations` -> the `fmt` argument's bit 1
+# The kernel's activation arithmetics -> the `fmt` argument's bits 1-2: fp32; int8 in AVX2 lanes; int8 in AMX
+# tiles (block sums, over `amx_pack`'s copy of the blocks)
+ACTIVATIONS = {"fp32": 0, "int8": 2, "int8-tiles": 6}
+AMX_CPU_FLAGS = ("amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 
 def kernel_fmt(fmt: str, activations: str = "fp32") -> str:
-    """The kernel's name for GGML type `fmt` times `activations`: "Q4_1", or "Q4_1/int8"."""
+    """The kernel's name for GGML type `fmt` times `activations`: "Q4_1", "Q4_1/int8" or "Q4_1/int8-tiles"."""
     return fmt if activations == "fp32" else f"{fmt}/{activations}"
 
 
@@ -51,6 +56,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         lib.gguf_linear.restype = ctypes.c_int
         lib.gguf_gemm.argtypes = lib.gguf_linear.argtypes
         lib.gguf_gemm.restype = ctypes.c_int
+        lib.gguf_amx_bytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        lib.gguf_amx_bytes.restype = ctypes.c_int64
+        lib.gguf_amx_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+        lib.gguf_amx_pack.restype = ctypes.c_int
     return lib, why
 
 
@@ -59,15 +68,47 @@ def unavailable() -> str:
     return _build()[1]
 
 
+@cache
+def tiles_unavailable() -> str:
+    """Why int8 activations cannot run in AMX tiles here ("" if they can): the kernel, the CPU's flags (AVX-512 and
+    AMX-INT8) and the OS's grant of the tile state (asked for once per process)."""
+    lib, why = _build()
+    if lib is None:
+        return why
+    missing = [f for f in AMX_CPU_FLAGS if f not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {'/'.join(missing).upper()}"
+    if lib.gguf_amx_init() != 0:
+        return "the OS did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return ""
+
+
+def amx_pack(blocks: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
+    """`blocks` [N, K / 32 blocks] of GGML type `fmt` repacked for the AMX tiles (`gguf_amx.cpp`: groups of 16
+    weight rows, the same bytes a weight): what "int8-tiles" kernel formats take in place of the blocks."""
+    lib, why = _build()
+    if lib is None:
+        raise KernelError(f"the GGUF kernel cannot run here: {why}")
+    blocks = blocks.contiguous()
+    n = blocks.shape[0]
+    out = torch.empty(lib.gguf_amx_bytes(FORMATS[fmt], n, in_features), dtype=torch.uint8)
+    if lib.gguf_amx_pack(blocks.data_ptr(), n, in_features, FORMATS[fmt], out.data_ptr()) != 0:
+        raise KernelError(f"gguf_amx_pack({fmt}, K={in_features}) failed")
+    return out
+
+
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: str,
                 bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """x [..., K] float32 on CPU @ W.T (+ bias): W [out_features, K] as `blocks` [out_features, K / 32 blocks]
-    uint8 of GGML type `fmt`, or `kernel_fmt(type, "int8")` for int8 activations. Threads: one or all of
+    uint8 of GGML type `fmt`, or `kernel_fmt(type, "int8")` for int8 activations (`kernel_fmt(type,
+    "int8-tiles")`: `blocks` is `amx_pack`'s copy, and `tiles_unavailable()` must be ""). Threads: one or all of
     torch's, whichever this kind of call measured faster (`THREADS`), unless given; the result does not depend
     on them."""
     lib, why = _build()
     if lib is None:
         raise KernelError(f"the GGUF kernel cannot run here: {why}")
+    if fmt.endswith("-tiles") and tiles_unavailable():  # (also asks the OS for the tile state, once)
+        raise KernelError(f"{fmt} cannot run here: {tiles_unavailable()}")
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.dtype != torch.float32 or not x2.is_contiguous():
@@ -97,6 +138,8 @@ def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: str
     lib, why = _build()
     if lib is None:
         raise KernelError(f"the GGUF kernel cannot run here: {why}")
+    if fmt.endswith("-tiles") and tiles_unavailable():  # (also asks the OS for the tile state, once)
+        raise KernelError(f"{fmt} cannot run here: {tiles_unavailable()}")
     k = x.shape[-1]
     x2 = x.reshape(-1, k).float().contiguous()
     y = x2.new_empty(x2.shape[0], out_features)

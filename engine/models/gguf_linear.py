@@ -26,7 +26,8 @@ from torch import nn
 from specstep.engine.errors import CheckpointError, ConfigError
 from specstep.engine.gguf_checkpoint import quantized_blocks
 from specstep.engine.loader import _MERGED  # merged projection -> its Hugging Face pieces, in row order
-from specstep.engine.models.gguf_kernel import ACTIVATIONS, BLOCK, FORMATS, gguf_linear, kernel_fmt, unavailable
+from specstep.engine.models.gguf_kernel import (ACTIVATIONS, BLOCK, FORMATS, amx_pack, gguf_linear, kernel_fmt,
+                                                tiles_unavailable, unavailable)
 from specstep.engine.models.gguf_op import gguf_linear_op
 
 CHECK_ROWS = 4  # rows of each weight compared bitwise with the converted checkpoint at load
@@ -42,7 +43,10 @@ def dequantize(fmt: str, blocks: torch.Tensor, in_features: int) -> torch.Tensor
 
 class GGUFLinear(nn.Module):
     """y = x @ W.T + b with W read from GGUF blocks (`blocks` [out_features, in_features / 32 blocks], uint8);
-    `activations` "int8": x quantised per 32-value block first (`gguf_kernel.cpp`'s header: not exact)."""
+    `activations` "int8": x quantised per 32-value block first (`gguf_kernel.cpp`'s header: not exact), in AVX2
+    lanes; "int8-tiles": the same quantisation in AMX tiles over a repacked copy of the blocks (`tiles`;
+    `gguf_amx.cpp`: block sums, other roundings). `blocks` stay for prompt rows (the C++ layers' prompt GEMM) and
+    the fp32 weights."""
 
     def __init__(self, fmt: str, blocks: torch.Tensor, in_features: int, bias: nn.Parameter | None,
                  tied: nn.Parameter | None = None, activations: str = "fp32") -> None:
@@ -55,6 +59,8 @@ class GGUFLinear(nn.Module):
         self.kernel_fmt = kernel_fmt(fmt, activations)
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        tiles = amx_pack(self.blocks, fmt, in_features) if activations == "int8-tiles" else None
+        self.register_buffer("tiles", tiles, persistent=False)
         self.bias = bias
         self._tied = [tied]  # a list: not registered (the embedding owns it)
 
@@ -69,8 +75,13 @@ class GGUFLinear(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:  # training through it: the kernel has no backward
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():  # a compiled step calls it as an opaque op
-            return gguf_linear_op(x, self.blocks, self.out_features, self.kernel_fmt, self.bias)
-        return gguf_linear(x, self.blocks, self.out_features, self.kernel_fmt, self.bias)
+            return gguf_linear_op(x, self.kernel_weights, self.out_features, self.kernel_fmt, self.bias)
+        return gguf_linear(x, self.kernel_weights, self.out_features, self.kernel_fmt, self.bias)
+
+    @property
+    def kernel_weights(self) -> torch.Tensor:
+        """What the kernel's `kernel_fmt` reads: the blocks, or their AMX tiles copy."""
+        return self.blocks if self.tiles is None else self.tiles
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.kernel_fmt}"
@@ -106,6 +117,12 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         if required:
             raise ConfigError(f"{flag}: the GGUF kernel cannot run here: {why}")
         return f"fp32 weights (GGUF kernel unavailable: {why})"
+    if activations == "int8-tiles" and tiles_unavailable():
+        raise ConfigError(f"{flag}: AMX tiles cannot run here: {tiles_unavailable()} (--activations int8-lanes "
+                          "runs in AVX2 lanes)")
+    tiles_note = "" if activations != "int8" else f" (AMX tiles: {tiles_unavailable()})" if tiles_unavailable() else ""
+    activations = {"int8": "int8" if tiles_unavailable() else "int8-tiles", "int8-lanes": "int8"}.get(
+        activations, activations)  # the user's choice -> the kernel's arithmetic
     if not gguf_path.is_file():
         if required:
             raise ConfigError(f"{flag}: {folder} was converted from {gguf_path}, which is gone")
@@ -138,6 +155,11 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
     kinds = ", ".join(f"{n} {fmt}" for fmt, n in sorted(swapped.items()))
     if activations == "int8":
         return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB) times int8 activations (llama.cpp's "
-                "arithmetic: not exact) in specstep's AVX2 kernel, batch-invariant; --activations fp32 for exact")
+                f"arithmetic: not exact) in specstep's AVX2 kernel, batch-invariant{tiles_note}; --activations "
+                "fp32 for exact")
+    if activations == "int8-tiles":
+        return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB, and a {nbytes / 2**20:.0f} MB copy "
+                "repacked for AMX tiles) times int8 activations in AMX tiles (each block's products summed in "
+                "integers, llama.cpp's order: not exact), batch-invariant; --activations fp32 for exact")
     return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB) in specstep's AVX2 kernel, "
             "batch-invariant; --quantization none for fp32 weights")
