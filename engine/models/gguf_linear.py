@@ -26,8 +26,16 @@ from torch import nn
 from specstep.engine.errors import CheckpointError, ConfigError
 from specstep.engine.gguf_checkpoint import quantized_blocks
 from specstep.engine.loader import _MERGED  # merged projection -> its Hugging Face pieces, in row order
-from specstep.engine.models.gguf_kernel import (ACTIVATIONS, BLOCK, FORMATS, amx_pack, gguf_linear, kernel_fmt,
-                                                tiles_unavailable, unavailable)
+from specstep.engine.models.gguf_kernel import (
+    ACTIVATIONS,
+    BLOCK,
+    FORMATS,
+    amx_pack,
+    gguf_linear,
+    kernel_fmt,
+    tiles_unavailable,
+    unavailable,
+)
 from specstep.engine.models.gguf_op import gguf_linear_op
 
 CHECK_ROWS = 4  # rows of each weight compared bitwise with the converted checkpoint at load
