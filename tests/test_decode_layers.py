@@ -92,15 +92,21 @@ def test_one_call_a_step_and_per_layer_calls_give_the_same_bits(gguf_model, monk
 
 @pytest.mark.parametrize("acts", ["int8-lanes", pytest.param("int8-tiles", marks=pytest.mark.skipif(
     bool(tiles_unavailable()), reason=f"AMX tiles: {tiles_unavailable()}"))])
-def test_int8_activations_keep_verify_rows_bitwise_and_stay_near_the_fp32_logits(gguf_model, acts):
+def test_int8_activations_keep_verify_rows_bitwise_and_stay_near_the_fp32_logits(gguf_model, acts, monkeypatch):
     """`--activations int8` in the C++ layers (AVX2 lanes; AMX tiles): a verify step's rows are the decode steps'
     bits (alone and beside another lane), and the logits stay near the exact fp32 layers' (about 1% of the
     largest logit on this random model, as near as the torch layers over the same int8 kernel are: a rounding
     apart before a quantisation moves a value by a quantisation step; prompt rows take the fp32 prompt GEMM in
-    the C++ layers)."""
+    the C++ layers with lanes, the tiles with tiles)."""
     net, eager, exact = load(gguf_model, "auto", acts), load(gguf_model, "torch", acts), load(gguf_model, "auto")
     assert "int8 activations" in describe_cpu_kernels(net)
     assert ("in AMX tiles" in describe_cpu_kernels(net)) == (acts == "int8-tiles")
+    flagged = []
+    spy = decode_layers.prompt_rows
+    monkeypatch.setattr(decode_layers, "prompt_rows", lambda *a: flagged.append(spy(*a)) or flagged[-1])
+    steps(net)  # lanes: the 40-token lane's rows take the fp32 prompt GEMM; tiles: the tiles, like every row
+    assert (acts == "int8-lanes") == any(f is not None and bool(f.any()) for f in flagged)
+    monkeypatch.undo()
     prompt, single, verify, beside = steps(net)
     assert torch.equal(verify, single) and torch.equal(beside[: len(NEXT)], single)
     for a, b, c in zip(steps(net), steps(eager), steps(exact), strict=True):
