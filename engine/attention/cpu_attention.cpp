@@ -19,6 +19,7 @@
 #include <string.h>
 
 namespace cpu_attention_kernel {
+constexpr int64_t GB = 4;  // query heads of a row that share a key's loads
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -54,6 +55,58 @@ inline float dot(const float *a, const float *b, int64_t d) {
     return hsum(acc);
 }
 
+// One query row's heads [g0, g0 + GN) of KV head kvh over its `seen` keys (slots): scores into s[g], the output
+// into o[g]. Every head's operations are the header's, in its order: interleaving independent heads, which share
+// each key's loads, changes no head's bits.
+template <int GN>
+inline void attend_heads(const float *const *qr, float *const *s, float *const *o, const float *k_cache,
+                         const float *v_cache, const int64_t *slots, int64_t seen, int64_t Hkv, int64_t kvh, int64_t D,
+                         float scale) {
+    for (int64_t j = 0; j < seen; j++) {
+        const float *kr = k_cache + (slots[j] * Hkv + kvh) * D;
+        __m256 acc[GN];
+        for (int g = 0; g < GN; g++) acc[g] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < D; c += 8) {
+            const __m256 kv = _mm256_loadu_ps(kr + c);
+            for (int g = 0; g < GN; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[g] + c), kv, acc[g]);
+        }
+        for (int g = 0; g < GN; g++) s[g][j] = hsum(acc[g]) * scale;
+    }
+    float m[GN], l[GN];
+    for (int g = 0; g < GN; g++) m[g] = -INFINITY, l[g] = 0.f;
+    for (int64_t j = 0; j < seen; j++)
+        for (int g = 0; g < GN; g++) m[g] = s[g][j] > m[g] ? s[g][j] : m[g];
+    for (int g = 0; g < GN; g++) {
+        // p_j = exp(s_j - m) in 8-key vectors (a row's tail padded with -inf: exp gives 0)
+        for (int64_t j = seen; j < (seen + 7) / 8 * 8; j++) s[g][j] = -INFINITY;
+        const __m256 vm = _mm256_set1_ps(m[g]);
+        for (int64_t j = 0; j < seen; j += 8)
+            _mm256_storeu_ps(s[g] + j, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s[g] + j), vm)));
+    }
+    for (int64_t j = 0; j < seen; j++)
+        for (int g = 0; g < GN; g++) l[g] += s[g][j];
+    // o = sum_j p_j v_j / l, 16 of D at a time (GN x 2 accumulators in registers)
+    for (int64_t c0 = 0; c0 < D; c0 += 16) {
+        const bool two = c0 + 8 < D;
+        __m256 a0[GN], a1[GN];
+        for (int g = 0; g < GN; g++) a0[g] = a1[g] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < seen; j++) {
+            const float *vr = v_cache + (slots[j] * Hkv + kvh) * D + c0;
+            const __m256 v0 = _mm256_loadu_ps(vr), v1 = two ? _mm256_loadu_ps(vr + 8) : v0;
+            for (int g = 0; g < GN; g++) {
+                const __m256 p = _mm256_set1_ps(s[g][j]);
+                a0[g] = _mm256_fmadd_ps(p, v0, a0[g]);
+                a1[g] = _mm256_fmadd_ps(p, v1, a1[g]);
+            }
+        }
+        for (int g = 0; g < GN; g++) {
+            const __m256 inv = _mm256_set1_ps(1.0f / l[g]);
+            _mm256_storeu_ps(o[g] + c0, _mm256_mul_ps(a0[g], inv));
+            if (two) _mm256_storeu_ps(o[g] + c0 + 8, _mm256_mul_ps(a1[g], inv));
+        }
+    }
+}
+
 // The attention of one item (lane b = it / Hkv, KV head it % Hkv): every valid query row of the lane and every
 // query head of the KV head. slots: most_keys + 1 int64; scores: scores_floats(G, Q, most_keys), 32-byte aligned.
 inline void attend_item(int64_t it, const float *q, float *out, const float *k_cache, const float *v_cache,
@@ -61,39 +114,29 @@ inline void attend_item(int64_t it, const float *q, float *out, const float *k_c
                         const int64_t *q_pos, const int64_t *kv_len, const int64_t *page_table, int64_t P,
                         int64_t page_size, float scale, int64_t most_keys, int64_t *slots, float *scores) {
     const int64_t G = H / Hkv, b = it / Hkv, kvh = it % Hkv, keys = kv_len[b];
-    for (int64_t j = 0; j < keys; j++) slots[j] = page_table[b * P + j / page_size] * page_size + j % page_size;
+    for (int64_t j = 0, p = 0; j < keys; p++)  // (pages in order: no division a key)
+        for (int64_t r = 0, base = page_table[b * P + p] * page_size; r < page_size && j < keys; r++) slots[j++] = base + r;
     for (int64_t i = 0; i < Q; i++) {
         // a padding row (it points at token 0, a real row of lane 0's) writes nothing
         if (!q_valid[b * Q + i]) continue;
         const int64_t t = q_index[b * Q + i];
         const int64_t seen = q_pos[b * Q + i] + 1 < keys ? q_pos[b * Q + i] + 1 : keys;
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t h = kvh * G + g;
-            const float *qr = q + (t * H + h) * D;
-            float *s = scores + (i * G + g) * (most_keys + 8);
-            float m = -INFINITY;
-            for (int64_t j = 0; j < seen; j++) {
-                s[j] = dot(qr, k_cache + (slots[j] * Hkv + kvh) * D, D) * scale;
-                m = s[j] > m ? s[j] : m;
+        for (int64_t g0 = 0; g0 < G; g0 += GB) {
+            const int64_t gn = G - g0 < GB ? G - g0 : GB;
+            const float *qr[GB];
+            float *s[GB], *o[GB];
+            for (int64_t g = 0; g < gn; g++) {
+                const int64_t h = kvh * G + g0 + g;
+                qr[g] = q + (t * H + h) * D;
+                s[g] = scores + (i * G + g0 + g) * (most_keys + 8);
+                o[g] = out + (t * H + h) * D;
             }
-            // p_j = exp(s_j - m) in 8-key vectors (a row's tail padded with -inf: exp gives 0)
-            for (int64_t j = seen; j < (seen + 7) / 8 * 8; j++) s[j] = -INFINITY;
-            const __m256 vm = _mm256_set1_ps(m);
-            for (int64_t j = 0; j < seen; j += 8)
-                _mm256_storeu_ps(s + j, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm)));
-            float l = 0.f;
-            for (int64_t j = 0; j < seen; j++) l += s[j];
-            __m256 acc[32];
-            const int64_t dc = D / 8;
-            for (int64_t c = 0; c < dc; c++) acc[c] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < seen; j++) {
-                const __m256 p = _mm256_set1_ps(s[j]);
-                const float *vr = v_cache + (slots[j] * Hkv + kvh) * D;
-                for (int64_t c = 0; c < dc; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+            switch (gn) {
+                case 4: attend_heads<4>(qr, s, o, k_cache, v_cache, slots, seen, Hkv, kvh, D, scale); break;
+                case 3: attend_heads<3>(qr, s, o, k_cache, v_cache, slots, seen, Hkv, kvh, D, scale); break;
+                case 2: attend_heads<2>(qr, s, o, k_cache, v_cache, slots, seen, Hkv, kvh, D, scale); break;
+                default: attend_heads<1>(qr, s, o, k_cache, v_cache, slots, seen, Hkv, kvh, D, scale); break;
             }
-            const __m256 inv = _mm256_set1_ps(1.0f / l);
-            float *o = out + (t * H + h) * D;
-            for (int64_t c = 0; c < dc; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], inv));
         }
     }
 }
