@@ -89,10 +89,10 @@ def multiply_adds(model: torch.nn.Module) -> int:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """The bytes of weights a decode step reads: the parameters and GGUF blocks, less an embedding whose lm_head
-    reads blocks of its own (a lookup reads a few rows)."""
+    """The bytes of weights a decode step reads: the parameters and GGUF blocks (or their AMX tiles copy, which the
+    step reads instead), less an embedding whose lm_head reads blocks of its own (a lookup reads a few rows)."""
     tensors = {id(p): p for p in model.parameters()}
-    tensors |= {id(m.blocks): m.blocks for m in model.modules() if isinstance(m, GGUFLinear)}
+    tensors |= {id(w): w for w in (m.kernel_weights for m in model.modules() if isinstance(m, GGUFLinear))}
     if isinstance(getattr(model, "lm_head", None), GGUFLinear):
         tensors.pop(id(model.embed_tokens.weight), None)
     return sum(t.numel() * t.element_size() for t in tensors.values())
