@@ -25,7 +25,12 @@
 
 namespace gguf_kernel {
 constexpr int64_t AMX_GROUP = 16;  // weight rows a tile's columns hold
-constexpr int64_t AMX_ROWS = 8;    // rows of x a tile pass holds: 2 groups x 8 accumulators in registers
+constexpr int64_t AMX_ROWS = 8;    // rows of x a tile pass holds: up to 3 groups x 8 accumulators in registers
+// Weight groups a tile pass multiplies at once: Q4_1 one (its nibble split and a block's readout, not the tile
+// products, set its speed: 1, 2 and 3 groups measured 0.091 / 0.102 / 0.106 ms at one row, 0.155 / 0.161 / 0.167
+// at five, on SmolLM2's three Q4_1 shapes, one thread), Q8_0 three (1.14 / 1.11 / 1.08 ms at one row, 1.25 /
+// 1.22 / 1.13 at five: the lm_head's stream, several tile products in flight). The same bits either way.
+template <bool Q41> constexpr int amx_ng() { return Q41 ? 1 : 3; }
 
 // Bytes a packed block of a 16-row group: d's and m's (fp16) and the quantised values.
 template <bool Q41> constexpr int64_t amx_block_bytes() { return Q41 ? 32 + 32 + 256 : 32 + 512; }
@@ -45,18 +50,20 @@ struct alignas(64) TileConfig {
     uint8_t rows[16];
 };
 
-// Tiles: 0 and 1 a block's sums for two weight groups (rows x 16 int32), 2 x's block (rows x 32 int8), 3 and 4 the
-// two groups' weights (8 x 64 bytes).
+// Tiles: 0-2 a block's sums for up to 3 weight groups (rows x 16 int32), 3 x's block (rows x 32 int8), 4-6
+// the groups' weights (8 x 64 bytes).
 inline void amx_configure(int rows) {
     TileConfig c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    c.rows[0] = c.rows[1] = (uint8_t)rows;
-    c.colsb[0] = c.colsb[1] = 64;
-    c.rows[2] = (uint8_t)rows;
-    c.colsb[2] = 32;
-    c.rows[3] = c.rows[4] = 8;
-    c.colsb[3] = c.colsb[4] = 64;
+    for (int t = 0; t < 3; t++) {
+        c.rows[t] = (uint8_t)rows;
+        c.colsb[t] = 64;
+        c.rows[4 + t] = 8;
+        c.colsb[4 + t] = 64;
+    }
+    c.rows[3] = (uint8_t)rows;
+    c.colsb[3] = 32;
     __asm__ volatile("" : : "r"(&c) : "memory");  // GCC 12 dropped the colsb stores: it does not see ldtilecfg read them
     _tile_loadconfig(&c);
 }
@@ -72,20 +79,31 @@ inline void amx_weights(const uint8_t *qs, uint8_t *bt) {
     }
 }
 
-// One block's tile products for the two groups' weights in tiles 3 and 4 and x's block in tile 2 -> c0, c1.
-template <bool Q41>
-inline void amx_block_sums(int32_t *c0, int32_t *c1) {
+// Weight tile of group G (tile 4 + G) from p.
+template <int G> inline void amx_load_weights(const void *p) {
+    if (G == 0) _tile_loadd(4, p, 64);
+    if (G == 1) _tile_loadd(5, p, 64);
+    if (G == 2) _tile_loadd(6, p, 64);
+}
+
+// One block's tile products for NG groups' weights (tiles 4..) and x's block (tile 3) -> c[g].
+template <bool Q41, int NG>
+inline void amx_block_sums(int32_t *const *c) {
     _tile_zero(0);
-    _tile_zero(1);
+    if (NG > 1) _tile_zero(1);
+    if (NG > 2) _tile_zero(2);
     if (Q41) {  // signed x times unsigned weights (0..15)
-        _tile_dpbsud(0, 2, 3);
-        _tile_dpbsud(1, 2, 4);
+        _tile_dpbsud(0, 3, 4);
+        if (NG > 1) _tile_dpbsud(1, 3, 5);
+        if (NG > 2) _tile_dpbsud(2, 3, 6);
     } else {
-        _tile_dpbssd(0, 2, 3);
-        _tile_dpbssd(1, 2, 4);
+        _tile_dpbssd(0, 3, 4);
+        if (NG > 1) _tile_dpbssd(1, 3, 5);
+        if (NG > 2) _tile_dpbssd(2, 3, 6);
     }
-    _tile_stored(0, c0, 64);
-    _tile_stored(1, c1, 64);
+    _tile_stored(0, c[0], 64);
+    if (NG > 1) _tile_stored(1, c[1], 64);
+    if (NG > 2) _tile_stored(2, c[2], 64);
 }
 
 // Q4_1's offset term for row i of x and 16 weight rows (fp16 m's of block b at mb + b * stride): min_term's
@@ -103,58 +121,59 @@ inline __m512 amx_min_term(const uint8_t *mb, int64_t stride, const float *s, in
     return _mm512_add_ps(t0, t1);
 }
 
-// Rows [0, MT) of xq times weight groups g and g + 1 (where g + 1 < g_end; else g alone, computed twice): the
-// header's arithmetic for each output. Tiles configured for MT rows.
-template <bool Q41, int MT>
+// Rows [0, MT) of xq times weight groups g, g + 1, ..., g + NG - 1 (those past g_end computed as g_end - 1's and
+// not kept): the header's arithmetic for each output. Tiles configured for MT rows.
+template <bool Q41, int MT, int NG>
 inline void amx_tile_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, int64_t g_end, float *y,
                           int64_t N, const float *bias) {
     constexpr int64_t BB = amx_block_bytes<Q41>();
     const int64_t nblk = xq.nblk, group_bytes = nblk * BB;
-    const int64_t g1 = g + 1 < g_end ? g + 1 : g;
-    const uint8_t *w0 = packed + g * group_bytes, *w1 = packed + g1 * group_bytes;
+    const uint8_t *w[NG];
+    for (int j = 0; j < NG; j++) w[j] = packed + (g + j < g_end ? g + j : g_end - 1) * group_bytes;
     // Weights unpacked AHEAD blocks before their tile loads read them (a ring of buffers): a tile load right after
     // the vector stores that wrote its operand waited for them (1.5x slower at one row than loading packed bytes).
     constexpr int64_t AHEAD = 3, RING = AHEAD + 1;
-    alignas(64) uint8_t bt[RING][2][512];
-    alignas(64) int32_t c0[MT * 16], c1[MT * 16];
-    __m512 acc0[MT], acc1[MT];
-    for (int i = 0; i < MT; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    alignas(64) uint8_t bt[RING][NG][512];
+    alignas(64) int32_t c[NG][MT * 16];
+    int32_t *cp[NG];
+    __m512 acc[NG][MT];
+    for (int j = 0; j < NG; j++) {
+        cp[j] = c[j];
+        for (int i = 0; i < MT; i++) acc[j][i] = _mm512_setzero_ps();
+    }
     const int64_t qs_at = Q41 ? 64 : 32;
     auto unpack = [&](int64_t b) {
-        amx_weights<Q41>(w0 + b * BB + qs_at, bt[b % RING][0]);
-        amx_weights<Q41>(w1 + b * BB + qs_at, bt[b % RING][1]);
+        for (int j = 0; j < NG; j++) amx_weights<Q41>(w[j] + b * BB + qs_at, bt[b % RING][j]);
+    };
+    auto source = [&](int j, int64_t b) -> const void * {  // Q8_0's packed bytes are the tile operand as they are
+        return Q41 ? (const void *)bt[b % RING][j] : (const void *)(w[j] + b * BB + qs_at);
     };
     if (Q41)
         for (int64_t b = 0; b < AHEAD && b < nblk; b++) unpack(b);
     for (int64_t b = 0; b < nblk; b++) {
-        if (Q41) {
-            if (b + AHEAD < nblk) unpack(b + AHEAD);
-            _tile_loadd(3, bt[b % RING][0], 64);
-            _tile_loadd(4, bt[b % RING][1], 64);
-        } else {  // Q8_0's packed bytes are the tile operand as they are
-            _tile_loadd(3, w0 + b * BB + qs_at, 64);
-            _tile_loadd(4, w1 + b * BB + qs_at, 64);
-        }
-        _tile_loadd(2, xq.q + b * QK, K);
-        amx_block_sums<Q41>(c0, c1);
-        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w0 + b * BB)));
-        const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w1 + b * BB)));
+        if (Q41 && b + AHEAD < nblk) unpack(b + AHEAD);
+        amx_load_weights<0>(source(0, b));
+        if (NG > 1) amx_load_weights<1>(source(1, b));
+        if (NG > 2) amx_load_weights<2>(source(2, b));
+        _tile_loadd(3, xq.q + b * QK, K);
+        amx_block_sums<Q41, NG>(cp);
+        __m512 d[NG];
+        for (int j = 0; j < NG; j++) d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w[j] + b * BB)));
         for (int i = 0; i < MT; i++) {
             const __m512 dx = _mm512_set1_ps(xq.d[i * nblk + b]);
-            const __m512 p0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c0 + 16 * i)), dx);
-            const __m512 p1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c1 + 16 * i)), dx);
-            acc0[i] = _mm512_fmadd_ps(d0, p0, acc0[i]);
-            acc1[i] = _mm512_fmadd_ps(d1, p1, acc1[i]);
+            for (int j = 0; j < NG; j++) {
+                const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[j] + 16 * i)), dx);
+                acc[j][i] = _mm512_fmadd_ps(d[j], p, acc[j][i]);
+            }
         }
     }
-    for (int half = 0; half < (g1 != g ? 2 : 1); half++) {
-        const int64_t n = (g + half) * AMX_GROUP;
+    for (int j = 0; j < NG && g + j < g_end; j++) {
+        const int64_t n = (g + j) * AMX_GROUP;
         const __mmask16 keep = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
         const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
-        const uint8_t *w = half ? w1 : w0;
         for (int i = 0; i < MT; i++) {
-            const __m512 mt = Q41 ? amx_min_term(w + 32, BB, xq.s + i * xq.sblk, nblk) : _mm512_setzero_ps();
-            _mm512_mask_storeu_ps(y + i * N + n, keep, _mm512_add_ps(_mm512_add_ps(half ? acc1[i] : acc0[i], mt), bv));
+            const __m512 mt = Q41 ? amx_min_term(w[j] + 32, BB, xq.s + i * xq.sblk, nblk) : _mm512_setzero_ps();
+            _mm512_mask_storeu_ps(y + i * N + n, keep, _mm512_add_ps(_mm512_add_ps(acc[j][i], mt), bv));
         }
     }
 }
@@ -174,16 +193,17 @@ void amx_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8
         if (mt != configured) amx_configure((int)(configured = (int)mt));
         const XQ8 xm = xq.rows_from(m, K);
         float *ym = y + m * N;
-        for (int64_t g = g0; g < g1; g += 2) {
+        constexpr int NG = amx_ng<Q41>();
+        for (int64_t g = g0; g < g1; g += NG) {
             switch (mt) {
-                case 8: amx_tile_pass<Q41, 8>(xm, K, packed, g, g1, ym, N, bias); break;
-                case 7: amx_tile_pass<Q41, 7>(xm, K, packed, g, g1, ym, N, bias); break;
-                case 6: amx_tile_pass<Q41, 6>(xm, K, packed, g, g1, ym, N, bias); break;
-                case 5: amx_tile_pass<Q41, 5>(xm, K, packed, g, g1, ym, N, bias); break;
-                case 4: amx_tile_pass<Q41, 4>(xm, K, packed, g, g1, ym, N, bias); break;
-                case 3: amx_tile_pass<Q41, 3>(xm, K, packed, g, g1, ym, N, bias); break;
-                case 2: amx_tile_pass<Q41, 2>(xm, K, packed, g, g1, ym, N, bias); break;
-                default: amx_tile_pass<Q41, 1>(xm, K, packed, g, g1, ym, N, bias); break;
+                case 8: amx_tile_pass<Q41, 8, NG>(xm, K, packed, g, g1, ym, N, bias); break;
+                case 7: amx_tile_pass<Q41, 7, NG>(xm, K, packed, g, g1, ym, N, bias); break;
+                case 6: amx_tile_pass<Q41, 6, NG>(xm, K, packed, g, g1, ym, N, bias); break;
+                case 5: amx_tile_pass<Q41, 5, NG>(xm, K, packed, g, g1, ym, N, bias); break;
+                case 4: amx_tile_pass<Q41, 4, NG>(xm, K, packed, g, g1, ym, N, bias); break;
+                case 3: amx_tile_pass<Q41, 3, NG>(xm, K, packed, g, g1, ym, N, bias); break;
+                case 2: amx_tile_pass<Q41, 2, NG>(xm, K, packed, g, g1, ym, N, bias); break;
+                default: amx_tile_pass<Q41, 1, NG>(xm, K, packed, g, g1, ym, N, bias); break;
             }
         }
         m += mt;
