@@ -25,12 +25,14 @@
 
 namespace gguf_kernel {
 constexpr int64_t AMX_GROUP = 16;  // weight rows a tile's columns hold
-constexpr int64_t AMX_ROWS = 8;    // rows of x a tile pass holds: up to 3 groups x 8 accumulators in registers
 // Weight groups a tile pass multiplies at once: Q4_1 one (its nibble split and a block's readout, not the tile
 // products, set its speed: 1, 2 and 3 groups measured 0.091 / 0.102 / 0.106 ms at one row, 0.155 / 0.161 / 0.167
 // at five, on SmolLM2's three Q4_1 shapes, one thread), Q8_0 three (1.14 / 1.11 / 1.08 ms at one row, 1.25 /
 // 1.22 / 1.13 at five: the lm_head's stream, several tile products in flight). The same bits either way.
 template <bool Q41> constexpr int amx_ng() { return Q41 ? 1 : 3; }
+// Rows of x a tile pass holds (a tile's 16 at most): a group's accumulators for each in registers (Q4_1: 16 x 1
+// group; Q8_0: 8 x 3 groups).
+template <bool Q41> constexpr int64_t amx_rows() { return Q41 ? 16 : 8; }
 
 // Bytes a packed block of a 16-row group: d's and m's (fp16) and the quantised values.
 template <bool Q41> constexpr int64_t amx_block_bytes() { return Q41 ? 32 + 32 + 256 : 32 + 512; }
@@ -187,27 +189,28 @@ void amx_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8
     if (g0 >= g1) return;
     const XQ8 xq = xq8_view(scratch, M, K);
     for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
+    // Group by group, every pass of rows over the group (its weights stay in L1 across the passes); passes of
+    // near-equal sizes, at most two, so the tile configuration changes at most twice a group.
+    constexpr int NG = amx_ng<Q41>();
+    constexpr int64_t most = amx_rows<Q41>();
+    const int64_t passes = (M + most - 1) / most;
     int configured = 0;
-    for (int64_t tiles = (M + AMX_ROWS - 1) / AMX_ROWS, m = 0; tiles > 0; tiles--) {
-        const int64_t mt = (M - m + tiles - 1) / tiles;  // near-equal passes of at most AMX_ROWS rows
-        if (mt != configured) amx_configure((int)(configured = (int)mt));
-        const XQ8 xm = xq.rows_from(m, K);
-        float *ym = y + m * N;
-        constexpr int NG = amx_ng<Q41>();
-        for (int64_t g = g0; g < g1; g += NG) {
+    for (int64_t g = g0; g < g1; g += NG)
+        for (int64_t p = passes, m = 0; p > 0; p--) {
+            const int64_t mt = (M - m + p - 1) / p;
+            if (mt != configured) amx_configure((int)(configured = (int)mt));
+            const XQ8 xm = xq.rows_from(m, K);
+            float *ym = y + m * N;
             switch (mt) {
-                case 8: amx_tile_pass<Q41, 8, NG>(xm, K, packed, g, g1, ym, N, bias); break;
-                case 7: amx_tile_pass<Q41, 7, NG>(xm, K, packed, g, g1, ym, N, bias); break;
-                case 6: amx_tile_pass<Q41, 6, NG>(xm, K, packed, g, g1, ym, N, bias); break;
-                case 5: amx_tile_pass<Q41, 5, NG>(xm, K, packed, g, g1, ym, N, bias); break;
-                case 4: amx_tile_pass<Q41, 4, NG>(xm, K, packed, g, g1, ym, N, bias); break;
-                case 3: amx_tile_pass<Q41, 3, NG>(xm, K, packed, g, g1, ym, N, bias); break;
-                case 2: amx_tile_pass<Q41, 2, NG>(xm, K, packed, g, g1, ym, N, bias); break;
+#define AMX_PASS(R) \
+                case R: if (R <= most) amx_tile_pass<Q41, (R <= most ? R : 1), NG>(xm, K, packed, g, g1, ym, N, bias); break;
+                AMX_PASS(16) AMX_PASS(15) AMX_PASS(14) AMX_PASS(13) AMX_PASS(12) AMX_PASS(11) AMX_PASS(10) AMX_PASS(9)
+                AMX_PASS(8) AMX_PASS(7) AMX_PASS(6) AMX_PASS(5) AMX_PASS(4) AMX_PASS(3) AMX_PASS(2)
+#undef AMX_PASS
                 default: amx_tile_pass<Q41, 1, NG>(xm, K, packed, g, g1, ym, N, bias); break;
             }
+            m += mt;
         }
-        m += mt;
-    }
     _tile_release();  // no tile state left for the next context switch to save
 }
 
