@@ -155,6 +155,26 @@ def test_amx_pack_holds_every_block_byte_once_in_the_tile_layout(fmt):
     assert packed.size == groups * nblk * (20 if fmt == "Q4_1" else 34) * 16
 
 
+@pytest.mark.skipif(not gguf_kernel._build()[0].gguf_use_avx512(1), reason="this CPU has no AVX-512")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_avx512_forms_give_the_avx2_forms_bits(fmt):
+    """fp32 activations on an AVX-512 CPU take two weight rows a register (`gguf_avx512.cpp`): every output is
+    bitwise the AVX2 kernel's, at every row count (lone rows, tiles, a lone last weight row) and thread count."""
+    lib = gguf_kernel._build()[0]
+    blocks, _ = quantised(fmt, 67, 192, seed=5)
+    bias = torch.randn(67)
+    try:
+        for rows in [1, 2, 5, 8, 13, 40, 130]:
+            x = torch.randn(rows, 192)
+            for threads in (1, 2):
+                lib.gguf_use_avx512(0)
+                avx2 = gguf_linear(x, blocks, 67, fmt, bias, threads=threads)
+                lib.gguf_use_avx512(1)
+                assert torch.equal(gguf_linear(x, blocks, 67, fmt, bias, threads=threads), avx2), (rows, threads)
+    finally:
+        lib.gguf_use_avx512(1)
+
+
 def test_kernel_rejects_a_width_that_is_not_whole_blocks():
     blocks, _ = quantised("Q8_0", 4, 64)
     with pytest.raises(gguf_kernel.KernelError, match="returned -1"):

@@ -179,33 +179,20 @@ inline void block_sum(const float *x, float *xsum, int64_t i) {
     const __m256 b = _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24));
     _mm256_store_ps(xsum + i * 8, _mm256_add_ps(a, b));
 }
+}  // namespace gguf_kernel
 
-template <class F>
-void run(const float *x, float *xsum, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
-         float *y, int threads) {
-    const int64_t nblk = K / QK, row_bytes = nblk * F::bytes, rb = rows_a_block(K);
-    #pragma omp parallel num_threads(threads)
-    {
-        if (F::has_min) {
-            #pragma omp for schedule(static)
-            for (int64_t i = 0; i < M * nblk; i++) block_sum(x, xsum, i);
-        }
-        for (int64_t m0 = 0; m0 < M; m0 += rb) {
-            const int64_t m1 = m0 + rb < M ? m0 + rb : M;
-            #pragma omp for schedule(static)
-            for (int64_t n = 0; n < N; n++) rows_times_weight<F>(x, xsum, m0, m1, K, w + n * row_bytes, y, N, n, bias);
-        }
-    }
-}
+// fp32 activations two weight rows at a time in AVX-512 (the same bits), where the CPU has it.
+#include "gguf_avx512.cpp"
 
-// Weight rows [n0, n1) only, on the calling thread (callers that split a linear's rows over their own threads:
-// decode_layers.cpp). The same rows_times_weight per output as `run`, so the same bits.
+namespace gguf_kernel {
+
+// Weight rows [n0, n1) of x's rows, their block sums in xsum (Q4_1): AVX2 one weight row at a time (a lone row of
+// x: four), or AVX-512 two at a time where the CPU has it (the same bits).
 template <class F>
-void run_range(const float *x, float *xsum, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
-               float *y, int64_t n0, int64_t n1) {
+void range_body(const float *x, const float *xsum, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                const float *bias, float *y, int64_t n0, int64_t n1) {
+    if (avx512_ok()) return range_body_avx512<F>(x, xsum, M, K, w, N, bias, y, n0, n1);
     const int64_t nblk = K / QK, row_bytes = nblk * F::bytes, rb = rows_a_block(K);
-    if (F::has_min)
-        for (int64_t i = 0; i < M * nblk; i++) block_sum(x, xsum, i);
     for (int64_t m0 = 0; m0 < M; m0 += rb) {
         const int64_t m1 = m0 + rb < M ? m0 + rb : M;
         int64_t n = n0;
@@ -214,6 +201,32 @@ void run_range(const float *x, float *xsum, int64_t M, int64_t K, const uint8_t 
                 row_times_weight_rows<F, 4>(x + m0 * K, xsum + m0 * nblk * 8, K, w, row_bytes, y + m0 * N, n, bias);
         for (; n < n1; n++) rows_times_weight<F>(x, xsum, m0, m1, K, w + n * row_bytes, y, N, n, bias);
     }
+}
+
+// Every weight row over `threads` threads (contiguous shares), block sums split first.
+template <class F>
+void run(const float *x, float *xsum, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
+         float *y, int threads) {
+    const int64_t nblk = K / QK;
+    #pragma omp parallel num_threads(threads)
+    {
+        if (F::has_min) {
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < M * nblk; i++) block_sum(x, xsum, i);
+        }  // (the loop's implied barrier: every block sum is in before any thread reads them)
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        range_body<F>(x, xsum, M, K, w, N, bias, y, N * t / nt, N * (t + 1) / nt);
+    }
+}
+
+// Weight rows [n0, n1) only, on the calling thread (callers that split a linear's rows over their own threads:
+// decode_layers.cpp). The same operations per output as `run`, so the same bits.
+template <class F>
+void run_range(const float *x, float *xsum, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
+               float *y, int64_t n0, int64_t n1) {
+    if (F::has_min)
+        for (int64_t i = 0; i < M * (K / QK); i++) block_sum(x, xsum, i);
+    range_body<F>(x, xsum, M, K, w, N, bias, y, n0, n1);
 }
 
 // Scratch floats `linear_range` needs for M rows of width K: fp32 activations' block sums (8 a block) or int8
@@ -282,6 +295,13 @@ int gguf_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t 
 int gguf_amx_init(void) {
     const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+}
+
+// on = 0: fp32 activations take the AVX2 forms even where the CPU has AVX-512 (the same bits: tests and A/Bs
+// compare them); 1: the AVX-512 forms where the CPU has them (the default). Returns whether they run now.
+int gguf_use_avx512(int on) {
+    gguf_kernel::avx512_off = !on;
+    return gguf_kernel::avx512_ok();
 }
 
 // Bytes gguf_amx_pack writes for an [N, K] weight of GGML type `fmt` (0: Q4_1, 1: Q8_0).
