@@ -21,7 +21,8 @@ GEMM_SOURCE = Path(__file__).with_name("gguf_gemm.cpp")  # the prompt GEMM, #inc
 INT8_SOURCE = Path(__file__).with_name("gguf_int8.cpp")  # int8 activations, #included by SOURCE
 AMX_SOURCE = Path(__file__).with_name("gguf_amx.cpp")  # int8 activations in AMX tiles, #included by SOURCE
 AVX512_SOURCE = Path(__file__).with_name("gguf_avx512.cpp")  # fp32 activations in AVX-512, #included by SOURCE
-INCLUDES = (GEMM_SOURCE, INT8_SOURCE, AMX_SOURCE, AVX512_SOURCE)  # what a build of SOURCE reads besides it (keys the build cache)
+# what a build of SOURCE reads besides it (keys the build cache)
+INCLUDES = (GEMM_SOURCE, INT8_SOURCE, AMX_SOURCE, AVX512_SOURCE)
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
 # The kernel's activation arithmetics -> the `fmt` argument's bits 1-2: fp32; int8 in AVX2 lanes; int8 in AMX
 # tiles (block sums, over `amx_pack`'s copy of the blocks)
