@@ -196,6 +196,8 @@ def test_a_gguf_checkpoint_loads_onto_the_kernel_and_computes_the_fp32_models_lo
     assert len(linears) == 2 * len(quant.layers) * 2 + 1  # qkv, o, gate_up, down a layer, and lm_head
     assert not any(isinstance(m, GGUFLinear) for m in fp32.modules())
     assert f"{fmt} linears" in describe_cpu_kernels(quant) and "batch-invariant" in describe_cpu_kernels(quant)
+    isa = "AVX-512" if gguf_kernel.kernel_isa() == "avx512" else "AVX2"
+    assert f"in specstep's {isa} kernel" in describe_cpu_kernels(quant)  # the form that runs here
     if tied:  # the lm_head reads the embedding's blocks; its fp32 weight is the embedding's own
         assert quant.lm_head.weight is quant.embed_tokens.weight
     ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7, 8]])

@@ -70,6 +70,13 @@ def unavailable() -> str:
     return _build()[1]
 
 
+def kernel_isa() -> str:
+    """Which form fp32 activations run in here: "avx512" (two weight rows a register, where the CPU has AVX-512)
+    or "avx2" (the same bits either way)."""
+    lib, _ = _build()
+    return "avx512" if lib is not None and lib.gguf_use_avx512(1) else "avx2"
+
+
 @cache
 def tiles_unavailable() -> str:
     """Why int8 activations cannot run in AMX tiles here ("" if they can): the kernel, the CPU's flags (AVX-512 and

@@ -33,6 +33,7 @@ from specstep.engine.models.gguf_kernel import (
     amx_pack,
     gguf_linear,
     kernel_fmt,
+    kernel_isa,
     tiles_unavailable,
     unavailable,
 )
@@ -169,5 +170,6 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB, and a {nbytes / 2**20:.0f} MB copy "
                 "repacked for AMX tiles) times int8 activations in AMX tiles (each block's products summed in "
                 "integers, llama.cpp's order: not exact), batch-invariant; --activations fp32 for exact")
-    return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB) in specstep's AVX2 kernel, "
+    isa = "AVX-512" if kernel_isa() == "avx512" else "AVX2"
+    return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB) in specstep's {isa} kernel, "
             "batch-invariant; --quantization none for fp32 weights")
