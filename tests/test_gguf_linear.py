@@ -155,7 +155,7 @@ def test_amx_pack_holds_every_block_byte_once_in_the_tile_layout(fmt):
     assert packed.size == groups * nblk * (20 if fmt == "Q4_1" else 34) * 16
 
 
-@pytest.mark.skipif(not gguf_kernel._build()[0].gguf_use_avx512(1), reason="this CPU has no AVX-512")
+@pytest.mark.skipif(gguf_kernel.kernel_isa() != "avx512", reason="this CPU has no AVX-512")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_avx512_forms_give_the_avx2_forms_bits(fmt):
     """fp32 activations on an AVX-512 CPU take two weight rows a register (`gguf_avx512.cpp`): every output is
