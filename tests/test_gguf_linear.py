@@ -158,8 +158,9 @@ def test_amx_pack_holds_every_block_byte_once_in_the_tile_layout(fmt):
 @pytest.mark.skipif(gguf_kernel.kernel_isa() != "avx512", reason="this CPU has no AVX-512")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_avx512_forms_give_the_avx2_forms_bits(fmt):
-    """fp32 activations on an AVX-512 CPU take two weight rows a register (`gguf_avx512.cpp`): every output is
-    bitwise the AVX2 kernel's, at every row count (lone rows, tiles, a lone last weight row) and thread count."""
+    """fp32 activations on an AVX-512 CPU take two weight rows a register (`gguf_avx512.cpp`), and the prompt GEMM
+    a panel's 16 outputs a register: every output is bitwise the AVX2 forms', at every row count (lone rows,
+    tiles, a lone last weight row, a partial last panel) and thread count."""
     lib = gguf_kernel._build()[0]
     blocks, _ = quantised(fmt, 67, 192, seed=5)
     bias = torch.randn(67)
@@ -169,8 +170,10 @@ def test_avx512_forms_give_the_avx2_forms_bits(fmt):
             for threads in (1, 2):
                 lib.gguf_use_avx512(0)
                 avx2 = gguf_linear(x, blocks, 67, fmt, bias, threads=threads)
+                avx2_gemm = gguf_gemm(x, blocks, 67, fmt, bias, threads=threads)
                 lib.gguf_use_avx512(1)
                 assert torch.equal(gguf_linear(x, blocks, 67, fmt, bias, threads=threads), avx2), (rows, threads)
+                assert torch.equal(gguf_gemm(x, blocks, 67, fmt, bias, threads=threads), avx2_gemm), (rows, threads)
     finally:
         lib.gguf_use_avx512(1)
 
