@@ -115,7 +115,8 @@ inline void attend_item(int64_t it, const float *q, float *out, const float *k_c
                         int64_t page_size, float scale, int64_t most_keys, int64_t *slots, float *scores) {
     const int64_t G = H / Hkv, b = it / Hkv, kvh = it % Hkv, keys = kv_len[b];
     for (int64_t j = 0, p = 0; j < keys; p++)  // (pages in order: no division a key)
-        for (int64_t r = 0, base = page_table[b * P + p] * page_size; r < page_size && j < keys; r++) slots[j++] = base + r;
+        for (int64_t r = 0, base = page_table[b * P + p] * page_size; r < page_size && j < keys; r++)
+            slots[j++] = base + r;
     for (int64_t i = 0; i < Q; i++) {
         // a padding row (it points at token 0, a real row of lane 0's) writes nothing
         if (!q_valid[b * Q + i]) continue;

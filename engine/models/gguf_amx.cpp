@@ -67,7 +67,8 @@ inline void amx_configure(int rows) {
     }
     c.rows[3] = (uint8_t)rows;
     c.colsb[3] = 32;
-    __asm__ volatile("" : : "r"(&c) : "memory");  // GCC 12 dropped the colsb stores: it does not see ldtilecfg read them
+    // GCC 12 dropped the colsb stores: it does not see ldtilecfg read them
+    __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 
@@ -204,7 +205,9 @@ void amx_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8
             float *ym = y + m * N;
             switch (mt) {
 #define AMX_PASS(R) \
-                case R: if (R <= most) amx_tile_pass<Q41, (R <= most ? R : 1), NG>(xm, K, packed, g, g1, ym, N, bias); break;
+                case R: \
+                    if (R <= most) amx_tile_pass<Q41, (R <= most ? R : 1), NG>(xm, K, packed, g, g1, ym, N, bias); \
+                    break;
                 AMX_PASS(16) AMX_PASS(15) AMX_PASS(14) AMX_PASS(13) AMX_PASS(12) AMX_PASS(11) AMX_PASS(10) AMX_PASS(9)
                 AMX_PASS(8) AMX_PASS(7) AMX_PASS(6) AMX_PASS(5) AMX_PASS(4) AMX_PASS(3) AMX_PASS(2)
 #undef AMX_PASS
