@@ -6,7 +6,8 @@
 # (the VMs' count) and with CUDA hidden (so `--device auto` is the CPU): its ISA flags, the CPU plan /
 # batch-invariance / GGUF kernel tests (the bitwise verify-vs-decode test on whatever plan this host chooses), and
 # bench_steps on a SmolLM2-135M-shaped random checkpoint (scripts/smollm2_shaped.py: the HF folder with
-# --dtype auto's choice, the Q4_1 GGUF with fp32 and int8 activations). Timeouts 90 + 150 s.
+# --dtype auto's choice, the Q4_1 GGUF with fp32 activations and int8 in AVX2 lanes and in AMX tiles where the CPU
+# has them). Timeouts 90 + 150 s.
 set -uo pipefail
 
 OUT="${1:?usage: scripts/host_cpu_check.sh OUTDIR}"
@@ -31,7 +32,7 @@ start=$SECONDS
     timeout 150 bash -c "'$PY' scripts/smollm2_shaped.py '$model' > /dev/null 2>&1 &&
         '$PY' -m benchmarks.bench_steps --model '$model/hf' --batches 1 --reps 8 --modes auto/off,auto/on &&
         '$PY' -m benchmarks.bench_steps --model '$model/model.gguf' --batches 1 --reps 8 \
-            --modes auto/on,auto/on/auto/auto/int8" 2>&1 | grep -v '^Writing model shards'
+            --modes auto/on,auto/on/auto/auto/int8-lanes,auto/on/auto/auto/int8" 2>&1 | grep -v '^Writing model shards'
     echo "cpu bench: rc=${PIPESTATUS[0]} ($((SECONDS - start)) s)"
 } > "$OUT/cpu.txt" 2>&1
 tail -n 40 "$OUT/cpu.txt"
