@@ -245,7 +245,7 @@ def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts
         draft = med.get("draft")
         # the extra rows' arithmetic at the host's peak: b * k rows x multiply-adds / 8 a FMA
         # (an fp32 bound: int8 activations multiply 32 values an instruction, so it does not bound them)
-        fp32 = not m.endswith("/int8")
+        fp32 = not (m.split("/")[4:] or ["fp32"])[0].startswith("int8")  # int8, int8-tiles, int8-lanes
         extra_s = b * args.k * multiply_adds(t.engine.target) / 8 / fma if fma and fp32 else None
         ratio_floor = 1 + extra_s / med["decode"] if extra_s else None
         rows.append([m, b, med["decode"] * 1e3, med["verify"] * 1e3, ratio,

@@ -155,6 +155,33 @@ def test_amx_pack_holds_every_block_byte_once_in_the_tile_layout(fmt):
     assert packed.size == groups * nblk * (20 if fmt == "Q4_1" else 34) * 16
 
 
+@pytest.mark.skipif(bool(tiles_unavailable()), reason=f"AMX tiles: {tiles_unavailable()}")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_amx_formats_give_the_same_bits_in_lanes_and_in_tiles(fmt):
+    """Few rows of the AMX formats run in AVX-512 VNNI lanes over the tile layout (Q8_0's weights sign-flipped to
+    unsigned and each block's sum corrected by -128 sum(q_x)): every output is bitwise the tiles', at 1-8 rows, 1
+    and 2 threads, a partial last 16-row group and a bias; and both are the quantised product (fp64 reference of
+    the arithmetic), a row of zeros and a block of saturating activations included."""
+    blocks, _ = quantised(fmt, 67, 576, seed=7)
+    tiles, bias = amx_pack(blocks, fmt, 576), torch.randn(67)
+    x = torch.randn(8, 576)
+    x[2] = 0.0
+    x[5, 32:64] = 50.0 * torch.sign(torch.randn(32))  # q_x = +-127 throughout a block: Q8_0's correction at its most
+    kfmt = f"{fmt}/int8-tiles"
+    ref = int8_reference(x, blocks, fmt, bias)
+    try:
+        for rows in range(1, 9):
+            for threads in (1, 2):
+                gguf_kernel.amx_lane_rows(0)
+                in_tiles = gguf_linear(x[:rows], tiles, 67, kfmt, bias, threads=threads)
+                gguf_kernel.amx_lane_rows(8)
+                in_lanes = gguf_linear(x[:rows], tiles, 67, kfmt, bias, threads=threads)
+                assert torch.equal(in_lanes, in_tiles), (rows, threads)
+                assert (in_lanes.double() - ref[:rows]).abs().max() <= 1e-5 * ref.abs().max(), (rows, threads)
+    finally:
+        gguf_kernel.amx_lane_rows(-1)
+
+
 @pytest.mark.skipif(gguf_kernel.kernel_isa() != "avx512", reason="this CPU has no AVX-512")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_avx512_forms_give_the_avx2_forms_bits(fmt):

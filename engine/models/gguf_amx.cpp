@@ -1,6 +1,6 @@
 // Int8 activations in AMX tiles for `gguf_kernel.cpp` (which includes this file after `gguf_int8.cpp`; built only
-// through it, compiled for AMX-INT8 and AVX-512 by the target pragma below and called only where the host has them
-// and the kernel granted the process its tile state: `gguf_amx_init`).
+// through it, compiled for AMX-INT8 and AVX-512 (VNNI) by the target pragma below and called only where the host
+// has them and the kernel granted the process its tile state: `gguf_amx_init`).
 //
 // The arithmetic (`fmt` bit 2, "block sums"): x quantised per 32-value block as `quantize_row` does (q_x, d_x,
 // s_x), each block's 32 products summed in integers (exact: the tile multiply sums i8 x u8 or i8 x i8 products in
@@ -12,8 +12,10 @@
 // arithmetic keeps 8 partial sums a block: the same quantised product, other roundings. A tile multiply sums a
 // block for up to 16 rows of x and 16 weight rows at once, so a step's extra rows cost a block's readout (a
 // convert, a multiply and an FMA for 16 outputs), not multiply-add chains of their own: on SmolLM2's Q4_1 layers
-// 5 rows cost 1.5-1.7x one row, where the AVX2 lanes' cost 2.4-2.6x. Every
-// output's operations are the same whatever the rows beside it, the tiling and the threads (batch-invariant).
+// 5 rows cost 1.5-1.7x one row, where the AVX2 lanes' cost 2.4-2.6x. Calls of few rows run the same arithmetic
+// in AVX-512 VNNI lanes instead (`amx_lane_pass`: the same integer sums and readout, so the same bits), which read
+// the weights faster where the tiles' fixed costs dominate. Every output's operations are the same whatever the
+// rows beside it, the tiling, lanes or tiles and the threads (batch-invariant).
 //
 // Weights are repacked once at load (`gguf_amx_pack`: `gguf_amx_bytes` a linear) into groups of 16 weight rows,
 // block by block: the 16 rows' fp16 d's, their fp16 m's (Q4_1), then their quantised values as the tile multiply's
@@ -39,10 +41,20 @@ template <bool Q41> constexpr int64_t amx_rows() { return Q41 ? 16 : 8; }
 template <bool Q41> constexpr int64_t amx_block_bytes() { return Q41 ? 32 + 32 + 256 : 32 + 512; }
 
 inline int64_t amx_groups(int64_t N) { return (N + AMX_GROUP - 1) / AMX_GROUP; }
+
+// Calls of at most this many rows of x take the VNNI lanes (`amx_lane_pass`), more the tiles (the same bits either
+// way; `gguf_amx_lane_rows` sets it for tests and A/Bs). The defaults are the crossovers measured on SmolLM2's
+// shapes with weights past the cache, 2 threads (tiles' time / lanes'): Q4_1 1.18 / 1.15 / 1.09 / 1.05 / 1.06 /
+// 1.02 / 0.93 at 1 / 2 / 3 / 4 / 5 / 6 / 8 rows; Q8_0 1.00 at one row, 0.88 at two, but a SmolLM2 decode step's
+// lm_head in lanes saved 0.5-0.65 ms of 6.3-6.8 (alternating A/B in one engine).
+constexpr int64_t AMX_LANES_MOST = 8;
+inline int amx_lanes_set = -1;  // -1: the defaults below
+template <bool Q41> inline int64_t amx_lane_rows() { return amx_lanes_set >= 0 ? amx_lanes_set : (Q41 ? 4 : 1); }
+constexpr int64_t PREFETCH = 2560;  // bytes ahead of the weight reads a software prefetch asks for
 }  // namespace gguf_kernel
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-int8")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")
 
 namespace gguf_kernel {
 
@@ -155,6 +167,9 @@ inline void amx_tile_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, i
     if (Q41)
         for (int64_t b = 0; b < AHEAD && b < nblk; b++) unpack(b);
     for (int64_t b = 0; b < nblk; b++) {
+        for (int j = 0; j < NG; j++)  // as the lanes' (1.25-1.3x at 5 and 8 rows, weights past the cache)
+            for (int64_t o = 0; o < BB; o += 64)
+                _mm_prefetch((const char *)(w[j] + b * BB + o + PREFETCH), _MM_HINT_T0);
         if (Q41 && b + AHEAD < nblk) unpack(b + AHEAD);
         amx_load_weights<0>(source(0, b));
         if (NG > 1) amx_load_weights<1>(source(1, b));
@@ -182,6 +197,88 @@ inline void amx_tile_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, i
     }
 }
 
+// Few rows of x in AVX-512 VNNI lanes, over the same layout and with the same arithmetic: row r of a block's
+// weight tile (4 consecutive weights of the group's 16 weight rows) is one 512-bit register, and vpdpbusd of it
+// with x's 4 bytes at 4r broadcast adds those 4 products into each output's int32 lane. A block's 8 rows give its
+// exact integer sum per output, the tile multiply's sum; the readout is the tile pass's, so the outputs are the
+// same bits (tested against the tiles at every row count). Why lanes at few rows: a tile pass pays for its nibble
+// split stored to memory, the tile loads and a readout through memory whatever the rows, the lanes split the
+// nibbles in registers and read x from memory once a block: at one row of SmolLM2's shapes the tile pass reads
+// 16-20 GB/s of weights where the lanes reach 23-26 (2 threads, weights past the cache; 48 GB/s one thread in
+// L2), while each extra row costs the lanes 8 more multiplies a block and the tiles almost nothing.
+// Q8_0's weights are signed: vpdpbusd multiplies unsigned by signed bytes, so the weights go in as w + 128 (the
+// sign bit flipped) and each output's sum starts at -128 * sum(q_x) of the block (corr), exact in int32.
+template <bool Q41, int MT>
+inline void amx_lane_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, float *y, int64_t N,
+                          const float *bias, const int32_t *corr) {
+    constexpr int64_t BB = amx_block_bytes<Q41>(), QS = Q41 ? 64 : 32;
+    const int64_t nblk = xq.nblk;
+    const uint8_t *w = packed + g * nblk * BB;
+    __m512 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nblk; b++) {
+        const uint8_t *blk = w + b * BB;
+        // the stream of weights past the cache: a software prefetch 2.5 KB ahead measured 1.1-1.2x at one row
+        for (int64_t o = 0; o < BB; o += 64) _mm_prefetch((const char *)(blk + o + PREFETCH), _MM_HINT_T0);
+        __m512i wr[8];
+        if (Q41) {
+            for (int k = 0; k < 4; k++) {
+                const __m512i v = _mm512_loadu_si512(blk + QS + 64 * k);
+                wr[k] = _mm512_and_si512(v, low);
+                wr[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        } else {
+            for (int k = 0; k < 8; k++) wr[k] = _mm512_xor_si512(_mm512_loadu_si512(blk + QS + 64 * k), flip);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        for (int i = 0; i < MT; i++) {
+            int32_t xr[8];
+            memcpy(xr, xq.q + i * K + b * QK, sizeof xr);
+            __m512i s0 = Q41 ? _mm512_setzero_si512() : _mm512_set1_epi32(-corr[i * nblk + b]);
+            __m512i s1 = _mm512_setzero_si512();
+            for (int r = 0; r < 8; r += 2) {  // two chains (integer sums: the order does not matter)
+                s0 = _mm512_dpbusd_epi32(s0, wr[r], _mm512_set1_epi32(xr[r]));
+                s1 = _mm512_dpbusd_epi32(s1, wr[r + 1], _mm512_set1_epi32(xr[r + 1]));
+            }
+            const __m512 dx = _mm512_set1_ps(xq.d[i * nblk + b]);
+            const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), dx);
+            acc[i] = _mm512_fmadd_ps(d, p, acc[i]);
+        }
+    }
+    const int64_t n = g * AMX_GROUP;
+    const __mmask16 keep = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
+    for (int i = 0; i < MT; i++) {
+        const __m512 mt = Q41 ? amx_min_term(w + 32, BB, xq.s + i * xq.sblk, nblk) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(y + i * N + n, keep, _mm512_add_ps(_mm512_add_ps(acc[i], mt), bv));
+    }
+}
+
+// Groups [g0, g1) for M <= AMX_LANES_MOST rows in lanes.
+template <bool Q41>
+void amx_lanes(XQ8 xq, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
+               int64_t g0, int64_t g1) {
+    int32_t corr[AMX_LANES_MOST * MAX_BLOCKS_I8];
+    if (!Q41)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t b = 0; b < xq.nblk; b++) {
+                int32_t s = 0;
+                for (int k = 0; k < QK; k++) s += xq.q[i * K + b * QK + k];
+                corr[i * xq.nblk + b] = 128 * s;
+            }
+    for (int64_t g = g0; g < g1; g++) switch (M) {
+            case 1: amx_lane_pass<Q41, 1>(xq, K, packed, g, y, N, bias, corr); break;
+            case 2: amx_lane_pass<Q41, 2>(xq, K, packed, g, y, N, bias, corr); break;
+            case 3: amx_lane_pass<Q41, 3>(xq, K, packed, g, y, N, bias, corr); break;
+            case 4: amx_lane_pass<Q41, 4>(xq, K, packed, g, y, N, bias, corr); break;
+            case 5: amx_lane_pass<Q41, 5>(xq, K, packed, g, y, N, bias, corr); break;
+            case 6: amx_lane_pass<Q41, 6>(xq, K, packed, g, y, N, bias, corr); break;
+            case 7: amx_lane_pass<Q41, 7>(xq, K, packed, g, y, N, bias, corr); break;
+            default: amx_lane_pass<Q41, 8>(xq, K, packed, g, y, N, bias, corr); break;
+        }
+}
+
 // The weight groups that start in weight rows [n0, n1), on the calling thread (ranges that split [0, N) split
 // its groups), every row of x quantised first (into scratch: xsum_floats).
 template <bool Q41>
@@ -191,6 +288,7 @@ void amx_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8
     if (g0 >= g1) return;
     const XQ8 xq = xq8_view(scratch, M, K);
     for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
+    if (M <= amx_lane_rows<Q41>()) return amx_lanes<Q41>(xq, M, K, packed, N, bias, y, g0, g1);
     // Group by group, every pass of rows over the group (its weights stay in L1 across the passes); passes of
     // near-equal sizes, at most two, so the tile configuration changes at most twice a group.
     constexpr int NG = amx_ng<Q41>();

@@ -304,6 +304,15 @@ int gguf_use_avx512(int on) {
     return gguf_kernel::avx512_ok();
 }
 
+// Calls of at most `rows` rows (0-8) of x take the AMX formats' VNNI lanes, more the tiles (the same bits);
+// -1 restores the measured defaults. Returns the previous setting.
+int gguf_amx_lane_rows(int rows) {
+    const int was = gguf_kernel::amx_lanes_set;
+    const int most = (int)gguf_kernel::AMX_LANES_MOST;
+    gguf_kernel::amx_lanes_set = rows < -1 ? -1 : rows > most ? most : rows;
+    return was;
+}
+
 // Bytes gguf_amx_pack writes for an [N, K] weight of GGML type `fmt` (0: Q4_1, 1: Q8_0).
 int64_t gguf_amx_bytes(int fmt, int64_t N, int64_t K) {
     return gguf_kernel::amx_groups(N) * (K / gguf_kernel::QK) *

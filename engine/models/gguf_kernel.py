@@ -27,7 +27,7 @@ FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its 
 # The kernel's activation arithmetics -> the `fmt` argument's bits 1-2: fp32; int8 in AVX2 lanes; int8 in AMX
 # tiles (block sums, over `amx_pack`'s copy of the blocks)
 ACTIVATIONS = {"fp32": 0, "int8": 2, "int8-tiles": 6}
-AMX_CPU_FLAGS = ("amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512dq")
+AMX_CPU_FLAGS = ("amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 
 
 def kernel_fmt(fmt: str, activations: str = "fp32") -> str:
@@ -90,6 +90,16 @@ def tiles_unavailable() -> str:
     if lib.gguf_amx_init() != 0:
         return "the OS did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
     return ""
+
+
+def amx_lane_rows(rows: int, lib: ctypes.CDLL | None = None) -> int:
+    """Calls of at most `rows` rows of x (0-8) take the AMX formats' AVX-512 VNNI lanes, more the tiles; -1 restores
+    the measured defaults (`gguf_amx.cpp`). The same bits either way: tests and A/Bs compare the two. `lib`: a
+    library that includes the kernel (the C++ layers'), else the kernel's own. Returns the previous setting."""
+    lib = lib or _build()[0]
+    if lib is None:
+        raise KernelError(f"the GGUF kernel cannot run here: {unavailable()}")
+    return lib.gguf_amx_lane_rows(rows)
 
 
 def amx_pack(blocks: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:

@@ -169,7 +169,8 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
     if activations == "int8-tiles":
         return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB, and a {nbytes / 2**20:.0f} MB copy "
                 "repacked for AMX tiles) times int8 activations in AMX tiles (each block's products summed in "
-                "integers, llama.cpp's order: not exact), batch-invariant; --activations fp32 for exact")
+                "integers, llama.cpp's order: not exact; calls of few rows in AVX-512 VNNI lanes over the same copy, "
+                "the same bits), batch-invariant; --activations fp32 for exact")
     isa = "AVX-512" if kernel_isa() == "avx512" else "AVX2"
     return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB) in specstep's {isa} kernel, "
             "batch-invariant; --quantization none for fp32 weights")
