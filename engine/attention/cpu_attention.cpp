@@ -20,6 +20,11 @@
 
 namespace cpu_attention_kernel {
 constexpr int64_t GB = 4;  // query heads of a row that share a key's loads
+// Keys ahead whose K and V rows a key's iteration asks the cache for: a lane's keys sit one KV head's slice of a
+// slot apart, in pages anywhere, where the hardware's prefetch does not follow. At SmolLM2's batch-1 step (~150
+// keys, 3 KV heads) the attention phase (a thread's work and wait) went from 1.40 M to 0.93 M cycles a step, 5 rows
+// from 3.2 M to 2.65 M (4 and 16 keys ahead measured no better).
+constexpr int64_t KV_AHEAD = 8;
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -64,6 +69,13 @@ inline void attend_heads(const float *const *qr, float *const *s, float *const *
                          float scale) {
     for (int64_t j = 0; j < seen; j++) {
         const float *kr = k_cache + (slots[j] * Hkv + kvh) * D;
+        if (j + KV_AHEAD < seen) {
+            const int64_t at = (slots[j + KV_AHEAD] * Hkv + kvh) * D;
+            for (int64_t c = 0; c < D; c += 16) {
+                _mm_prefetch((const char *)(k_cache + at + c), _MM_HINT_T0);
+                _mm_prefetch((const char *)(v_cache + at + c), _MM_HINT_T0);
+            }
+        }
         __m256 acc[GN];
         for (int g = 0; g < GN; g++) acc[g] = _mm256_setzero_ps();
         for (int64_t c = 0; c < D; c += 8) {
