@@ -2,7 +2,11 @@
 weights (30 layers of qkv, o, gate_up and down: 66 MB of blocks, past the L3 cache, as a decode step reads them),
 per row count and thread count, side by side in one run (settings alternate every repetition).
 
-    python -m benchmarks.bench_gguf_kernel [--rows 1,5,8] [--threads 1,2] [--reps 15]
+    python -m benchmarks.bench_gguf_kernel [--rows 1,5,8] [--threads 1,2] [--reps 15] [--activations fp32,int8]
+
+Activations: fp32, int8 (AVX2 lanes), and where the host has AMX-INT8 int8-tiles (the tiles at every row count)
+and int8-vnni (the same repacked copy and bits in AVX-512 VNNI lanes at every row count): the two forms whose
+crossover sets `gguf_amx.cpp`'s default.
 
 Answers "is it the kernel or the step around it" when a step-level figure (bench_steps) moves on a new host.
 The blocks are random nibbles with fixed scales: the kernel's time does not depend on the values. Each linear is
@@ -21,7 +25,8 @@ import numpy as np
 import torch
 
 from benchmarks.common import machine, table
-from specstep.engine.models.gguf_kernel import gguf_linear, kernel_fmt, unavailable
+from specstep.engine.models.gguf_kernel import (amx_lane_rows, amx_pack, gguf_linear, kernel_fmt, tiles_unavailable,
+                                                unavailable)
 
 BLOCK, Q4_1_BYTES = 32, 20  # a Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles for 32 weights
 HIDDEN, INTERMEDIATE, LAYERS, KV = 576, 1536, 30, 192  # SmolLM2-135M
@@ -42,22 +47,33 @@ def main() -> None:
     ap.add_argument("--rows", default="1,5,8")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--activations", default="fp32,int8", help="of fp32, int8, int8-tiles, int8-vnni")
     args = ap.parse_args()
+    acts = args.activations.split(",")
+    amx = [a for a in acts if a in ("int8-tiles", "int8-vnni")]
+    if amx and tiles_unavailable():
+        raise SystemExit(f"{'/'.join(amx)}: AMX tiles cannot run here: {tiles_unavailable()}")
     if unavailable():
         raise SystemExit(f"GGUF kernel unavailable: {unavailable()}")
     rng = np.random.default_rng(0)
     stack = [(q4_1_blocks(o, i, rng), o, i) for _ in range(LAYERS) for o, i in LAYER_SHAPES]
+    tiles = [amx_pack(b, "Q4_1", i) for b, _, i in stack] if amx else None  # the same bytes a weight
     nbytes = sum(b.numel() for b, _, _ in stack)
-    settings = [(act, rows, threads) for act in ("fp32", "int8") for rows in map(int, args.rows.split(","))
+    settings = [(act, rows, threads) for act in acts for rows in map(int, args.rows.split(","))
                 for threads in map(int, args.threads.split(","))]
     xs = {r: {i: torch.randn(r, i) for i in (HIDDEN, INTERMEDIATE)} for r in map(int, args.rows.split(","))}
 
     def one_pass(act: str, rows: int, threads: int) -> float:
-        fmt = kernel_fmt("Q4_1", act)
-        t0 = time.perf_counter()
-        for blocks, out, inp in stack:
-            gguf_linear(xs[rows][inp], blocks, out, fmt, threads=threads)
-        return time.perf_counter() - t0
+        fmt = kernel_fmt("Q4_1", "int8-tiles" if act in amx else act)
+        weights = tiles if act in amx else [b for b, _, _ in stack]
+        amx_lane_rows(8 if act == "int8-vnni" else 0)
+        try:
+            t0 = time.perf_counter()
+            for w, (_, out, inp) in zip(weights, stack):
+                gguf_linear(xs[rows][inp], w, out, fmt, threads=threads)
+            return time.perf_counter() - t0
+        finally:
+            amx_lane_rows(-1)
 
     times: dict[tuple, list[float]] = {s: [] for s in settings}
     for s in settings:  # warm: builds, first touches
@@ -68,13 +84,13 @@ def main() -> None:
     rows = []
     for act, r, th in settings:
         med = statistics.median(times[(act, r, th)])
-        fp32 = statistics.median(times[("fp32", r, th)])
+        fp32 = statistics.median(times[(acts[0], r, th)])
         lo, hi = min(times[(act, r, th)]), max(times[(act, r, th)])
         rows.append([act, r, th, f"{med * 1e3:.2f} [{lo * 1e3:.2f}-{hi * 1e3:.2f}]", f"{nbytes / med / 1e9:.1f}",
                      f"{fp32 / med:.2f}"])
     table(f"GGUF kernel, one pass over {LAYERS} SmolLM2-shaped layers of Q4_1 ({nbytes / 1e6:.0f} MB), medians of "
           f"{args.reps} [min-max] ({machine()})",
-          ["activations", "rows", "threads", "ms a pass", "GB/s", "speed vs fp32"], rows)
+          ["activations", "rows", "threads", "ms a pass", "GB/s", f"speed vs {acts[0]}"], rows)
 
 
 if __name__ == "__main__":

@@ -44,9 +44,10 @@ inline int64_t amx_groups(int64_t N) { return (N + AMX_GROUP - 1) / AMX_GROUP; }
 
 // Calls of at most this many rows of x take the VNNI lanes (`amx_lane_pass`), more the tiles (the same bits either
 // way; `gguf_amx_lane_rows` sets it for tests and A/Bs). The defaults are the crossovers measured on SmolLM2's
-// shapes with weights past the cache, 2 threads (tiles' time / lanes'): Q4_1 1.18 / 1.15 / 1.09 / 1.05 / 1.06 /
-// 1.02 / 0.93 at 1 / 2 / 3 / 4 / 5 / 6 / 8 rows; Q8_0 1.00 at one row, 0.88 at two, but a SmolLM2 decode step's
-// lm_head in lanes saved 0.5-0.65 ms of 6.3-6.8 (alternating A/B in one engine).
+// shapes with weights past the cache (tiles' time / lanes'): Q4_1 1.17 / 1.16 / 1.09 / 1.06 / 0.95 at 1 / 2 / 4 /
+// 5 / 8 rows (`benchmarks/bench_gguf_kernel.py --activations int8-tiles,int8-vnni`, one thread); Q8_0 1.00 at one
+// row, 0.88 at two, but a SmolLM2 decode step's lm_head in lanes saved 0.5-0.65 ms of 6.3-6.8 (alternating A/B
+// in one engine).
 constexpr int64_t AMX_LANES_MOST = 8;
 inline int amx_lanes_set = -1;  // -1: the defaults below
 template <bool Q41> inline int64_t amx_lane_rows() { return amx_lanes_set >= 0 ? amx_lanes_set : (Q41 ? 4 : 1); }

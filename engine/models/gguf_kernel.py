@@ -92,11 +92,11 @@ def tiles_unavailable() -> str:
     return ""
 
 
-def amx_lane_rows(rows: int, lib: ctypes.CDLL | None = None) -> int:
+def amx_lane_rows(rows: int) -> int:
     """Calls of at most `rows` rows of x (0-8) take the AMX formats' AVX-512 VNNI lanes, more the tiles; -1 restores
-    the measured defaults (`gguf_amx.cpp`). The same bits either way: tests and A/Bs compare the two. `lib`: a
-    library that includes the kernel (the C++ layers'), else the kernel's own. Returns the previous setting."""
-    lib = lib or _build()[0]
+    the measured defaults (`gguf_amx.cpp`). The same bits either way: tests and benchmarks compare the two. Sets
+    the kernel library's own calls (not the C++ layers', a library of its own). Returns the previous setting."""
+    lib = _build()[0]
     if lib is None:
         raise KernelError(f"the GGUF kernel cannot run here: {unavailable()}")
     return lib.gguf_amx_lane_rows(rows)
