@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from specstep.engine.argmax import argmax
 from specstep.engine.random import ACCEPT, SAMPLE, uniform
 from specstep.engine.sampler import processed_probs, sample_from_probs
 from specstep.engine.sampling_params import SamplingTensors
@@ -40,7 +41,7 @@ def rejection_sample(
     j = torch.arange(k + 1, device=draft_tokens.device)
     in_draft = j[:k].unsqueeze(0) < num_draft.unsqueeze(1)  # [B, k]
 
-    greedy_out = target_logits.argmax(dim=-1)  # [B, k + 1]
+    greedy_out = argmax(target_logits)  # [B, k + 1]
     greedy_acc = _accepted_prefix((draft_tokens == greedy_out[:, :k]) & in_draft)
     if st.all_greedy:
         return greedy_out, greedy_acc

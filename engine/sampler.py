@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from specstep.engine.argmax import argmax
 from specstep.engine.random import SAMPLE, uniform
 from specstep.engine.sampling_params import SamplingTensors
 
@@ -47,7 +48,7 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch
 
 def sample(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor) -> torch.Tensor:
     """Next token per request. logits [B, V]; positions [B] = position the sampled token will occupy."""
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax(logits)
     if st.all_greedy:
         return greedy_ids
     sampled = sample_from_probs(processed_probs(logits, st), st.seeds, positions, SAMPLE)

@@ -20,6 +20,7 @@ from abc import ABC
 import numpy as np
 import torch
 
+from specstep.engine.argmax import argmax
 from specstep.engine.batch_builder import Upload
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.random import DRAFT
@@ -143,7 +144,7 @@ class Proposer(ABC):
 def draw(logits: torch.Tensor, st: SamplingTensors,
          positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft token per row (argmax for greedy requests, a draw from the processed q otherwise) and q itself."""
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax(logits)
     if st.all_greedy:
         return greedy, None
     q = processed_probs(logits, st)
