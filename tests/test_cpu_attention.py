@@ -1,6 +1,6 @@
 """The C++ attention kernel (`engine/attention/cpu_attention.cpp`): SDPA's results to fp32 rounding on ragged
 paged batches, and every row's bits independent of the lanes and rows beside it, the page table's width and the
-threads."""
+threads; in both of its forms (AVX2, and AVX-512 for heads of 64 and 128 where the host has it)."""
 
 from __future__ import annotations
 
@@ -16,40 +16,76 @@ pytestmark = pytest.mark.skipif(bool(kernel.unavailable()), reason=f"kernel unav
 HEADS, KV_HEADS, D, PAGE = 9, 3, 64, 16
 
 
-def paged(q_lens, starts, seed=0, spare_pages=0):
+def _use_avx512(on: bool) -> bool:
+    return bool(kernel._build()[0].cpu_attention_use_avx512(int(on)))
+
+
+@pytest.fixture(params=["avx2", "avx512"], autouse=True)
+def form(request):
+    """Every test here runs on each form of the kernel this host can run (the host's default restored after)."""
+    if request.param == "avx512" and not _use_avx512(True):
+        pytest.skip("no AVX-512 on this host")
+    _use_avx512(request.param == "avx512")
+    yield request.param
+    _use_avx512(True)
+
+
+def paged(q_lens, starts, seed=0, spare_pages=0, kv_heads=KV_HEADS, heads=HEADS, d=D):
     g = torch.Generator().manual_seed(seed)
     pages = [-(-(s + q) // PAGE) + spare_pages for s, q in zip(starts, q_lens)]
-    k_cache = torch.randn((sum(pages) + 1) * PAGE, KV_HEADS, D, generator=g)
+    k_cache = torch.randn((sum(pages) + 1) * PAGE, kv_heads, d, generator=g)
     v_cache = torch.randn_like(k_cache)
     tables, nxt = [], 1
     for n in pages:
         tables.append(list(range(nxt, nxt + n)))
         nxt += n
-    q = torch.randn(sum(q_lens), HEADS * D, generator=g)
+    q = torch.randn(sum(q_lens), heads * d, generator=g)
     return q, k_cache, v_cache, tables
 
 
-def test_kernel_is_sdpa_to_fp32_rounding():
+# SmolLM2's heads; 128-wide heads in groups of 7 (the AVX-512 form's values take 5 and then 2 heads of 64, 2 at
+# a time of 128); one query head a KV head
+SHAPES = [(9, 3, 64), (14, 2, 128), (7, 1, 64), (4, 4, 128), (6, 2, 32)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, d", SHAPES)
+def test_kernel_is_sdpa_to_fp32_rounding(heads, kv_heads, d):
     q_lens, starts = [5, 1, 17, 3], [60, 17, 300, 0]
-    q, kc, vc, tables = paged(q_lens, starts)
+    q, kc, vc, tables = paged(q_lens, starts, kv_heads=kv_heads, heads=heads, d=d)
     fb = bb.build_forward_batch([[0] * n for n in q_lens], starts, tables, PAGE, "cpu")
-    got = TorchAttention(batch_invariant=True).forward(q, kc, vc, fb.attn, HEADS, 0.125)  # ragged: in parts
-    ref = TorchAttention().forward(q, kc, vc, fb.attn, HEADS, 0.125)  # SDPA
+    scale = d ** -0.5
+    got = TorchAttention(batch_invariant=True).forward(q, kc, vc, fb.attn, heads, scale)  # ragged: in parts
+    ref = TorchAttention().forward(q, kc, vc, fb.attn, heads, scale)  # SDPA
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)
 
 
-def test_a_rows_bits_do_not_depend_on_its_step(monkeypatch):
+def test_the_two_forms_agree_to_fp32_rounding(form):
+    if form == "avx2" or not _use_avx512(True):
+        pytest.skip("compared once, where both forms run")
+    q_lens, starts = [5, 1, 3], [60, 17, 200]
+    q, kc, vc, tables = paged(q_lens, starts, seed=2)
+    fb = bb.build_forward_batch([[0] * n for n in q_lens], starts, tables, PAGE, "cpu")
+    attend = TorchAttention(batch_invariant=True)  # ragged: in parts
+    wide = attend.forward(q, kc, vc, fb.attn, HEADS, 0.125)
+    _use_avx512(False)
+    narrow = attend.forward(q, kc, vc, fb.attn, HEADS, 0.125)
+    assert not torch.equal(wide, narrow)  # two forms ran
+    torch.testing.assert_close(wide, narrow, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("heads, kv_heads, d", SHAPES)
+def test_a_rows_bits_do_not_depend_on_its_step(monkeypatch, heads, kv_heads, d):
     """A lane's rows alone, with a longer page table, beside other lanes, and on 1 or 2 threads: the same bits;
     a verify step's row i equals the decode step at that position."""
     q_lens, starts = [5, 3, 4], [60, 17, 200]
-    q, kc, vc, tables = paged(q_lens, starts, seed=1, spare_pages=2)
+    q, kc, vc, tables = paged(q_lens, starts, seed=1, spare_pages=2, kv_heads=kv_heads, heads=heads, d=d)
     monkeypatch.setattr(bb, "PAD_LIMIT", float("inf"))
     fb = bb.build_forward_batch([[0] * n for n in q_lens], starts, tables, PAGE, "cpu")
     assert not hasattr(fb.attn, "parts")  # one padded batch: every lane beside the others
-    batch = {th: kernel.cpu_attention(q, kc, vc, fb.attn, HEADS, 0.125, threads=th) for th in (1, 2)}
+    batch = {th: kernel.cpu_attention(q, kc, vc, fb.attn, heads, 0.125, threads=th) for th in (1, 2)}
     assert torch.equal(batch[1], batch[2])
     alone = bb.build_forward_batch([[0] * 5], [60], [tables[0][:-2]], PAGE, "cpu")  # the table without spares
-    assert torch.equal(kernel.cpu_attention(q[:5], kc, vc, alone.attn, HEADS, 0.125), batch[1][:5])
+    assert torch.equal(kernel.cpu_attention(q[:5], kc, vc, alone.attn, heads, 0.125), batch[1][:5])
     for i in range(5):  # row i of the verify step = a decode step at position 60 + i over the same cache
         one = bb.build_forward_batch([[0]], [60 + i], [tables[0]], PAGE, "cpu")
-        assert torch.equal(kernel.cpu_attention(q[i: i + 1], kc, vc, one.attn, HEADS, 0.125), batch[1][i: i + 1])
+        assert torch.equal(kernel.cpu_attention(q[i: i + 1], kc, vc, one.attn, heads, 0.125), batch[1][i: i + 1])

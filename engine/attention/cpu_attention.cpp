@@ -8,8 +8,10 @@
 //                                horizontal sum
 //     m = max_j s_j;  p_j = exp(s_j - m) (a fixed polynomial, below);  l = sum_j p_j  (sequential, key order)
 //     o = (sum_j p_j v_j) / l    (sequential in key order, lane-wise over D)
-// A row marked invalid (padding) is skipped (the caller's output starts as zeros). Threads split (lane, KV head) items; an item's query heads share
-// each key's load.
+// A row marked invalid (padding) is skipped (the caller's output starts as zeros). Threads split (lane, KV head)
+// items; an item's query heads share each key's load.
+// That is the AVX2 form. Where the CPU has AVX-512, heads of 64 and 128 take `cpu_attention_avx512.cpp`'s form:
+// its own fixed order (other bits than this form's), as independent of the rest of the step. A host runs one form.
 
 #include <immintrin.h>
 #include <math.h>
@@ -119,6 +121,10 @@ inline void attend_heads(const float *const *qr, float *const *s, float *const *
     }
 }
 
+#include "cpu_attention_avx512.cpp"
+
+constexpr int64_t SCORE_PAD = 16;  // a row of scores: most_keys + this (whole 8- and 16-key vectors)
+
 // The attention of one item (lane b = it / Hkv, KV head it % Hkv): every valid query row of the lane and every
 // query head of the KV head. slots: most_keys + 1 int64; scores: scores_floats(G, Q, most_keys), 32-byte aligned.
 inline void attend_item(int64_t it, const float *q, float *out, const float *k_cache, const float *v_cache,
@@ -129,11 +135,24 @@ inline void attend_item(int64_t it, const float *q, float *out, const float *k_c
     for (int64_t j = 0, p = 0; j < keys; p++)  // (pages in order: no division a key)
         for (int64_t r = 0, base = page_table[b * P + p] * page_size; r < page_size && j < keys; r++)
             slots[j++] = base + r;
+    const bool wide = avx512_ok(D, G);
+    bool fetched = false;  // the item's first row asks for its K and V rows ahead; the others find them cached
     for (int64_t i = 0; i < Q; i++) {
         // a padding row (it points at token 0, a real row of lane 0's) writes nothing
         if (!q_valid[b * Q + i]) continue;
         const int64_t t = q_index[b * Q + i];
         const int64_t seen = q_pos[b * Q + i] + 1 < keys ? q_pos[b * Q + i] + 1 : keys;
+        if (wide) {
+            float *s = scores + i * G * (most_keys + SCORE_PAD);
+            if (D == 64)
+                attend_row16<4>(q + t * H * D, out + t * H * D, s, most_keys + SCORE_PAD, k_cache, v_cache, slots,
+                                seen, G, Hkv, kvh, scale, !fetched);
+            else
+                attend_row16<8>(q + t * H * D, out + t * H * D, s, most_keys + SCORE_PAD, k_cache, v_cache, slots,
+                                seen, G, Hkv, kvh, scale, !fetched);
+            fetched = true;
+            continue;
+        }
         for (int64_t g0 = 0; g0 < G; g0 += GB) {
             const int64_t gn = G - g0 < GB ? G - g0 : GB;
             const float *qr[GB];
@@ -141,7 +160,7 @@ inline void attend_item(int64_t it, const float *q, float *out, const float *k_c
             for (int64_t g = 0; g < gn; g++) {
                 const int64_t h = kvh * G + g0 + g;
                 qr[g] = q + (t * H + h) * D;
-                s[g] = scores + (i * G + g0 + g) * (most_keys + 8);
+                s[g] = scores + (i * G + g0 + g) * (most_keys + SCORE_PAD);
                 o[g] = out + (t * H + h) * D;
             }
             switch (gn) {
@@ -160,13 +179,20 @@ inline int64_t longest(const int64_t *kv_len, int64_t B) {
     return most;
 }
 
-// Floats of an item's scores (every row and query head of it, each padded to whole 8-key vectors).
-inline int64_t scores_floats(int64_t G, int64_t Q, int64_t most_keys) { return G * Q * (most_keys + 8); }
+// Floats of an item's scores (every row and query head of it, each padded to whole 16-key vectors).
+inline int64_t scores_floats(int64_t G, int64_t Q, int64_t most_keys) { return G * Q * (most_keys + SCORE_PAD); }
 
 }  // namespace cpu_attention_kernel
 
 extern "C" {
-int cpu_attention_version(void) { return 1; }
+int cpu_attention_version(void) { return 2; }
+
+// 0: the AVX2 form on an AVX-512 host too (tests compare the two forms); 1: by the CPU. Returns whether the
+// AVX-512 form now runs for heads of 64.
+int cpu_attention_use_avx512(int on) {
+    cpu_attention_kernel::avx512_off = !on;
+    return cpu_attention_kernel::avx512_ok(64, 1);
+}
 
 // q [T, H, D] (flat tokens), out [T, H, D]; caches [slots, Hkv, D]; per lane b: q_index [B, Q] (flat token of
 // each query row), q_valid [B, Q] (uint8), q_pos [B, Q], kv_len [B], page_table [B, P] (int64 all). D must be

@@ -16,6 +16,7 @@ from specstep.engine.native import load_kernel
 from specstep.engine.thread_choice import ThreadChoice
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+INCLUDES = (SOURCE.with_name("cpu_attention_avx512.cpp"),)  # #included by SOURCE
 # One thread or all of torch's, whichever a call of this much work (multiply-adds: rows x keys x head_dim, both
 # GEMM-like passes; its size the work's power of two, since the keys grow every step) measured faster
 # (`engine.thread_choice`, as `gguf_kernel.THREADS`: a batch-1 decode step's layer, ~9 x 200 x 64 x 2, is far
@@ -29,7 +30,7 @@ class AttentionKernelError(RuntimeError):
 
 @cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = load_kernel(SOURCE)
+    lib, why = load_kernel(SOURCE, INCLUDES)
     if lib is not None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.cpu_attention.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, p, p, p, p, p, i64, i64, ctypes.c_float,
