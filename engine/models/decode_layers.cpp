@@ -69,6 +69,10 @@ struct Paging {
 namespace {
 
 constexpr int SPINS = 1 << 12;  // pauses at a barrier before yielding the core (~0.1 ms)
+// Up to this many rows, every thread computes an RMS norm's rows and the MLP gate's (silu(gate) * up) whole, into
+// rows of its own, and its next linear reads them there: no barrier between the op and the linear (3 of a layer's 9
+// go), for a few microseconds of arithmetic repeated. Prompts split those rows and meet at a barrier. Same bits.
+constexpr int64_t OWN_ROWS = 64;
 
 // Threads meet here between phases: spin (the other thread is mid-phase, microseconds away), then yield.
 class Barrier {
@@ -156,9 +160,10 @@ void silu_mul(const float *gu, float *a, Range rows, int64_t I) {
 // those kernel rows, in one allocation.
 struct Buffers {
     float *h, *qkv, *q, *out, *gu, *a;
-    float *xsum, *panel, *scores, *xk, *yk;
+    float *xsum, *panel, *scores, *xk, *yk, *own_h, *own_a;
     int64_t *slots, *kernel_rows;
-    int64_t xsum_n, panel_n, scores_n, slots_n, xk_n, yk_n;
+    int64_t xsum_n, panel_n, scores_n, slots_n, xk_n, yk_n, own_h_n, own_a_n;
+    bool own;  // every thread computes a norm's and the MLP gate's rows whole, into its own rows (OWN_ROWS)
     int64_t gemm_rows = 0, n_kernel = 0;  // rows the GEMM computes (0: none), rows the kernel computes
     void *mem;
 
@@ -181,10 +186,14 @@ struct Buffers {
         slots_n = most_keys ? up(most_keys + 1) : 0;
         xk_n = mixed ? up(n_kernel * widest) : 0;
         yk_n = mixed ? up(n_kernel * widest_out) : 0;
+        own = M <= OWN_ROWS;
+        own_h_n = own ? up(M * s->hidden) : 0;
+        own_a_n = own ? up(M * s->inter) : 0;
         const int64_t shared = up(M * s->hidden) + up(M * width) + 2 * up(M * qn) + up(M * 2 * s->inter) +
                                up(M * s->inter) + 2 * up(mixed ? n_kernel : 0);  // kernel_rows: int64
         // an int64 is 2 floats
-        const int64_t floats = shared + threads * (xsum_n + panel_n + scores_n + slots_n * 2 + xk_n + yk_n);
+        const int64_t floats =
+            shared + threads * (xsum_n + panel_n + scores_n + slots_n * 2 + xk_n + yk_n + own_h_n + own_a_n);
         mem = aligned_alloc(32, sizeof(float) * (size_t)floats);
         if (!mem) return;
         float *p = (float *)mem;
@@ -200,6 +209,8 @@ struct Buffers {
         scores = p, p += threads * scores_n;
         xk = p, p += threads * xk_n;
         yk = p, p += threads * yk_n;
+        own_h = p, p += threads * own_h_n;
+        own_a = p, p += threads * own_a_n;
         slots = (int64_t *)p;
         if (mixed)
             for (int64_t r = 0, i = 0; r < M; r++)
@@ -244,9 +255,10 @@ void phase_in(const Shape *s, const Layer *L, const float *x, int64_t M, const f
               const int64_t *slots, float *k_cache, float *v_cache, Buffers &buf, Barrier &bar, int t, int nt) {
     const int64_t D = s->head_dim, qn = s->heads * D, kvn = s->kv_heads * D, width = qn + 2 * kvn;
     const Range rows(M, t, nt);
-    rms_norm(x, L->norm_in, buf.h, rows, s->hidden, s->eps);
-    bar.wait();
-    linear(L->qkv, buf.h, M, buf.qkv, nullptr, buf, t, nt);
+    float *h = buf.own ? buf.own_h + t * buf.own_h_n : buf.h;
+    rms_norm(x, L->norm_in, h, buf.own ? Range(M, 0, 1) : rows, s->hidden, s->eps);
+    if (!buf.own) bar.wait();
+    linear(L->qkv, h, M, buf.qkv, nullptr, buf, t, nt);
     bar.wait();
     rotary(buf.qkv, rows, width, s->heads + s->kv_heads, D, cos, sin);
     for (int64_t r = rows.a; r < rows.b; r++) {
@@ -278,13 +290,15 @@ void phase_out(const Shape *s, const Layer *L, float *x, int64_t M, const float 
     const Range rows(M, t, nt);
     linear(L->o, attn, M, buf.h, x, buf, t, nt);
     bar.wait();
-    rms_norm(x, L->norm_post, buf.h, rows, s->hidden, s->eps);
+    const Range mine = buf.own ? Range(M, 0, 1) : rows;
+    float *h = buf.own ? buf.own_h + t * buf.own_h_n : buf.h, *a = buf.own ? buf.own_a + t * buf.own_a_n : buf.a;
+    rms_norm(x, L->norm_post, h, mine, s->hidden, s->eps);
+    if (!buf.own) bar.wait();
+    linear(L->gate_up, h, M, buf.gu, nullptr, buf, t, nt);
     bar.wait();
-    linear(L->gate_up, buf.h, M, buf.gu, nullptr, buf, t, nt);
-    bar.wait();
-    silu_mul(buf.gu, buf.a, rows, s->inter);
-    bar.wait();
-    linear(L->down, buf.a, M, buf.h, x, buf, t, nt);
+    silu_mul(buf.gu, a, mine, s->inter);
+    if (!buf.own) bar.wait();
+    linear(L->down, a, M, buf.h, x, buf, t, nt);
     bar.wait();
 }
 
@@ -308,7 +322,7 @@ bool slots_ok(const int64_t *slots, int64_t M, int64_t num_slots) {
 
 extern "C" {
 // The library's version: bump it with any change to the arithmetic above.
-int decode_layers_version(void) { return 2; }
+int decode_layers_version(void) { return 3; }
 
 // x [M, hidden] (the residual stream, read) -> q [M, heads * D] rotated, and the rotated keys and the values
 // written to k_cache / v_cache [num_slots, kv_heads, D] at slots [M]. gemm_rows [M] (uint8) or null: the rows
@@ -346,11 +360,18 @@ int attention_out_mlp(const Shape *s, const Layer *layer, float *x, int64_t M, c
     return 0;
 }
 
+// x [M, hidden] = the model's final RMS norm of x (weight w [hidden]), in place: the per-layer calls' last step
+// (decode_stack's own ends with the same arithmetic).
+void final_norm(const Shape *s, const float *w, float *x, int64_t M) {
+    rms_norm(x, w, x, Range(M, 0, 1), s->hidden, s->eps);
+}
+
 // Every layer of a step whose attention runs in the C++ kernel (few positions a lane), in one region: per layer
-// phase_in, attention over the paged caches, phase_out. x [M, hidden] is updated in place.
-int decode_stack(const Shape *s, const Layer *layers, int64_t L, float *x, int64_t M, const float *cos,
-                 const float *sin, const int64_t *slots, float *const *k_caches, float *const *v_caches,
-                 int64_t num_slots, const Paging *pg, int threads) {
+// phase_in, attention over the paged caches, phase_out; then the model's final RMS norm (weight norm [hidden]).
+// x [M, hidden] is updated in place: the normed final hidden states.
+int decode_stack(const Shape *s, const Layer *layers, int64_t L, const float *norm, float *x, int64_t M,
+                 const float *cos, const float *sin, const int64_t *slots, float *const *k_caches,
+                 float *const *v_caches, int64_t num_slots, const Paging *pg, int threads) {
     for (int64_t l = 0; l < L; l++)
         if (!layer_ok(s, layers + l)) return -1;
     const int64_t most_keys = cpu_attention_kernel::longest(pg->kv_len, pg->B);
@@ -369,6 +390,7 @@ int decode_stack(const Shape *s, const Layer *layers, int64_t L, float *x, int64
             phase_attention(s, pg, k_caches[l], v_caches[l], most_keys, buf, bar, t, nt);
             phase_out(s, layers + l, x, M, buf.out, buf, bar, t, nt);
         }
+        rms_norm(x, norm, x, Range(M, t, nt), s->hidden, s->eps);  // a row at a time: in place is safe
     }
     return 0;
 }

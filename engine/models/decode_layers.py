@@ -35,6 +35,7 @@ from specstep.engine.native import load_kernel
 from specstep.engine.thread_choice import ThreadChoice
 
 SOURCE = Path(__file__).with_name("decode_layers.cpp")
+INCLUDES = (gguf_kernel.SOURCE, *gguf_kernel.INCLUDES, cpu_attention.SOURCE, *cpu_attention.INCLUDES)  # #included
 # One thread or all of torch's for a call, chosen per kind of call (and model: a draft model's layers and the
 # target's cost differently) by timing row counts (`engine.thread_choice`); a call's work is counted as its rows
 # times its largest linear, so prompts take every thread untimed.
@@ -68,15 +69,18 @@ class LayerKernelError(RuntimeError):
 
 @cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = load_kernel(SOURCE, (gguf_kernel.SOURCE, *gguf_kernel.INCLUDES, cpu_attention.SOURCE))
+    lib, why = load_kernel(SOURCE, INCLUDES)
     if lib is None:
         return None, why
     p, c_int = ctypes.POINTER, ctypes.c_int
     lib.attention_in.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, c_int]
     lib.attention_out_mlp.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, ptr, c_int]
-    lib.decode_stack.argtypes = [p(_Shape), p(_Layer), i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, p(_Paging), c_int]
+    lib.decode_stack.argtypes = [p(_Shape), p(_Layer), i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, p(_Paging),
+                                 c_int]
     for fn in (lib.attention_in, lib.attention_out_mlp, lib.decode_stack):
         fn.restype = ctypes.c_int
+    lib.final_norm.argtypes = [p(_Shape), ptr, ptr, i64]
+    lib.final_norm.restype = None
     return lib, ""
 
 
@@ -157,6 +161,8 @@ class NativeLayers:
                                  _linear(attn.o_proj, self._keep), _linear(mlp.gate_up_proj, self._keep),
                                  _linear(mlp.down_proj, self._keep)))
         self._layers = (_Layer * len(layers))(*layers)
+        self._norm = model.norm.weight.detach().float().contiguous()  # the final norm's (the model's eps is the layers')
+        self._keep.append(self._norm)
         self._caches: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
 
     def _cache_arrays(self, kv: KVPool) -> tuple[ctypes.Array, ctypes.Array]:
@@ -183,8 +189,10 @@ class NativeLayers:
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: tuple[torch.Tensor, torch.Tensor],
                 attention) -> torch.Tensor:
-        """The residual stream after every decoder layer (x [T, hidden] from the embedding, not modified): one
-        call where `attention` would attend the whole step in the C++ kernel, else two a layer around it."""
+        """The final hidden states: every decoder layer, then the model's final norm (x [T, hidden] from the
+        embedding, not modified). One call where `attention` would attend the whole step in the C++ kernel, else
+        two a layer around it and the norm; both end in the same norm arithmetic, so a row's bits do not depend
+        on which ran."""
         x = x.float().contiguous().clone()
         m = x.shape[0]
         cos, sin = (t.reshape(m, self.head_dim).float().contiguous() for t in rope)
@@ -194,6 +202,7 @@ class NativeLayers:
             self._stack(step, batch.attn, kv)
         else:
             self._per_layer(step, batch.attn, kv, attention)
+            self._lib.final_norm(ctypes.byref(self._shape), self._norm.data_ptr(), x.data_ptr(), m)
         return x
 
     def _stack(self, step: tuple, meta: AttentionMetadata, kv: KVPool) -> None:
@@ -202,8 +211,8 @@ class NativeLayers:
         paging = _Paging(q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(), kv_len.data_ptr(),
                          table.data_ptr(), q_index.shape[0], q_index.shape[1], table.shape[1], meta.page_size)
         ks, vs = self._cache_arrays(kv)
-        self._run("decode_stack", m, m, self._lib.decode_stack, shape, self._layers, len(self._layers), x, m, cos,
-                  sin, slots, ks, vs, kv.k[0].shape[0], ctypes.byref(paging))
+        self._run("decode_stack", m, m, self._lib.decode_stack, shape, self._layers, len(self._layers),
+                  self._norm.data_ptr(), x, m, cos, sin, slots, ks, vs, kv.k[0].shape[0], ctypes.byref(paging))
 
     def _per_layer(self, step: tuple, meta: AttentionMetadata | SplitAttention, kv: KVPool, attention) -> None:
         shape, x, m, cos, sin, slots = step

@@ -142,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.cos_sin(batch.positions, x.dtype)
         # a compiled step traces the torch ops; a pool the C++ layers do not write keeps them too
         if self.native is not None and not torch.compiler.is_compiling() and self.native.runs(kv):
-            return self.norm(self.native.forward(x, batch, kv, rope, self.attention))
+            return self.native.forward(x, batch, kv, rope, self.attention)  # its own final norm
         for layer in self.layers:
             x = layer(x, batch, kv, rope, self.attention)
         return self.norm(x)
