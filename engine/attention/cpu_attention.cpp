@@ -8,8 +8,8 @@
 //                                horizontal sum
 //     m = max_j s_j;  p_j = exp(s_j - m) (a fixed polynomial, below);  l = sum_j p_j  (sequential, key order)
 //     o = (sum_j p_j v_j) / l    (sequential in key order, lane-wise over D)
-// A row marked invalid (padding) is skipped (the caller's output starts as zeros). Threads split (lane, KV head)
-// items; an item's query heads share each key's load.
+// A row marked invalid (padding) is skipped (the caller's output starts as zeros). Threads split (lane, KV head,
+// query row) units (`attend_units`); an item's query heads share each key's load.
 // That is the AVX2 form. Where the CPU has AVX-512, heads of 64 and 128 take `cpu_attention_avx512.cpp`'s form:
 // its own fixed order (other bits than this form's), as independent of the rest of the step. A host runs one form.
 
@@ -125,19 +125,20 @@ inline void attend_heads(const float *const *qr, float *const *s, float *const *
 
 constexpr int64_t SCORE_PAD = 16;  // a row of scores: most_keys + this (whole 8- and 16-key vectors)
 
-// The attention of one item (lane b = it / Hkv, KV head it % Hkv): every valid query row of the lane and every
+// The attention of one item (lane b = it / Hkv, KV head it % Hkv): its valid query rows in [i0, i1) and every
 // query head of the KV head. slots: most_keys + 1 int64; scores: scores_floats(G, Q, most_keys), 32-byte aligned.
-inline void attend_item(int64_t it, const float *q, float *out, const float *k_cache, const float *v_cache,
-                        int64_t Q, int64_t H, int64_t Hkv, int64_t D, const int64_t *q_index, const uint8_t *q_valid,
-                        const int64_t *q_pos, const int64_t *kv_len, const int64_t *page_table, int64_t P,
-                        int64_t page_size, float scale, int64_t most_keys, int64_t *slots, float *scores) {
+inline void attend_item(int64_t it, int64_t i0, int64_t i1, const float *q, float *out, const float *k_cache,
+                        const float *v_cache, int64_t Q, int64_t H, int64_t Hkv, int64_t D, const int64_t *q_index,
+                        const uint8_t *q_valid, const int64_t *q_pos, const int64_t *kv_len,
+                        const int64_t *page_table, int64_t P, int64_t page_size, float scale, int64_t most_keys,
+                        int64_t *slots, float *scores) {
     const int64_t G = H / Hkv, b = it / Hkv, kvh = it % Hkv, keys = kv_len[b];
     for (int64_t j = 0, p = 0; j < keys; p++)  // (pages in order: no division a key)
         for (int64_t r = 0, base = page_table[b * P + p] * page_size; r < page_size && j < keys; r++)
             slots[j++] = base + r;
     const bool wide = avx512_ok(D, G);
     bool fetched = false;  // the item's first row asks for its K and V rows ahead; the others find them cached
-    for (int64_t i = 0; i < Q; i++) {
+    for (int64_t i = i0; i < i1; i++) {
         // a padding row (it points at token 0, a real row of lane 0's) writes nothing
         if (!q_valid[b * Q + i]) continue;
         const int64_t t = q_index[b * Q + i];
@@ -173,6 +174,23 @@ inline void attend_item(int64_t it, const float *q, float *out, const float *k_c
     }
 }
 
+// Units [u0, u1) of a step's attention, unit u = (item u / Q, query row u % Q): a thread's contiguous share. Rows,
+// not items, are the unit because a batch-1 step has as few items as KV heads (3 for SmolLM2), which split
+// unevenly over 2 threads; its verify rows (5 an item) split evenly. A row's arithmetic does not depend on the
+// split.
+inline void attend_units(int64_t u0, int64_t u1, const float *q, float *out, const float *k_cache,
+                         const float *v_cache, int64_t Q, int64_t H, int64_t Hkv, int64_t D, const int64_t *q_index,
+                         const uint8_t *q_valid, const int64_t *q_pos, const int64_t *kv_len,
+                         const int64_t *page_table, int64_t P, int64_t page_size, float scale, int64_t most_keys,
+                         int64_t *slots, float *scores) {
+    for (int64_t u = u0; u < u1;) {
+        const int64_t it = u / Q, i0 = u % Q, i1 = (it + 1) * Q < u1 ? Q : u1 - it * Q;
+        attend_item(it, i0, i1, q, out, k_cache, v_cache, Q, H, Hkv, D, q_index, q_valid, q_pos, kv_len, page_table,
+                    P, page_size, scale, most_keys, slots, scores);
+        u = it * Q + i1;
+    }
+}
+
 inline int64_t longest(const int64_t *kv_len, int64_t B) {
     int64_t most = 0;
     for (int64_t b = 0; b < B; b++) most = kv_len[b] > most ? kv_len[b] : most;
@@ -185,7 +203,7 @@ inline int64_t scores_floats(int64_t G, int64_t Q, int64_t most_keys) { return G
 }  // namespace cpu_attention_kernel
 
 extern "C" {
-int cpu_attention_version(void) { return 2; }
+int cpu_attention_version(void) { return 3; }
 
 // 0: the AVX2 form on an AVX-512 host too (tests compare the two forms); 1: by the CPU. Returns whether the
 // AVX-512 form now runs for heads of 64.
@@ -215,10 +233,10 @@ int cpu_attention(const float *q, float *out, const float *k_cache, const float 
             #pragma omp atomic write
             failed = 1;
         } else {
-            #pragma omp for schedule(static)
-            for (int64_t it = 0; it < items; it++)
-                ak::attend_item(it, q, out, k_cache, v_cache, Q, H, Hkv, D, q_index, q_valid, q_pos, kv_len,
-                                page_table, P, page_size, scale, most_keys, slots, scores);
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            ak::attend_units(items * Q * t / nt, items * Q * (t + 1) / nt, q, out, k_cache, v_cache, Q, H, Hkv, D,
+                             q_index, q_valid, q_pos, kv_len, page_table, P, page_size, scale, most_keys, slots,
+                             scores);
         }
         free(slots);
         free(scores);

@@ -275,12 +275,11 @@ void phase_in(const Shape *s, const Layer *L, const float *x, int64_t M, const f
 
 void phase_attention(const Shape *s, const Paging *pg, const float *k_cache, const float *v_cache,
                      int64_t most_keys, Buffers &buf, Barrier &bar, int t, int nt) {
-    const Range items(pg->B * s->kv_heads, t, nt);
-    for (int64_t it = items.a; it < items.b; it++)
-        cpu_attention_kernel::attend_item(it, buf.q, buf.out, k_cache, v_cache, pg->Q, s->heads, s->kv_heads,
-                                          s->head_dim, pg->q_index, pg->q_valid, pg->q_pos, pg->kv_len, pg->table,
-                                          pg->P, pg->page_size, s->scale, most_keys, buf.slots + t * buf.slots_n,
-                                          buf.scores + t * buf.scores_n);
+    const Range units(pg->B * s->kv_heads * pg->Q, t, nt);  // (item, query row): cpu_attention's split
+    cpu_attention_kernel::attend_units(units.a, units.b, buf.q, buf.out, k_cache, v_cache, pg->Q, s->heads,
+                                       s->kv_heads, s->head_dim, pg->q_index, pg->q_valid, pg->q_pos, pg->kv_len,
+                                       pg->table, pg->P, pg->page_size, s->scale, most_keys,
+                                       buf.slots + t * buf.slots_n, buf.scores + t * buf.scores_n);
     bar.wait();
 }
 
