@@ -40,7 +40,8 @@ def build_decode_plan(seqs: list[SeqState], num_draft: np.ndarray, host_drafts: 
         host["graph_table"] = [page_table_array(tables, width)]
     else:
         host["verify"], dense_v = layout_arrays(num_draft + 1, tables, page_size)
-        host["single"], dense_s = layout_arrays(np.ones(b, np.int64), tables, page_size)
+        if k > 0:  # without drafts the verify layout is the one-token layout: built and sent once
+            host["single"], dense_s = layout_arrays(np.ones(b, np.int64), tables, page_size)
     if chain is not None:
         host["chain"] = [chain.src, chain.dst]
     flat = upload([a for group in host.values() for a in group])
@@ -49,9 +50,11 @@ def build_decode_plan(seqs: list[SeqState], num_draft: np.ndarray, host_drafts: 
         dev[name], i = flat[i: i + len(group)], i + len(group)
     start, slots, num_draft_dev, grid_dev = dev["inputs"]
     chain_src, chain_dst = dev["chain"] if chain is not None else (None, None)
-    layout = (GraphTable(dev["graph_table"][0]) if graph else
-              StepLayouts(verify=layout_from(dev["verify"], page_size, dense_v),
-                          single=layout_from(dev["single"], page_size, dense_s)))
+    if graph:
+        layout = GraphTable(dev["graph_table"][0])
+    else:
+        verify = layout_from(dev["verify"], page_size, dense_v)
+        layout = StepLayouts(verify=verify, single=layout_from(dev["single"], page_size, dense_s) if k > 0 else verify)
     inputs = DecodeInputs(
         k=k, start=start, st=SamplingTensors.from_tensors(dev["sampling"], params, vocab_size), slots=slots,
         num_draft=num_draft_dev, grid=grid_dev, layout=layout, refill=refill, uniform=graph,

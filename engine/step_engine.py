@@ -264,7 +264,9 @@ class StepEngine:
             drafts = grid[:, 1:]  # written by the host when it built the step
         with tr.range(ranges.VERIFY, track=dev):
             # [last, d1 .. d_num_draft] per request, drafts plugged in on device.
-            ids = grid.reshape(-1) if inputs.uniform else grid.reshape(-1)[inputs.verify_flat_index()]
+            # (a dense verify layout, every request at k + 1 tokens, is the grid's order: no gather)
+            uniform = inputs.uniform or inputs.verify_layout.dense
+            ids = grid.reshape(-1) if uniform else grid.reshape(-1)[inputs.verify_flat_index()]
             hidden = self.target(ForwardBatch.derive(inputs.verify_layout, inputs.start, ids, slot="verify"), self.pool)
         with tr.range(ranges.ACCEPT, track=dev):
             first_pos = inputs.start + 1
