@@ -31,8 +31,12 @@ def _build() -> ctypes.CDLL | None:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """`torch.argmax(x, dim=-1)`, the same indices."""
-    lib = _build() if x.device.type == "cpu" and x.dtype == torch.float32 else None
-    if lib is None or x.dim() == 0 or x.shape[-1] == 0 or torch.compiler.is_compiling():
+    # (a compiled step traces torch's op: checked before anything a trace cannot follow, loading the library)
+    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() == 0
+            or x.shape[-1] == 0):
+        return x.argmax(dim=-1)
+    lib = _build()
+    if lib is None:
         return x.argmax(dim=-1)
     n = x.shape[-1]
     rows = x.reshape(-1, n)  # a view where the leading dims collapse (a copy otherwise)
