@@ -71,8 +71,9 @@ namespace {
 constexpr int SPINS = 1 << 12;  // pauses at a barrier before yielding the core (~0.1 ms)
 // Up to this many rows, every thread computes an RMS norm's rows and the MLP gate's (silu(gate) * up) whole, into
 // rows of its own, and its next linear reads them there: no barrier between the op and the linear (3 of a layer's 9
-// go), for a few microseconds of arithmetic repeated. Prompts split those rows and meet at a barrier. Same bits.
-constexpr int64_t OWN_ROWS = 64;
+// go), for a few microseconds of arithmetic repeated. Calls of more rows, or whose threads' own rows would pass
+// OWN_FLOATS (many threads, a wide model), split those rows and meet at a barrier. Same bits either way.
+constexpr int64_t OWN_ROWS = 64, OWN_FLOATS = 1 << 20;
 
 // Threads meet here between phases: spin (the other thread is mid-phase, microseconds away), then yield.
 class Barrier {
@@ -186,7 +187,7 @@ struct Buffers {
         slots_n = most_keys ? up(most_keys + 1) : 0;
         xk_n = mixed ? up(n_kernel * widest) : 0;
         yk_n = mixed ? up(n_kernel * widest_out) : 0;
-        own = M <= OWN_ROWS;
+        own = M <= OWN_ROWS && threads * M * (s->hidden + s->inter) <= OWN_FLOATS;
         own_h_n = own ? up(M * s->hidden) : 0;
         own_a_n = own ? up(M * s->inter) : 0;
         const int64_t shared = up(M * s->hidden) + up(M * width) + 2 * up(M * qn) + up(M * 2 * s->inter) +
