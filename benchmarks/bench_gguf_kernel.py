@@ -25,8 +25,14 @@ import numpy as np
 import torch
 
 from benchmarks.common import machine, table
-from specstep.engine.models.gguf_kernel import (amx_lane_rows, amx_pack, gguf_linear, kernel_fmt, tiles_unavailable,
-                                                unavailable)
+from specstep.engine.models.gguf_kernel import (
+    amx_lane_rows,
+    amx_pack,
+    gguf_linear,
+    kernel_fmt,
+    tiles_unavailable,
+    unavailable,
+)
 
 BLOCK, Q4_1_BYTES = 32, 20  # a Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles for 32 weights
 HIDDEN, INTERMEDIATE, LAYERS, KV = 576, 1536, 30, 192  # SmolLM2-135M

@@ -161,7 +161,8 @@ class NativeLayers:
                                  _linear(attn.o_proj, self._keep), _linear(mlp.gate_up_proj, self._keep),
                                  _linear(mlp.down_proj, self._keep)))
         self._layers = (_Layer * len(layers))(*layers)
-        self._norm = model.norm.weight.detach().float().contiguous()  # the final norm's (the model's eps is the layers')
+        # the final norm's weight (its eps is the layers', the model's rms_norm_eps)
+        self._norm = model.norm.weight.detach().float().contiguous()
         self._keep.append(self._norm)
         self._caches: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
 
