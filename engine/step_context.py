@@ -105,6 +105,12 @@ class DecodeInputs:
     def single_layout(self) -> BatchLayout:
         return self.layouts.single
 
+    @property
+    def verify_is_grid(self) -> bool:
+        """Every request verifies k + 1 tokens (a captured graph, or every request at k drafts): the verify tokens
+        are the [B, k + 1] grid in its order, in and out, with no gather (host-known from the layout's shape)."""
+        return self.uniform or self.verify_layout.num_tokens == self.batch_size * (self.k + 1)
+
     def verify_flat_index(self) -> torch.Tensor:
         """[T] index into a [B, k + 1] grid for each token of the ragged verify layout."""
         lay = self.verify_layout

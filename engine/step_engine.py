@@ -264,9 +264,7 @@ class StepEngine:
             drafts = grid[:, 1:]  # written by the host when it built the step
         with tr.range(ranges.VERIFY, track=dev):
             # [last, d1 .. d_num_draft] per request, drafts plugged in on device.
-            # (a dense verify layout, every request at k + 1 tokens, is the grid's order: no gather)
-            uniform = inputs.uniform or inputs.verify_layout.dense
-            ids = grid.reshape(-1) if uniform else grid.reshape(-1)[inputs.verify_flat_index()]
+            ids = grid.reshape(-1) if inputs.verify_is_grid else grid.reshape(-1)[inputs.verify_flat_index()]
             hidden = self.target(ForwardBatch.derive(inputs.verify_layout, inputs.start, ids, slot="verify"), self.pool)
         with tr.range(ranges.ACCEPT, track=dev):
             first_pos = inputs.start + 1
@@ -275,10 +273,8 @@ class StepEngine:
                 accepted = torch.zeros(b, dtype=torch.long, device=self.device)
             else:
                 logits = self.target.compute_logits(hidden)
-                # [B, k + 1, V]: a step where every request verifies k drafts is that grid already (a batch-8
-                # verify step's gather copied 7.9 MB of logits, ~1.8 ms on CPU)
-                logits = (logits.view(b, k + 1, -1) if hidden.shape[0] == b * (k + 1) else
-                          logits[inputs.verify_rows()])
+                # [B, k + 1, V] (a batch-8 verify step's gather copied 7.9 MB of logits, ~1.8 ms on CPU)
+                logits = logits.view(b, k + 1, -1) if inputs.verify_is_grid else logits[inputs.verify_rows()]
                 if self.leader_drafts and self.tp.rank != 0:
                     # Only the leader has the draft's distributions: its acceptance arrives below.
                     out = torch.zeros(b, k + 1, dtype=torch.long, device=self.device)

@@ -5,13 +5,13 @@
 // the AVX2 form's bits (a host runs one form, chosen by its flags):
 //     s_j = (q . k_j) * scale    the dot product lane-wise over D in 16-float chunks (chunk order), then the 16
 //                                lanes summed by a fixed tree: (i, i + 8), then (i, i + 4), (i, i + 2), (i, i + 1)
-//     m = max_j s_j;  p_j = exp(s_j - m) (the AVX2 form's polynomial, 16 lanes);
+//     m = max_j s_j;  p_j = exp(s_j - m) (the AVX2 form's exp_nonpositive, a half at a time);
 //     l = sum_j p_j              lane-wise over 16-key vectors in key order, then the same tree
 //     o = (sum_j p_j v_j) / l    sequential in key order, lane-wise over D
 // Why: the AVX2 form sums each key's dot product horizontally on its own and walks D in 8s; here 16 keys' sums
 // share one transposing tree and D goes in 16s, about half the instructions a key. `python -m
-// benchmarks.bench_attention` (AMX Xeon host, 2 threads, 30 layers, 150 keys): 1.19x / 1.31x at batch 1 (1 / 5
-// rows a lane), 1.14x / 1.21x at batch 8, ctypes calls included; in a step 1-2.6% (the caches are read at the
+// benchmarks.bench_attention` (AMX Xeon host, 2 threads, 30 layers, 150 keys, ctypes calls included): 1.26x /
+// 1.25x at batch 1 (1 / 5 rows a lane), 1.18x / 1.33x at batch 8; in a step 1-2.6% (the caches are read at the
 // memory's pace there).
 
 #pragma GCC push_options
@@ -22,23 +22,11 @@ constexpr int KV16 = 16;  // keys a score vector holds
 // at the start; 2 and 4 ahead measured the same in a batch-8 step)
 constexpr int64_t FETCH_AHEAD = 1;
 
-inline __m512 exp_nonpositive16(__m512 x) {  // exp_nonpositive's steps, 16 lanes
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    const __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~zero, p, _mm512_castsi512_ps(e));
+// exp_nonpositive on each 8-lane half: the AVX2 form's polynomial and bits, one definition (the softmax's exp is
+// a small part of a row's work next to the dot products and the values)
+inline __m512 exp_nonpositive16(__m512 x) {
+    const __m256 lo = exp_nonpositive(_mm512_castps512_ps256(x)), hi = exp_nonpositive(_mm512_extractf32x8_ps(x, 1));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
 }
 
 // a[j] (one key's 16 lane-wise partial sums each) -> lane j = key j's sum, every key by the same tree of lane
