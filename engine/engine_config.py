@@ -133,6 +133,9 @@ class EngineConfig:
     draft: str | None = option(None, "draft model or MTP head folder", shown="the one shipped for the target, if any")
     num_spec_tokens: int = option(4, "draft tokens per step (k; the maximum if adaptive; default: {default})",
                                   check=lambda v: 0 <= v <= 16, rule="in [0, 16]")
+    ngram_match_ratio: float = option(
+        1.0, "ngram: draft at most ratio x the length of the context the lookup matched (a long match predicts "
+             "further; 0: always k)", check=lambda v: v >= 0.0, rule=">= 0 (0: always k)")
     draft_vocab: int | None = option(
         None, "drafter vocabulary: the N most frequent tokens from its folder's draft_vocab.json (default: {default}; "
               "0: the full vocabulary). Lossless either way", shown="all of that list when present",

@@ -305,7 +305,7 @@ def build_proposer(cfg: EngineConfig, target, num_pages: int, dtype: torch.dtype
     if cfg.spec == "none":
         return None
     if cfg.spec == "ngram":
-        return NgramProposer(device)
+        return NgramProposer(device, match_ratio=cfg.ngram_match_ratio)
     path = cfg.draft_path
     if cfg.spec == "draft_model":
         if tp.rank != 0:  # the draft runs on the leader only; followers receive its drafts

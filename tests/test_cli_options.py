@@ -32,6 +32,7 @@ STATED = {("model", "generate"): None, ("model", "serve"): None, ("spec", "serve
           ("max_step_latency", "serve"): SERVE_MAX_STEP_LATENCY}
 # A value other than the default for every field, as typed and as the config holds it.
 GIVEN = {"model": ("m", "m"), "spec": ("ngram", "ngram"), "draft": ("d", "d"), "num_spec_tokens": ("5", 5),
+         "ngram_match_ratio": ("0.5", 0.5),
          "draft_vocab": ("0", 0), "page_size": ("8", 8), "kv_cache_tokens": ("1024", 1024), "num_pages": ("9", 9),
          "gpu_memory_utilization": ("0.5", 0.5), "tensor_parallel_size": ("2", 2), "max_batch_size": ("7", 7),
          "max_prefill_tokens": ("512", 512), "max_num_batched_tokens": ("64", 64), "max_step_latency": ("2.5", 2.5),
@@ -42,7 +43,7 @@ GIVEN = {"model": ("m", "m"), "spec": ("ngram", "ngram"), "draft": ("d", "d"), "
          "cpu_linear": ("matmul", "matmul"), "batch_invariant": ("off", False), "quantization": ("gguf", "gguf"),
          "cpu_layers": ("torch", "torch"), "activations": ("int8", "int8")}
 # A value every field with a rule rejects.
-INVALID = {"spec": "eagle", "num_spec_tokens": 17, "draft_vocab": -1, "page_size": 0, "kv_cache_tokens": 0,
+INVALID = {"spec": "eagle", "num_spec_tokens": 17, "ngram_match_ratio": -1.0, "draft_vocab": -1, "page_size": 0, "kv_cache_tokens": 0,
            "num_pages": 1, "gpu_memory_utilization": 1.5, "tensor_parallel_size": 0, "max_batch_size": 0,
            "max_prefill_tokens": 0, "max_num_batched_tokens": -1, "max_step_latency": 1.0, "max_model_len": 0,
            "dtype": "int8", "device": "tpu", "threads": 0, "spec_policy": "greedy", "spec_objective": "cost",
