@@ -157,18 +157,21 @@ def test_amx_pack_holds_every_block_byte_once_in_the_tile_layout(fmt):
 
 @pytest.mark.skipif(bool(tiles_unavailable()), reason=f"AMX tiles: {tiles_unavailable()}")
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_amx_formats_give_the_same_bits_in_lanes_and_in_tiles(fmt):
+@pytest.mark.parametrize("k", [576, 544, 64, 32])
+def test_amx_formats_give_the_same_bits_in_lanes_and_in_tiles(fmt, k):
     """Few rows of the AMX formats run in AVX-512 VNNI lanes over the tile layout (Q8_0's weights sign-flipped to
     unsigned and each block's sum corrected by -128 sum(q_x)): every output is bitwise the tiles', at 1-8 rows, 1
     and 2 threads, a partial last 16-row group and a bias; and both are the quantised product (fp64 reference of
-    the arithmetic), a row of zeros and a block of saturating activations included."""
-    blocks, _ = quantised(fmt, 67, 576, seed=7)
-    tiles, bias = amx_pack(blocks, fmt, 576), torch.randn(67)
-    x = torch.randn(8, 576)
+    the arithmetic), a row of zeros and a block of saturating activations included. Even and odd block counts
+    (Q4_1's tiles take blocks in two sets in turn, each read out two blocks later), one block, and calls of more
+    rows than lanes take (several tile passes) against each row alone."""
+    blocks, _ = quantised(fmt, 67, k, seed=7)
+    tiles, bias = amx_pack(blocks, fmt, k), torch.randn(67)
+    x = torch.randn(40, k)
     x[2] = 0.0
-    x[5, 32:64] = 50.0 * torch.sign(torch.randn(32))  # q_x = +-127 throughout a block: Q8_0's correction at its most
+    x[5, :32] = 50.0 * torch.sign(torch.randn(32))  # q_x = +-127 throughout a block: Q8_0's correction at its most
     kfmt = f"{fmt}/int8-tiles"
-    ref = int8_reference(x, blocks, fmt, bias)
+    ref = int8_reference(x[:8], blocks, fmt, bias)
     try:
         for rows in range(1, 9):
             for threads in (1, 2):
@@ -178,6 +181,11 @@ def test_amx_formats_give_the_same_bits_in_lanes_and_in_tiles(fmt):
                 in_lanes = gguf_linear(x[:rows], tiles, 67, kfmt, bias, threads=threads)
                 assert torch.equal(in_lanes, in_tiles), (rows, threads)
                 assert (in_lanes.double() - ref[:rows]).abs().max() <= 1e-5 * ref.abs().max(), (rows, threads)
+        gguf_kernel.amx_lane_rows(1)
+        alone = torch.cat([gguf_linear(x[r:r + 1], tiles, 67, kfmt, bias) for r in range(40)])
+        gguf_kernel.amx_lane_rows(-1)
+        for rows in (9, 16, 17, 40):
+            assert torch.equal(gguf_linear(x[:rows], tiles, 67, kfmt, bias, threads=2), alone[:rows]), rows
     finally:
         gguf_kernel.amx_lane_rows(-1)
 

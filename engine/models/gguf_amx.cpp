@@ -66,8 +66,8 @@ struct alignas(64) TileConfig {
     uint8_t rows[16];
 };
 
-// Tiles: 0-2 a block's sums for up to 3 weight groups (rows x 16 int32), 3 x's block (rows x 32 int8), 4-6
-// the groups' weights (8 x 64 bytes).
+// Tiles: 0-2 a block's sums for up to 3 weight groups (rows x 16 int32), 3 and 7 x's block (rows x 32 int8),
+// 4-6 the groups' weights (8 x 64 bytes). Q4_1 uses 0 / 1, 3 / 7 and 4 / 5 as two sets in turn, Q8_0 0-6.
 inline void amx_configure(int rows) {
     TileConfig c;
     memset(&c, 0, sizeof c);
@@ -78,16 +78,15 @@ inline void amx_configure(int rows) {
         c.rows[4 + t] = 8;
         c.colsb[4 + t] = 64;
     }
-    c.rows[3] = (uint8_t)rows;
-    c.colsb[3] = 32;
+    c.rows[3] = c.rows[7] = (uint8_t)rows;
+    c.colsb[3] = c.colsb[7] = 32;
     // GCC 12 dropped the colsb stores: it does not see ldtilecfg read them
     __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 
 // A Q4_1 group's block of weights as the tile wants them (nibbles split), into bt (8 x 64 bytes).
-template <bool Q41>
-inline void amx_weights(const uint8_t *qs, uint8_t *bt) {
+inline void amx_q41_weights(const uint8_t *qs, uint8_t *bt) {
     const __m512i mask = _mm512_set1_epi8(0x0F);
     for (int k = 0; k < 4; k++) {
         const __m512i v = _mm512_loadu_si512(qs + 64 * k);
@@ -103,21 +102,15 @@ template <int G> inline void amx_load_weights(const void *p) {
     if (G == 2) _tile_loadd(6, p, 64);
 }
 
-// One block's tile products for NG groups' weights (tiles 4..) and x's block (tile 3) -> c[g].
-template <bool Q41, int NG>
+// One Q8_0 block's tile products for NG groups' weights (tiles 4..) and x's block (tile 3) -> c[g].
+template <int NG>
 inline void amx_block_sums(int32_t *const *c) {
     _tile_zero(0);
     if (NG > 1) _tile_zero(1);
     if (NG > 2) _tile_zero(2);
-    if (Q41) {  // signed x times unsigned weights (0..15)
-        _tile_dpbsud(0, 3, 4);
-        if (NG > 1) _tile_dpbsud(1, 3, 5);
-        if (NG > 2) _tile_dpbsud(2, 3, 6);
-    } else {
-        _tile_dpbssd(0, 3, 4);
-        if (NG > 1) _tile_dpbssd(1, 3, 5);
-        if (NG > 2) _tile_dpbssd(2, 3, 6);
-    }
+    _tile_dpbssd(0, 3, 4);
+    if (NG > 1) _tile_dpbssd(1, 3, 5);
+    if (NG > 2) _tile_dpbssd(2, 3, 6);
     _tile_stored(0, c[0], 64);
     if (NG > 1) _tile_stored(1, c[1], 64);
     if (NG > 2) _tile_stored(2, c[2], 64);
@@ -128,10 +121,15 @@ inline void amx_block_sums(int32_t *const *c) {
 inline __m512 amx_min_term(const uint8_t *mb, int64_t stride, const float *s, int64_t nblk) {
     __m512 a[8];
     for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
-    // lane j takes blocks j, j + 8, ...; min_term's zero-padded blocks add fma(0, 0, acc) = acc (acc is never -0)
-    for (int64_t b = 0; b < nblk; b++)
-        a[b & 7] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mb + b * stride))),
-                                   _mm512_set1_ps(s[b]), a[b & 7]);
+    // lane j takes blocks j, j + 8, ...; min_term's zero-padded blocks add fma(0, 0, acc) = acc (acc is never -0).
+    // Each FMA names its lane as a constant: indexed at run time (a[b & 7]) the lanes lived in memory.
+    for (int64_t b0 = 0; b0 < nblk; b0 += 8) {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++)
+            if (b0 + j < nblk)
+                a[j] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mb + (b0 + j) * stride))),
+                                       _mm512_set1_ps(s[b0 + j]), a[j]);
+    }
     // hsum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
     const __m512 t0 = _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6]));
     const __m512 t1 = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
@@ -151,39 +149,73 @@ inline void amx_tile_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, i
     // the vector stores that wrote its operand waited for them (1.5x slower at one row than loading packed bytes).
     constexpr int64_t AHEAD = 3, RING = AHEAD + 1;
     alignas(64) uint8_t bt[RING][NG][512];
-    alignas(64) int32_t c[NG][MT * 16];
-    int32_t *cp[NG];
     __m512 acc[NG][MT];
-    for (int j = 0; j < NG; j++) {
-        cp[j] = c[j];
+    for (int j = 0; j < NG; j++)
         for (int i = 0; i < MT; i++) acc[j][i] = _mm512_setzero_ps();
-    }
-    const int64_t qs_at = Q41 ? 64 : 32;
-    auto unpack = [&](int64_t b) {
-        for (int j = 0; j < NG; j++) amx_weights<Q41>(w[j] + b * BB + qs_at, bt[b % RING][j]);
-    };
-    auto source = [&](int j, int64_t b) -> const void * {  // Q8_0's packed bytes are the tile operand as they are
-        return Q41 ? (const void *)bt[b % RING][j] : (const void *)(w[j] + b * BB + qs_at);
-    };
-    if (Q41)
+    if constexpr (Q41) {
+        static_assert(NG == 1, "Q4_1 passes one weight group (amx_ng)");
+        // Two sets of tiles (C 0 / 1, x 3 / 7, weights 4 / 5) used in turn; block b's sums are stored after block
+        // b + 1's multiply is issued and read out a block later still. With one set, each block's zero, multiply,
+        // store and readout waited for each other in turn: ~1/3 of the pass stalled at the store (perf), and this
+        // order measured 0.90x / 0.80x the time at 5 / 8 rows over SmolLM2's stack (one thread).
+        alignas(64) int32_t c[2][MT * 16];
+        auto unpack = [&](int64_t b) { amx_q41_weights(w[0] + b * BB + 64, bt[b % RING][0]); };
+        auto readout = [&](int64_t b) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w[0] + b * BB)));
+#pragma GCC unroll 16
+            for (int i = 0; i < MT; i++) {
+                const __m512 dx = _mm512_set1_ps(xq.d[i * nblk + b]);
+                const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[b & 1] + 16 * i)), dx);
+                acc[0][i] = _mm512_fmadd_ps(d, p, acc[0][i]);
+            }
+        };
         for (int64_t b = 0; b < AHEAD && b < nblk; b++) unpack(b);
-    for (int64_t b = 0; b < nblk; b++) {
-        for (int j = 0; j < NG; j++)  // as the lanes' (1.25-1.3x at 5 and 8 rows, weights past the cache)
-            for (int64_t o = 0; o < BB; o += 64)
-                _mm_prefetch((const char *)(w[j] + b * BB + o + PREFETCH), _MM_HINT_T0);
-        if (Q41 && b + AHEAD < nblk) unpack(b + AHEAD);
-        amx_load_weights<0>(source(0, b));
-        if (NG > 1) amx_load_weights<1>(source(1, b));
-        if (NG > 2) amx_load_weights<2>(source(2, b));
-        _tile_loadd(3, xq.q + b * QK, K);
-        amx_block_sums<Q41, NG>(cp);
-        __m512 d[NG];
-        for (int j = 0; j < NG; j++) d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w[j] + b * BB)));
-        for (int i = 0; i < MT; i++) {
-            const __m512 dx = _mm512_set1_ps(xq.d[i * nblk + b]);
-            for (int j = 0; j < NG; j++) {
-                const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[j] + 16 * i)), dx);
-                acc[j][i] = _mm512_fmadd_ps(d[j], p, acc[j][i]);
+        for (int64_t b = 0; b < nblk; b++) {
+            for (int64_t o = 0; o < BB; o += 64)  // as the lanes' (1.25-1.3x at 5 and 8 rows, weights past the cache)
+                _mm_prefetch((const char *)(w[0] + b * BB + o + PREFETCH), _MM_HINT_T0);
+            if (b + AHEAD < nblk) unpack(b + AHEAD);
+            if (b & 1) {  // signed x times unsigned weights (0..15)
+                _tile_loadd(5, bt[b % RING][0], 64);
+                _tile_loadd(7, xq.q + b * QK, K);
+                _tile_zero(1);
+                _tile_dpbsud(1, 7, 5);
+                _tile_stored(0, c[0], 64);
+            } else {
+                _tile_loadd(4, bt[b % RING][0], 64);
+                _tile_loadd(3, xq.q + b * QK, K);
+                _tile_zero(0);
+                _tile_dpbsud(0, 3, 4);
+                if (b > 0) _tile_stored(1, c[1], 64);
+            }
+            if (b > 1) readout(b - 2);
+        }
+        if ((nblk - 1) & 1)
+            _tile_stored(1, c[1], 64);
+        else
+            _tile_stored(0, c[0], 64);
+        if (nblk > 1) readout(nblk - 2);
+        readout(nblk - 1);
+    } else {  // Q8_0: the packed bytes are the tile operand as they are; several groups' products in flight
+        alignas(64) int32_t c[NG][MT * 16];
+        int32_t *cp[NG];
+        for (int j = 0; j < NG; j++) cp[j] = c[j];
+        for (int64_t b = 0; b < nblk; b++) {
+            for (int j = 0; j < NG; j++)
+                for (int64_t o = 0; o < BB; o += 64)
+                    _mm_prefetch((const char *)(w[j] + b * BB + o + PREFETCH), _MM_HINT_T0);
+            amx_load_weights<0>(w[0] + b * BB + 32);
+            if (NG > 1) amx_load_weights<1>(w[1] + b * BB + 32);
+            if (NG > 2) amx_load_weights<2>(w[2] + b * BB + 32);
+            _tile_loadd(3, xq.q + b * QK, K);
+            amx_block_sums<NG>(cp);
+            __m512 d[NG];
+            for (int j = 0; j < NG; j++) d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w[j] + b * BB)));
+            for (int i = 0; i < MT; i++) {
+                const __m512 dx = _mm512_set1_ps(xq.d[i * nblk + b]);
+                for (int j = 0; j < NG; j++) {
+                    const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[j] + 16 * i)), dx);
+                    acc[j][i] = _mm512_fmadd_ps(d[j], p, acc[j][i]);
+                }
             }
         }
     }
