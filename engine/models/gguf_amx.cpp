@@ -28,14 +28,11 @@
 
 namespace gguf_kernel {
 constexpr int64_t AMX_GROUP = 16;  // weight rows a tile's columns hold
-// Weight groups a tile pass multiplies at once: Q4_1 one (its nibble split and a block's readout, not the tile
-// products, set its speed: 1, 2 and 3 groups measured 0.091 / 0.102 / 0.106 ms at one row, 0.155 / 0.161 / 0.167
-// at five, on SmolLM2's three Q4_1 shapes, one thread), Q8_0 three (1.14 / 1.11 / 1.08 ms at one row, 1.25 /
-// 1.22 / 1.13 at five: the lm_head's stream, several tile products in flight). The same bits either way.
-template <bool Q41> constexpr int amx_ng() { return Q41 ? 1 : 3; }
-// Rows of x a tile pass holds (a tile's 16 at most): a group's accumulators for each in registers (Q4_1: 16 x 1
-// group; Q8_0: 8 x 3 groups).
-template <bool Q41> constexpr int64_t amx_rows() { return Q41 ? 16 : 8; }
+// Rows of x a tile pass holds: a tile's 16 (a group's accumulator for each in a register). One weight group a
+// pass, both formats: with its blocks' tiles in two sets in turn (`amx_tile_pass`) one group measured faster than
+// three groups' products in flight for Q8_0 too (SmolLM2's lm_head, 2 threads: 0.79 / 0.81 / 2.48 ms at 5 / 8 /
+// 40 rows against 0.81 / 0.83 / 2.88).
+constexpr int64_t AMX_ROWS = 16;
 
 // Bytes a packed block of a 16-row group: d's and m's (fp16) and the quantised values.
 template <bool Q41> constexpr int64_t amx_block_bytes() { return Q41 ? 32 + 32 + 256 : 32 + 512; }
@@ -66,20 +63,17 @@ struct alignas(64) TileConfig {
     uint8_t rows[16];
 };
 
-// Tiles: 0-2 a block's sums for up to 3 weight groups (rows x 16 int32), 3 and 7 x's block (rows x 32 int8),
-// 4-6 the groups' weights (8 x 64 bytes). Q4_1 uses 0 / 1, 3 / 7 and 4 / 5 as two sets in turn, Q8_0 0-6.
+// Tiles, two sets used in turn: 0 / 1 a block's sums (rows x 16 int32), 3 / 7 x's block (rows x 32 int8), 4 / 5
+// the group's weights (8 x 64 bytes).
 inline void amx_configure(int rows) {
     TileConfig c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 3; t++) {
-        c.rows[t] = (uint8_t)rows;
-        c.colsb[t] = 64;
-        c.rows[4 + t] = 8;
-        c.colsb[4 + t] = 64;
-    }
-    c.rows[3] = c.rows[7] = (uint8_t)rows;
+    c.rows[0] = c.rows[1] = c.rows[3] = c.rows[7] = (uint8_t)rows;
+    c.colsb[0] = c.colsb[1] = 64;
     c.colsb[3] = c.colsb[7] = 32;
+    c.rows[4] = c.rows[5] = 8;
+    c.colsb[4] = c.colsb[5] = 64;
     // GCC 12 dropped the colsb stores: it does not see ldtilecfg read them
     __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
@@ -93,27 +87,6 @@ inline void amx_q41_weights(const uint8_t *qs, uint8_t *bt) {
         _mm512_store_si512(bt + 64 * k, _mm512_and_si512(v, mask));
         _mm512_store_si512(bt + 64 * (k + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
     }
-}
-
-// Weight tile of group G (tile 4 + G) from p.
-template <int G> inline void amx_load_weights(const void *p) {
-    if (G == 0) _tile_loadd(4, p, 64);
-    if (G == 1) _tile_loadd(5, p, 64);
-    if (G == 2) _tile_loadd(6, p, 64);
-}
-
-// One Q8_0 block's tile products for NG groups' weights (tiles 4..) and x's block (tile 3) -> c[g].
-template <int NG>
-inline void amx_block_sums(int32_t *const *c) {
-    _tile_zero(0);
-    if (NG > 1) _tile_zero(1);
-    if (NG > 2) _tile_zero(2);
-    _tile_dpbssd(0, 3, 4);
-    if (NG > 1) _tile_dpbssd(1, 3, 5);
-    if (NG > 2) _tile_dpbssd(2, 3, 6);
-    _tile_stored(0, c[0], 64);
-    if (NG > 1) _tile_stored(1, c[1], 64);
-    if (NG > 2) _tile_stored(2, c[2], 64);
 }
 
 // Q4_1's offset term for row i of x and 16 weight rows (fp16 m's of block b at mb + b * stride): min_term's
@@ -136,97 +109,76 @@ inline __m512 amx_min_term(const uint8_t *mb, int64_t stride, const float *s, in
     return _mm512_add_ps(t0, t1);
 }
 
-// Rows [0, MT) of xq times weight groups g, g + 1, ..., g + NG - 1 (those past g_end computed as g_end - 1's and
-// not kept): the header's arithmetic for each output. Tiles configured for MT rows.
-template <bool Q41, int MT, int NG>
-inline void amx_tile_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, int64_t g_end, float *y,
-                          int64_t N, const float *bias) {
+// Rows [0, MT) of xq times weight group g: the header's arithmetic for each output. Tiles configured for MT rows.
+// Two sets of tiles used in turn (`amx_configure`): block b's sums are stored after block b + 1's multiply is
+// issued and read out a block later still. With one set, each block's zero, multiply, store and readout waited
+// for each other in turn: ~1/3 of a Q4_1 pass stalled at the store (perf), and this order measured 0.90x / 0.80x
+// its time at 5 / 8 rows over SmolLM2's stack (one thread).
+template <bool Q41, int MT>
+inline void amx_tile_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, float *y, int64_t N,
+                          const float *bias) {
     constexpr int64_t BB = amx_block_bytes<Q41>();
-    const int64_t nblk = xq.nblk, group_bytes = nblk * BB;
-    const uint8_t *w[NG];
-    for (int j = 0; j < NG; j++) w[j] = packed + (g + j < g_end ? g + j : g_end - 1) * group_bytes;
-    // Weights unpacked AHEAD blocks before their tile loads read them (a ring of buffers): a tile load right after
-    // the vector stores that wrote its operand waited for them (1.5x slower at one row than loading packed bytes).
+    const int64_t nblk = xq.nblk;
+    const uint8_t *w = packed + g * nblk * BB;
+    // Q4_1's weights unpacked AHEAD blocks before their tile loads read them (a ring of buffers): a tile load right
+    // after the vector stores that wrote its operand waited for them (1.5x slower at one row than loading packed
+    // bytes). Q8_0's packed bytes are the tile operand as they are.
     constexpr int64_t AHEAD = 3, RING = AHEAD + 1;
-    alignas(64) uint8_t bt[RING][NG][512];
-    __m512 acc[NG][MT];
-    for (int j = 0; j < NG; j++)
-        for (int i = 0; i < MT; i++) acc[j][i] = _mm512_setzero_ps();
-    if constexpr (Q41) {
-        static_assert(NG == 1, "Q4_1 passes one weight group (amx_ng)");
-        // Two sets of tiles (C 0 / 1, x 3 / 7, weights 4 / 5) used in turn; block b's sums are stored after block
-        // b + 1's multiply is issued and read out a block later still. With one set, each block's zero, multiply,
-        // store and readout waited for each other in turn: ~1/3 of the pass stalled at the store (perf), and this
-        // order measured 0.90x / 0.80x the time at 5 / 8 rows over SmolLM2's stack (one thread).
-        alignas(64) int32_t c[2][MT * 16];
-        auto unpack = [&](int64_t b) { amx_q41_weights(w[0] + b * BB + 64, bt[b % RING][0]); };
-        auto readout = [&](int64_t b) {
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w[0] + b * BB)));
+    alignas(64) uint8_t bt[RING][512];
+    alignas(64) int32_t c[2][MT * 16];
+    __m512 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    auto unpack = [&](int64_t b) {
+        if (Q41) amx_q41_weights(w + b * BB + 64, bt[b % RING]);
+    };
+    auto source = [&](int64_t b) -> const void * { return Q41 ? (const void *)bt[b % RING] : w + b * BB + 32; };
+    auto readout = [&](int64_t b) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + b * BB)));
 #pragma GCC unroll 16
-            for (int i = 0; i < MT; i++) {
-                const __m512 dx = _mm512_set1_ps(xq.d[i * nblk + b]);
-                const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[b & 1] + 16 * i)), dx);
-                acc[0][i] = _mm512_fmadd_ps(d, p, acc[0][i]);
-            }
-        };
-        for (int64_t b = 0; b < AHEAD && b < nblk; b++) unpack(b);
-        for (int64_t b = 0; b < nblk; b++) {
-            for (int64_t o = 0; o < BB; o += 64)  // as the lanes' (1.25-1.3x at 5 and 8 rows, weights past the cache)
-                _mm_prefetch((const char *)(w[0] + b * BB + o + PREFETCH), _MM_HINT_T0);
-            if (b + AHEAD < nblk) unpack(b + AHEAD);
-            if (b & 1) {  // signed x times unsigned weights (0..15)
-                _tile_loadd(5, bt[b % RING][0], 64);
-                _tile_loadd(7, xq.q + b * QK, K);
-                _tile_zero(1);
-                _tile_dpbsud(1, 7, 5);
-                _tile_stored(0, c[0], 64);
-            } else {
-                _tile_loadd(4, bt[b % RING][0], 64);
-                _tile_loadd(3, xq.q + b * QK, K);
-                _tile_zero(0);
-                _tile_dpbsud(0, 3, 4);
-                if (b > 0) _tile_stored(1, c[1], 64);
-            }
-            if (b > 1) readout(b - 2);
-        }
-        if ((nblk - 1) & 1)
-            _tile_stored(1, c[1], 64);
-        else
-            _tile_stored(0, c[0], 64);
-        if (nblk > 1) readout(nblk - 2);
-        readout(nblk - 1);
-    } else {  // Q8_0: the packed bytes are the tile operand as they are; several groups' products in flight
-        alignas(64) int32_t c[NG][MT * 16];
-        int32_t *cp[NG];
-        for (int j = 0; j < NG; j++) cp[j] = c[j];
-        for (int64_t b = 0; b < nblk; b++) {
-            for (int j = 0; j < NG; j++)
-                for (int64_t o = 0; o < BB; o += 64)
-                    _mm_prefetch((const char *)(w[j] + b * BB + o + PREFETCH), _MM_HINT_T0);
-            amx_load_weights<0>(w[0] + b * BB + 32);
-            if (NG > 1) amx_load_weights<1>(w[1] + b * BB + 32);
-            if (NG > 2) amx_load_weights<2>(w[2] + b * BB + 32);
-            _tile_loadd(3, xq.q + b * QK, K);
-            amx_block_sums<NG>(cp);
-            __m512 d[NG];
-            for (int j = 0; j < NG; j++) d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w[j] + b * BB)));
-            for (int i = 0; i < MT; i++) {
-                const __m512 dx = _mm512_set1_ps(xq.d[i * nblk + b]);
-                for (int j = 0; j < NG; j++) {
-                    const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[j] + 16 * i)), dx);
-                    acc[j][i] = _mm512_fmadd_ps(d[j], p, acc[j][i]);
-                }
-            }
-        }
-    }
-    for (int j = 0; j < NG && g + j < g_end; j++) {
-        const int64_t n = (g + j) * AMX_GROUP;
-        const __mmask16 keep = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
-        const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
         for (int i = 0; i < MT; i++) {
-            const __m512 mt = Q41 ? amx_min_term(w[j] + 32, BB, xq.s + i * xq.sblk, nblk) : _mm512_setzero_ps();
-            _mm512_mask_storeu_ps(y + i * N + n, keep, _mm512_add_ps(_mm512_add_ps(acc[j][i], mt), bv));
+            const __m512 dx = _mm512_set1_ps(xq.d[i * nblk + b]);
+            const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[b & 1] + 16 * i)), dx);
+            acc[i] = _mm512_fmadd_ps(d, p, acc[i]);
         }
+    };
+    for (int64_t b = 0; b < AHEAD && b < nblk; b++) unpack(b);
+    for (int64_t b = 0; b < nblk; b++) {
+        for (int64_t o = 0; o < BB; o += 64)  // as the lanes' (1.25-1.3x at 5 and 8 rows, weights past the cache)
+            _mm_prefetch((const char *)(w + b * BB + o + PREFETCH), _MM_HINT_T0);
+        if (b + AHEAD < nblk) unpack(b + AHEAD);
+        if (b & 1) {
+            _tile_loadd(5, source(b), 64);
+            _tile_loadd(7, xq.q + b * QK, K);
+            _tile_zero(1);
+            if (Q41)  // signed x times unsigned weights (0..15)
+                _tile_dpbsud(1, 7, 5);
+            else
+                _tile_dpbssd(1, 7, 5);
+            _tile_stored(0, c[0], 64);
+        } else {
+            _tile_loadd(4, source(b), 64);
+            _tile_loadd(3, xq.q + b * QK, K);
+            _tile_zero(0);
+            if (Q41)
+                _tile_dpbsud(0, 3, 4);
+            else
+                _tile_dpbssd(0, 3, 4);
+            if (b > 0) _tile_stored(1, c[1], 64);
+        }
+        if (b > 1) readout(b - 2);
+    }
+    if ((nblk - 1) & 1)
+        _tile_stored(1, c[1], 64);
+    else
+        _tile_stored(0, c[0], 64);
+    if (nblk > 1) readout(nblk - 2);
+    readout(nblk - 1);
+    const int64_t n = g * AMX_GROUP;
+    const __mmask16 keep = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
+    for (int i = 0; i < MT; i++) {
+        const __m512 mt = Q41 ? amx_min_term(w + 32, BB, xq.s + i * xq.sblk, nblk) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(y + i * N + n, keep, _mm512_add_ps(_mm512_add_ps(acc[i], mt), bv));
     }
 }
 
@@ -324,11 +276,9 @@ void amx_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8
     if (M <= amx_lane_rows<Q41>()) return amx_lanes<Q41>(xq, M, K, packed, N, bias, y, g0, g1);
     // Group by group, every pass of rows over the group (its weights stay in L1 across the passes); passes of
     // near-equal sizes, at most two, so the tile configuration changes at most twice a group.
-    constexpr int NG = amx_ng<Q41>();
-    constexpr int64_t most = amx_rows<Q41>();
-    const int64_t passes = (M + most - 1) / most;
+    const int64_t passes = (M + AMX_ROWS - 1) / AMX_ROWS;
     int configured = 0;
-    for (int64_t g = g0; g < g1; g += NG)
+    for (int64_t g = g0; g < g1; g++)
         for (int64_t p = passes, m = 0; p > 0; p--) {
             const int64_t mt = (M - m + p - 1) / p;
             if (mt != configured) amx_configure((int)(configured = (int)mt));
@@ -336,13 +286,11 @@ void amx_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8
             float *ym = y + m * N;
             switch (mt) {
 #define AMX_PASS(R) \
-                case R: \
-                    if (R <= most) amx_tile_pass<Q41, (R <= most ? R : 1), NG>(xm, K, packed, g, g1, ym, N, bias); \
-                    break;
+                case R: amx_tile_pass<Q41, R>(xm, K, packed, g, ym, N, bias); break;
                 AMX_PASS(16) AMX_PASS(15) AMX_PASS(14) AMX_PASS(13) AMX_PASS(12) AMX_PASS(11) AMX_PASS(10) AMX_PASS(9)
                 AMX_PASS(8) AMX_PASS(7) AMX_PASS(6) AMX_PASS(5) AMX_PASS(4) AMX_PASS(3) AMX_PASS(2)
 #undef AMX_PASS
-                default: amx_tile_pass<Q41, 1, NG>(xm, K, packed, g, g1, ym, N, bias); break;
+                default: amx_tile_pass<Q41, 1>(xm, K, packed, g, ym, N, bias); break;
             }
             m += mt;
         }
