@@ -43,7 +43,8 @@ GIVEN = {"model": ("m", "m"), "spec": ("ngram", "ngram"), "draft": ("d", "d"), "
          "cpu_linear": ("matmul", "matmul"), "batch_invariant": ("off", False), "quantization": ("gguf", "gguf"),
          "cpu_layers": ("torch", "torch"), "activations": ("int8", "int8")}
 # A value every field with a rule rejects.
-INVALID = {"spec": "eagle", "num_spec_tokens": 17, "ngram_match_ratio": -1.0, "draft_vocab": -1, "page_size": 0, "kv_cache_tokens": 0,
+INVALID = {"spec": "eagle", "num_spec_tokens": 17, "ngram_match_ratio": -1.0, "draft_vocab": -1, "page_size": 0,
+           "kv_cache_tokens": 0,
            "num_pages": 1, "gpu_memory_utilization": 1.5, "tensor_parallel_size": 0, "max_batch_size": 0,
            "max_prefill_tokens": 0, "max_num_batched_tokens": -1, "max_step_latency": 1.0, "max_model_len": 0,
            "dtype": "int8", "device": "tpu", "threads": 0, "spec_policy": "greedy", "spec_objective": "cost",

@@ -38,8 +38,8 @@ def test_every_included_source_keys_the_build(module):
     assert included(module.SOURCE) == registered
 
 
-HOST_BUILDS = (platform.machine() in ("x86_64", "AMD64") and all(f in native.cpu_flags() for f in native.NEEDED_CPU_FLAGS)
-               and native._compiler() is not None)
+HOST_BUILDS = (platform.machine() in ("x86_64", "AMD64")
+               and all(f in native.cpu_flags() for f in native.NEEDED_CPU_FLAGS) and native._compiler() is not None)
 
 
 @pytest.mark.skipif(not HOST_BUILDS, reason="this host builds no kernels (not x86 with AVX2/FMA/F16C and g++)")
