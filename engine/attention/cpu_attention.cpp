@@ -9,7 +9,8 @@
 //     m = max_j s_j;  p_j = exp(s_j - m) (a fixed polynomial, below);  l = sum_j p_j  (sequential, key order)
 //     o = (sum_j p_j v_j) / l    (sequential in key order, lane-wise over D)
 // A row marked invalid (padding) is skipped (the caller's output starts as zeros). Threads split (lane, KV head,
-// query row) units (`attend_units`); an item's query heads share each key's load.
+// query row) units (`attend_units`); an item's query heads share each key's load (in the AVX-512 form its query
+// rows too).
 // That is the AVX2 form. Where the CPU has AVX-512, heads of 64 and 128 take `cpu_attention_avx512.cpp`'s form:
 // its own fixed order (other bits than this form's), as independent of the rest of the step. A host runs one form.
 
@@ -136,24 +137,36 @@ inline void attend_item(int64_t it, int64_t i0, int64_t i1, const float *q, floa
     for (int64_t j = 0, p = 0; j < keys; p++)  // (pages in order: no division a key)
         for (int64_t r = 0, base = page_table[b * P + p] * page_size; r < page_size && j < keys; r++)
             slots[j++] = base + r;
-    const bool wide = avx512_ok(D, G);
-    bool fetched = false;  // the item's first row asks for its K and V rows ahead; the others find them cached
+    if (avx512_ok(D, G)) {  // the rows together (attend_rows16), at most ROWS16 at a time
+        constexpr int64_t ROWS16 = 32;
+        const float *q_rows[ROWS16];
+        float *o_rows[ROWS16], *s_rows[ROWS16], l[ROWS16 * 64];
+        int64_t seen[ROWS16], R = 0;
+        for (int64_t i = i0; i < i1; i++) {
+            // a padding row (it points at token 0, a real row of lane 0's) writes nothing
+            if (q_valid[b * Q + i]) {
+                const int64_t t = q_index[b * Q + i];
+                q_rows[R] = q + t * H * D, o_rows[R] = out + t * H * D;
+                s_rows[R] = scores + i * G * (most_keys + SCORE_PAD);
+                seen[R++] = q_pos[b * Q + i] + 1 < keys ? q_pos[b * Q + i] + 1 : keys;
+            }
+            if (R == ROWS16 || (i + 1 == i1 && R > 0)) {
+                if (D == 64)
+                    attend_rows16<4>(R, q_rows, o_rows, s_rows, seen, most_keys + SCORE_PAD, l, k_cache, v_cache,
+                                     slots, G, Hkv, kvh, scale);
+                else
+                    attend_rows16<8>(R, q_rows, o_rows, s_rows, seen, most_keys + SCORE_PAD, l, k_cache, v_cache,
+                                     slots, G, Hkv, kvh, scale);
+                R = 0;
+            }
+        }
+        return;
+    }
     for (int64_t i = i0; i < i1; i++) {
         // a padding row (it points at token 0, a real row of lane 0's) writes nothing
         if (!q_valid[b * Q + i]) continue;
         const int64_t t = q_index[b * Q + i];
         const int64_t seen = q_pos[b * Q + i] + 1 < keys ? q_pos[b * Q + i] + 1 : keys;
-        if (wide) {
-            float *s = scores + i * G * (most_keys + SCORE_PAD);
-            if (D == 64)
-                attend_row16<4>(q + t * H * D, out + t * H * D, s, most_keys + SCORE_PAD, k_cache, v_cache, slots,
-                                seen, G, Hkv, kvh, scale, !fetched);
-            else
-                attend_row16<8>(q + t * H * D, out + t * H * D, s, most_keys + SCORE_PAD, k_cache, v_cache, slots,
-                                seen, G, Hkv, kvh, scale, !fetched);
-            fetched = true;
-            continue;
-        }
         for (int64_t g0 = 0; g0 < G; g0 += GB) {
             const int64_t gn = G - g0 < GB ? G - g0 : GB;
             const float *qr[GB];

@@ -9,10 +9,10 @@
 //     l = sum_j p_j              lane-wise over 16-key vectors in key order, then the same tree
 //     o = (sum_j p_j v_j) / l    sequential in key order, lane-wise over D
 // Why: the AVX2 form sums each key's dot product horizontally on its own and walks D in 8s; here 16 keys' sums
-// share one transposing tree and D goes in 16s, about half the instructions a key. `python -m
-// benchmarks.bench_attention` (AMX Xeon host, 2 threads, 30 layers, 150 keys, ctypes calls included): 1.26x /
-// 1.25x at batch 1 (1 / 5 rows a lane), 1.18x / 1.33x at batch 8; in a step 1-2.6% (the caches are read at the
-// memory's pace there).
+// share one transposing tree and D goes in 16s, about half the instructions a key, and an item's query rows share
+// its K and V reads (`attend_rows16`). `python -m benchmarks.bench_attention` (AMX Xeon host, 2 threads, 30 layers,
+// 150 keys, a ctypes call and thread wake-up a layer included): 1.01x / 1.05x at batch 1 (1 / 5 rows a lane),
+// 1.07x / 1.20x at batch 8; in a batch-8 verify step the attention phase took 0.79x the time.
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl")
@@ -55,40 +55,26 @@ inline float tree_sum16(__m512 v) {  // tree_sums16's tree over one vector's lan
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
-// s[0, seen) = (q . k_j) * scale for one query head; s[seen, whole vectors) = -inf. `fetch`: the first pass over
-// these keys asks for the next vector's K and V rows (later passes find them in the cache).
+// s[j0, j0 + 16) = (q . k_j) * scale for one query head and the n <= 16 keys from j0 it sees, -inf past them.
 template <int DC>
-inline void scores16(const float *qr, float *s, const float *k_cache, const float *v_cache, const int64_t *slots,
-                     int64_t seen, int64_t Hkv, int64_t kvh, float scale, bool fetch) {
+inline void score_vector16(const float *qr, float *s, const float *k_cache, const int64_t *slots, int64_t j0,
+                           int64_t n, int64_t Hkv, int64_t kvh, __m512 vscale) {
     constexpr int64_t D = DC * 16;
     __m512 qv[DC];
     for (int c = 0; c < DC; c++) qv[c] = _mm512_loadu_ps(qr + 16 * c);
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t j0 = 0; j0 < seen; j0 += KV16) {
-        const int64_t n = seen - j0 < KV16 ? seen - j0 : KV16;
-        const int64_t ask_end = j0 + (FETCH_AHEAD + 1) * KV16 < seen ? j0 + (FETCH_AHEAD + 1) * KV16 : seen;
-        if (fetch)
-            for (int64_t j = j0 == 0 ? 0 : j0 + FETCH_AHEAD * KV16; j < ask_end; j++) {
-                const int64_t at = (slots[j] * Hkv + kvh) * D;
-                for (int c = 0; c < DC; c++) {
-                    _mm_prefetch((const char *)(k_cache + at + 16 * c), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(v_cache + at + 16 * c), _MM_HINT_T0);
-                }
-            }
-        __m512 acc[KV16];
-        for (int j = 0; j < KV16; j++) {
-            if (j >= n) {
-                acc[j] = _mm512_setzero_ps();
-                continue;
-            }
-            const float *kr = k_cache + (slots[j0 + j] * Hkv + kvh) * D;
-            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-            for (int c = 1; c < DC; c++) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a);
-            acc[j] = a;
+    __m512 acc[KV16];
+    for (int j = 0; j < KV16; j++) {
+        if (j >= n) {
+            acc[j] = _mm512_setzero_ps();
+            continue;
         }
-        const __m512 sv = _mm512_mul_ps(tree_sums16(acc), vscale);
-        _mm512_storeu_ps(s + j0, _mm512_mask_blend_ps((__mmask16)((1u << n) - 1), _mm512_set1_ps(-INFINITY), sv));
+        const float *kr = k_cache + (slots[j0 + j] * Hkv + kvh) * D;
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+        for (int c = 1; c < DC; c++) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a);
+        acc[j] = a;
     }
+    const __m512 sv = _mm512_mul_ps(tree_sums16(acc), vscale);
+    _mm512_storeu_ps(s + j0, _mm512_mask_blend_ps((__mmask16)((1u << n) - 1), _mm512_set1_ps(-INFINITY), sv));
 }
 
 // p_j = exp(s_j - max) in place over whole vectors (the padding's -inf gives 0); returns l = sum_j p_j.
@@ -105,15 +91,23 @@ inline float softmax16(float *s, int64_t seen) {
     return tree_sum16(l);
 }
 
-// o[g] = sum_j p_j v_j / l[g] for GN query heads of one row, sharing each V row's loads.
+// The item's query rows together, so that they share its K and V reads (a row's arithmetic is the header's, in
+// the same order whatever rows share the call). Scores go key vector by key vector, every row and head reading
+// that vector's 16 K rows from L1; values go VB keys at a time, every row and head group accumulating those keys'
+// V rows into its output (kept there between blocks: the same FMAs in the same key order), in groups of heads
+// whose accumulators fit the registers (5 heads of 64, 2 of 128), scaled by 1 / l at the end. Row by row, the
+// item's K and V were streamed from L2 or further once a row: a batch-8 verify step's attention (5 rows an item)
+// took 4.99 ms a thread, 3.94 ms this way.
+constexpr int64_t VB = 64;  // keys a values block takes (64 V rows of 128 floats: 32 KB, within L1)
+
 template <int DC, int GN>
-inline void weighted_values16(const float *const *p, const float *l, float *const *o, const float *v_cache,
-                              const int64_t *slots, int64_t seen, int64_t Hkv, int64_t kvh) {
+inline void values_block16(const float *const *p, float *const *o, const float *v_cache, const int64_t *slots,
+                           int64_t j0, int64_t j1, int64_t Hkv, int64_t kvh) {
     constexpr int64_t D = DC * 16;
     __m512 acc[GN][DC];
     for (int g = 0; g < GN; g++)
-        for (int c = 0; c < DC; c++) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < seen; j++) {
+        for (int c = 0; c < DC; c++) acc[g][c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o[g] + 16 * c);
+    for (int64_t j = j0; j < j1; j++) {
         const float *vr = v_cache + (slots[j] * Hkv + kvh) * D;
         __m512 v[DC];
         for (int c = 0; c < DC; c++) v[c] = _mm512_loadu_ps(vr + 16 * c);
@@ -122,38 +116,65 @@ inline void weighted_values16(const float *const *p, const float *l, float *cons
             for (int c = 0; c < DC; c++) acc[g][c] = _mm512_fmadd_ps(pj, v[c], acc[g][c]);
         }
     }
-    for (int g = 0; g < GN; g++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
-        for (int c = 0; c < DC; c++) _mm512_storeu_ps(o[g] + 16 * c, _mm512_mul_ps(acc[g][c], inv));
-    }
+    for (int g = 0; g < GN; g++)
+        for (int c = 0; c < DC; c++) _mm512_storeu_ps(o[g] + 16 * c, acc[g][c]);
 }
 
-// One query row's G heads of KV head kvh: scores, softmax, and the values in groups of heads whose accumulators
-// fit the registers (5 heads of 64, 2 of 128). s: G rows of scores, `stride` floats apart.
+// R rows: q_rows[r] / o_rows[r] a row's [H, D], s_rows[r] its G score rows (`stride` floats apart), seen[r] its
+// keys; l: R * G floats.
 template <int DC>
-inline void attend_row16(const float *q_row, float *o_row, float *s, int64_t stride, const float *k_cache,
-                         const float *v_cache, const int64_t *slots, int64_t seen, int64_t G, int64_t Hkv,
-                         int64_t kvh, float scale, bool fetch) {
+inline void attend_rows16(int64_t R, const float *const *q_rows, float *const *o_rows, float *const *s_rows,
+                          const int64_t *seen, int64_t stride, float *l, const float *k_cache, const float *v_cache,
+                          const int64_t *slots, int64_t G, int64_t Hkv, int64_t kvh, float scale) {
     constexpr int64_t D = DC * 16, GV = DC == 4 ? 5 : 2;
-    float l[64];
-    for (int64_t g = 0; g < G; g++) {
-        scores16<DC>(q_row + (kvh * G + g) * D, s + g * stride, k_cache, v_cache, slots, seen, Hkv, kvh, scale,
-                     fetch && g == 0);
-        l[g] = softmax16(s + g * stride, seen);
-    }
-    for (int64_t g0 = 0; g0 < G; g0 += GV) {
-        const float *p[GV];
-        float *o[GV];
-        const int64_t gn = G - g0 < GV ? G - g0 : GV;
-        for (int64_t g = 0; g < gn; g++) p[g] = s + (g0 + g) * stride, o[g] = o_row + (kvh * G + g0 + g) * D;
-        switch (gn) {  // GV is at most 5
-            case 5: weighted_values16<DC, 5>(p, l + g0, o, v_cache, slots, seen, Hkv, kvh); break;
-            case 4: weighted_values16<DC, 4>(p, l + g0, o, v_cache, slots, seen, Hkv, kvh); break;
-            case 3: weighted_values16<DC, 3>(p, l + g0, o, v_cache, slots, seen, Hkv, kvh); break;
-            case 2: weighted_values16<DC, 2>(p, l + g0, o, v_cache, slots, seen, Hkv, kvh); break;
-            default: weighted_values16<DC, 1>(p, l + g0, o, v_cache, slots, seen, Hkv, kvh); break;
+    int64_t most = 0;
+    for (int64_t r = 0; r < R; r++) most = seen[r] > most ? seen[r] : most;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < most; j0 += KV16) {
+        // ask for the K and V rows of the vector FETCH_AHEAD ahead (of the first FETCH_AHEAD + 1 at the start)
+        const int64_t ask_end = j0 + (FETCH_AHEAD + 1) * KV16 < most ? j0 + (FETCH_AHEAD + 1) * KV16 : most;
+        for (int64_t j = j0 == 0 ? 0 : j0 + FETCH_AHEAD * KV16; j < ask_end; j++) {
+            const int64_t at = (slots[j] * Hkv + kvh) * D;
+            for (int c = 0; c < DC; c++) {
+                _mm_prefetch((const char *)(k_cache + at + 16 * c), _MM_HINT_T0);
+                _mm_prefetch((const char *)(v_cache + at + 16 * c), _MM_HINT_T0);
+            }
+        }
+        for (int64_t r = 0; r < R; r++) {
+            if (seen[r] <= j0) continue;
+            const int64_t n = seen[r] - j0 < KV16 ? seen[r] - j0 : KV16;
+            for (int64_t g = 0; g < G; g++)
+                score_vector16<DC>(q_rows[r] + (kvh * G + g) * D, s_rows[r] + g * stride, k_cache, slots, j0, n,
+                                   Hkv, kvh, vscale);
         }
     }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < G; g++) l[r * G + g] = softmax16(s_rows[r] + g * stride, seen[r]);
+    for (int64_t j0 = 0; j0 < most; j0 += VB)
+        for (int64_t r = 0; r < R; r++) {
+            if (seen[r] <= j0) continue;
+            const int64_t j1 = j0 + VB < seen[r] ? j0 + VB : seen[r];
+            for (int64_t g0 = 0; g0 < G; g0 += GV) {
+                const float *p[GV];
+                float *o[GV];
+                const int64_t gn = G - g0 < GV ? G - g0 : GV;
+                for (int64_t g = 0; g < gn; g++)
+                    p[g] = s_rows[r] + (g0 + g) * stride, o[g] = o_rows[r] + (kvh * G + g0 + g) * D;
+                switch (gn) {  // GV is at most 5
+                    case 5: values_block16<DC, 5>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
+                    case 4: values_block16<DC, 4>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
+                    case 3: values_block16<DC, 3>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
+                    case 2: values_block16<DC, 2>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
+                    default: values_block16<DC, 1>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
+                }
+            }
+        }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < G; g++) {  // o = acc * (1 / l)
+            float *o = o_rows[r] + (kvh * G + g) * D;
+            const __m512 inv = _mm512_set1_ps(1.0f / l[r * G + g]);
+            for (int c = 0; c < DC; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), inv));
+        }
 }
 
 #pragma GCC pop_options
