@@ -113,8 +113,10 @@ class ThroughputModel:
 
     def best(self, b: int, ln: Lanes, current_k: int) -> Decision | None:
         """The model's best k by tokens per second, kept at `current_k` unless better by `margin`."""
-        options = [self.evaluate(k, ln.alpha, ln.auto, ln.forced, ln.room, b, ln.threshold)
-                   for k in self.allowed_ks(b, ln.forced)]
+        ks = self.allowed_ks(b, ln.forced)
+        # E_i(j) for every candidate at once: each k's entries are the same numbers whatever the table's width
+        chain = chain_sums(ln.alpha, max(max(ks, default=0), int(ln.forced.max(initial=0))))
+        options = [self.evaluate(k, ln.alpha, ln.auto, ln.forced, ln.room, b, ln.threshold, chain=chain) for k in ks]
         options = [d for d in options if d is not None]
         if not options:
             return None
@@ -125,11 +127,13 @@ class ThroughputModel:
         return best
 
     def evaluate(self, k: int, alpha: np.ndarray, auto: np.ndarray, forced: np.ndarray, room: np.ndarray,
-                 b: int, threshold: np.ndarray, force_all: bool = False) -> Decision | None:
-        """The best request set drafting k (with the fixed-k requests' drafts), or None if unmeasured."""
+                 b: int, threshold: np.ndarray, force_all: bool = False, chain: np.ndarray | None = None
+                 ) -> Decision | None:
+        """The best request set drafting k (with the fixed-k requests' drafts), or None if unmeasured. chain: the
+        chain sums of `alpha` to at least k and the fixed-k requests' k (computed here if not given)."""
         kk = np.minimum(k, room)
-        # E_i(j) for every j at once (the chain sums), then each request's entry.
-        chain = chain_sums(alpha, max(int(kk.max(initial=0)), int(forced.max(initial=0))))
+        if chain is None:  # E_i(j) for every j at once (the chain sums), then each request's entry.
+            chain = chain_sums(alpha, max(int(kk.max(initial=0)), int(forced.max(initial=0))))
         rows = np.arange(len(alpha))
         gain = np.where(auto, chain[rows, kk] - 1.0, 0.0)  # extra tokens if request i drafts k
         fixed_gain = float((chain[rows, forced] - 1.0)[~auto].sum())
@@ -138,20 +142,21 @@ class ThroughputModel:
             # A model proposer's draft loop runs over every lane once anyone drafts: a speculating step costs
             # about t(B, k) however few requests draft. So it is all requests worth a draft at k, or nobody.
             nd = np.where(want, kk, forced) if k > 0 else forced
+            cost = self.costs.predict(b, nd, self.refill(nd))
         else:
-            nd = self._by_gain(b, forced, kk, gain, want, b + fixed_gain, force_all)
-            if nd is None:
+            chosen = self._by_gain(b, forced, kk, gain, want, b + fixed_gain, force_all)
+            if chosen is None:
                 return None
-        cost = self.costs.predict(b, nd, self.refill(nd))
+            nd, cost = chosen
         if cost is None or cost <= 0:
             return None
         tokens = b + fixed_gain + float(gain[(nd > 0) & auto].sum())
         return Decision(nd, int(nd.max(initial=0)), self.refill(nd), tokens, cost, "model", auto)
 
     def _by_gain(self, b: int, forced: np.ndarray, kk: np.ndarray, gain: np.ndarray, want: np.ndarray,
-                 tokens: float, force_all: bool) -> np.ndarray | None:
+                 tokens: float, force_all: bool) -> tuple[np.ndarray, float] | None:
         """N-gram pays per verify row: add requests in order of gain while each improves tokens per second (all
-        of `want` with force_all); None if a step on the way is unmeasured."""
+        of `want` with force_all); the drafts and their predicted cost, None if a step on the way is unmeasured."""
         nd = forced.copy()
         base = self.costs.predict(b, nd, False)
         if base is None:
@@ -166,4 +171,4 @@ class ThroughputModel:
                 return None
             if force_all or (tokens + gain[i]) / cost > tokens / base:
                 nd, base, tokens = trial, cost, tokens + float(gain[i])
-        return nd
+        return nd, base
