@@ -3,6 +3,8 @@ source checkpoint, cached, and refused with typed errors that name what is unsup
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -113,3 +115,39 @@ def test_unsupported_pre_tokenizer_is_named(tmp_path, cache):
     gguf_path = write_gguf(tmp_path / "m.gguf", src, pre="chameleon")
     with pytest.raises(CheckpointError, match="pre-tokenizer 'chameleon'"):
         resolve_model(gguf_path)
+
+
+def test_quantised_blocks_come_from_a_cached_tensor_index(tmp_path, cache, monkeypatch):
+    """The GGUF kernel's blocks are the reader's bytes (q/k rows un-permuted as conversion does); after the first
+    read, the tensors' offsets come from the index cached beside the converted folders and no reader parses the
+    file's metadata again; an index that does not parse is rebuilt, and a rewritten file gets its own."""
+    import gguf
+
+    from specstep.engine import gguf_checkpoint as gc
+
+    src = make_checkpoint(tmp_path / "src", seed=4, tokenizer=True)
+    gguf_path = write_gguf(tmp_path / "q8.gguf", src, qtype="Q8_0")
+    reader = gguf.GGUFReader(str(gguf_path))
+    heads = json.loads((src / "config.json").read_text())["num_attention_heads"]
+    expect = {t.name: np.array(t.data).reshape(int(t.shape[1]), -1) for t in reader.tensors
+              if t.tensor_type.name == "Q8_0"}
+    first = gc.quantized_blocks(gguf_path, ("Q8_0",))
+    assert len(first) == len(expect) > 0
+    up = first["model.layers.0.mlp.up_proj.weight"][1]
+    assert torch.equal(up, torch.from_numpy(expect["blk.0.ffn_up.weight"]))
+    q = first["model.layers.0.self_attn.q_proj.weight"][1]
+    assert torch.equal(q, gc._unpermute(torch.from_numpy(expect["blk.0.attn_q.weight"]), heads))
+    (index,) = (cache / "gguf").glob("*.tensors.json")
+
+    def no_reader(path):
+        raise AssertionError("the metadata was parsed again")
+    with monkeypatch.context() as m:
+        m.setattr(gc, "_reader", no_reader)
+        again = gc.quantized_blocks(gguf_path, ("Q8_0",))
+    assert all(torch.equal(again[n][1], first[n][1]) for n in first)
+    index.write_text("{not json")
+    assert torch.equal(gc.quantized_blocks(gguf_path, ("Q8_0",))["model.layers.0.mlp.up_proj.weight"][1], up)
+    assert json.loads(index.read_text())["tensors"]
+    write_gguf(gguf_path, make_checkpoint(tmp_path / "src2", seed=5, tokenizer=True), qtype="Q8_0")
+    assert not torch.equal(gc.quantized_blocks(gguf_path, ("Q8_0",))["model.layers.0.mlp.up_proj.weight"][1], up)
+    assert len(list((cache / "gguf").glob("*.tensors.json"))) == 2
