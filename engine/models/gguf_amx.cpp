@@ -79,6 +79,14 @@ inline void amx_configure(int rows) {
     _tile_loadconfig(&c);
 }
 
+// tilestored of tile T's first MT rows (64 bytes each) to c, naming those bytes as the asm's output. The
+// intrinsic's "memory" clobber made every local array live in memory across it: a tile pass's accumulators were
+// loaded and stored back around each FMA of a block's readout.
+#define AMX_STORE_SUMS(T, c, MT)                                                                              \
+    __asm__ volatile("{tilestored\t%%tmm" #T ", (%1,%2,1)|tilestored\t[%1+%2*1], %%tmm" #T "}"            \
+                     : "=m"(*(int32_t(*)[(MT) * 16])(c))                                                     \
+                     : "r"((void *)(c)), "r"((long)64))
+
 // A Q4_1 group's block of weights as the tile wants them (nibbles split), into bt (8 x 64 bytes).
 inline void amx_q41_weights(const uint8_t *qs, uint8_t *bt) {
     const __m512i mask = _mm512_set1_epi8(0x0F);
@@ -127,55 +135,59 @@ inline void amx_tile_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, f
     alignas(64) uint8_t bt[RING][512];
     alignas(64) int32_t c[2][MT * 16];
     __m512 acc[MT];
+#pragma GCC unroll 16
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     auto unpack = [&](int64_t b) {
         if (Q41) amx_q41_weights(w + b * BB + 64, bt[b % RING]);
     };
     auto source = [&](int64_t b) -> const void * { return Q41 ? (const void *)bt[b % RING] : w + b * BB + 32; };
-    auto readout = [&](int64_t b) {
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + b * BB)));
+    for (int64_t b = 0; b < AHEAD && b < nblk; b++) unpack(b);
+    // Two steps past the last block: the last block's store, then the last two readouts (the readout written once,
+    // in the loop).
+    for (int64_t b = 0; b < nblk + 2; b++) {
+        if (b < nblk) {
+            for (int64_t o = 0; o < BB; o += 64)  // as the lanes' (1.25-1.3x at 5 and 8 rows, weights past the cache)
+                _mm_prefetch((const char *)(w + b * BB + o + PREFETCH), _MM_HINT_T0);
+            if (b + AHEAD < nblk) unpack(b + AHEAD);
+            if (b & 1) {
+                _tile_loadd(5, source(b), 64);
+                _tile_loadd(7, xq.q + b * QK, K);
+                _tile_zero(1);
+                if (Q41)  // signed x times unsigned weights (0..15)
+                    _tile_dpbsud(1, 7, 5);
+                else
+                    _tile_dpbssd(1, 7, 5);
+                AMX_STORE_SUMS(0, c[0], MT);
+            } else {
+                _tile_loadd(4, source(b), 64);
+                _tile_loadd(3, xq.q + b * QK, K);
+                _tile_zero(0);
+                if (Q41)
+                    _tile_dpbsud(0, 3, 4);
+                else
+                    _tile_dpbssd(0, 3, 4);
+                if (b > 0) AMX_STORE_SUMS(1, c[1], MT);
+            }
+        } else if (b == nblk) {
+            if ((nblk - 1) & 1)
+                AMX_STORE_SUMS(1, c[1], MT);
+            else
+                AMX_STORE_SUMS(0, c[0], MT);
+        }
+        if (b < 2) continue;
+        const int64_t r = b - 2;  // block r's readout
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + r * BB)));
 #pragma GCC unroll 16
         for (int i = 0; i < MT; i++) {
-            const __m512 dx = _mm512_set1_ps(xq.d[i * nblk + b]);
-            const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[b & 1] + 16 * i)), dx);
+            const __m512 dx = _mm512_set1_ps(xq.d[i * nblk + r]);
+            const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[r & 1] + 16 * i)), dx);
             acc[i] = _mm512_fmadd_ps(d, p, acc[i]);
         }
-    };
-    for (int64_t b = 0; b < AHEAD && b < nblk; b++) unpack(b);
-    for (int64_t b = 0; b < nblk; b++) {
-        for (int64_t o = 0; o < BB; o += 64)  // as the lanes' (1.25-1.3x at 5 and 8 rows, weights past the cache)
-            _mm_prefetch((const char *)(w + b * BB + o + PREFETCH), _MM_HINT_T0);
-        if (b + AHEAD < nblk) unpack(b + AHEAD);
-        if (b & 1) {
-            _tile_loadd(5, source(b), 64);
-            _tile_loadd(7, xq.q + b * QK, K);
-            _tile_zero(1);
-            if (Q41)  // signed x times unsigned weights (0..15)
-                _tile_dpbsud(1, 7, 5);
-            else
-                _tile_dpbssd(1, 7, 5);
-            _tile_stored(0, c[0], 64);
-        } else {
-            _tile_loadd(4, source(b), 64);
-            _tile_loadd(3, xq.q + b * QK, K);
-            _tile_zero(0);
-            if (Q41)
-                _tile_dpbsud(0, 3, 4);
-            else
-                _tile_dpbssd(0, 3, 4);
-            if (b > 0) _tile_stored(1, c[1], 64);
-        }
-        if (b > 1) readout(b - 2);
     }
-    if ((nblk - 1) & 1)
-        _tile_stored(1, c[1], 64);
-    else
-        _tile_stored(0, c[0], 64);
-    if (nblk > 1) readout(nblk - 2);
-    readout(nblk - 1);
     const int64_t n = g * AMX_GROUP;
     const __mmask16 keep = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
+#pragma GCC unroll 16
     for (int i = 0; i < MT; i++) {
         const __m512 mt = Q41 ? amx_min_term(w + 32, BB, xq.s + i * xq.sblk, nblk) : _mm512_setzero_ps();
         _mm512_mask_storeu_ps(y + i * N + n, keep, _mm512_add_ps(_mm512_add_ps(acc[i], mt), bv));
