@@ -79,14 +79,6 @@ inline void amx_configure(int rows) {
     _tile_loadconfig(&c);
 }
 
-// tilestored of tile T's first MT rows (64 bytes each) to c, naming those bytes as the asm's output. The
-// intrinsic's "memory" clobber made every local array live in memory across it: a tile pass's accumulators were
-// loaded and stored back around each FMA of a block's readout.
-#define AMX_STORE_SUMS(T, c, MT)                                                                              \
-    __asm__ volatile("{tilestored\t%%tmm" #T ", (%1,%2,1)|tilestored\t[%1+%2*1], %%tmm" #T "}"            \
-                     : "=m"(*(int32_t(*)[(MT) * 16])(c))                                                     \
-                     : "r"((void *)(c)), "r"((long)64))
-
 // A Q4_1 group's block of weights as the tile wants them (nibbles split), into bt (8 x 64 bytes).
 inline void amx_q41_weights(const uint8_t *qs, uint8_t *bt) {
     const __m512i mask = _mm512_set1_epi8(0x0F);
@@ -142,8 +134,9 @@ inline void amx_tile_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, f
     };
     auto source = [&](int64_t b) -> const void * { return Q41 ? (const void *)bt[b % RING] : w + b * BB + 32; };
     for (int64_t b = 0; b < AHEAD && b < nblk; b++) unpack(b);
-    // Two steps past the last block: the last block's store, then the last two readouts (the readout written once,
-    // in the loop).
+    // Two steps past the last block: the last block's store, then the last two readouts. The readout is written
+    // once, here: in a lambda (called from three places) the accumulators were address-taken, and the tile
+    // store's memory clobber then kept them in memory, loaded and stored around every FMA.
     for (int64_t b = 0; b < nblk + 2; b++) {
         if (b < nblk) {
             for (int64_t o = 0; o < BB; o += 64)  // as the lanes' (1.25-1.3x at 5 and 8 rows, weights past the cache)
@@ -157,7 +150,7 @@ inline void amx_tile_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, f
                     _tile_dpbsud(1, 7, 5);
                 else
                     _tile_dpbssd(1, 7, 5);
-                AMX_STORE_SUMS(0, c[0], MT);
+                _tile_stored(0, c[0], 64);
             } else {
                 _tile_loadd(4, source(b), 64);
                 _tile_loadd(3, xq.q + b * QK, K);
@@ -166,13 +159,13 @@ inline void amx_tile_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, f
                     _tile_dpbsud(0, 3, 4);
                 else
                     _tile_dpbssd(0, 3, 4);
-                if (b > 0) AMX_STORE_SUMS(1, c[1], MT);
+                if (b > 0) _tile_stored(1, c[1], 64);
             }
         } else if (b == nblk) {
             if ((nblk - 1) & 1)
-                AMX_STORE_SUMS(1, c[1], MT);
+                _tile_stored(1, c[1], 64);
             else
-                AMX_STORE_SUMS(0, c[0], MT);
+                _tile_stored(0, c[0], 64);
         }
         if (b < 2) continue;
         const int64_t r = b - 2;  // block r's readout
