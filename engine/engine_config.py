@@ -5,6 +5,7 @@ text in the field's metadata (`Option`), from which `specstep generate` and `spe
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -135,7 +136,7 @@ class EngineConfig:
                                   check=lambda v: 0 <= v <= 16, rule="in [0, 16]")
     ngram_match_ratio: float = option(
         1.0, "ngram: draft at most ratio x the length of the context the lookup matched (a long match predicts "
-             "further; 0: always k)", check=lambda v: v >= 0.0, rule=">= 0 (0: always k)")
+             "further; 0: always k)", check=lambda v: 0.0 <= v < math.inf, rule="finite, >= 0 (0: always k)")
     draft_vocab: int | None = option(
         None, "drafter vocabulary: the N most frequent tokens from its folder's draft_vocab.json (default: {default}; "
               "0: the full vocabulary). Lossless either way", shown="all of that list when present",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -105,28 +106,62 @@ def _cache_key(gguf_path: Path) -> str:
     return f"{gguf_path.stem}-{key.hexdigest()[:12]}"
 
 
+INDEX_VERSION = 1  # bump when tensor_index's contents change
+
+
+def _file_identity(gguf_path: Path) -> list[int]:
+    """What a cached index must have been read from: a file rewritten in place with the same size and mtime (cp -p,
+    rsync -t) still gets a new inode or ctime."""
+    st = gguf_path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
+
+
+def _valid_index(index, identity: list[int]) -> bool:
+    try:
+        return (index["version"] == INDEX_VERSION and index["source"] == identity and isinstance(index["arch"], str)
+                and all(isinstance(t["name"], str) and isinstance(t["type"], str) and len(t["shape"]) >= 1
+                        and t["offset"] >= 0 and t["nbytes"] >= 0 for t in index["tensors"]))
+    except (KeyError, TypeError, IndexError):
+        return False
+
+
 def tensor_index(gguf_path: Path, cache: Path | None = None) -> dict:
     """Where the file's tensors lie ({"arch", "heads", "tensors": [{name, type, shape, offset, nbytes}]}), as the
-    `gguf` package read them, cached as JSON beside the converted folders (keyed like them). The reader parses
-    every metadata field first, the tokenizer's ~50,000 strings included: 1.6 s of a 3.7 s SmolLM2 start, for
-    offsets that never change while the file does not."""
+    `gguf` package read them, cached as JSON beside the converted folders (keyed like them, and checked against
+    the file's identity). The reader parses every metadata field first, the tokenizer's ~50,000 strings included:
+    1.6 s of a 3.7 s SmolLM2 start, for offsets that never change while the file does not. The cache is only a
+    shortcut: an index that is unreadable, of another version or shape, or from another file is rebuilt, and one
+    that cannot be written is not kept."""
     path = (cache or cache_root()) / "gguf" / f"{_cache_key(gguf_path)}.tensors.json"
+    identity = _file_identity(gguf_path)
     try:
-        return json.loads(path.read_text())
+        index = json.loads(path.read_text())
+        if _valid_index(index, identity):
+            return index
     except (OSError, ValueError):
         pass
     reader = _reader(gguf_path)
     arch = _field(reader, "general.architecture")
     heads = _field(reader, f"{arch}.attention.head_count")
-    index = {"arch": arch, "heads": {"q_proj.weight": heads,
-                                     "k_proj.weight": _field(reader, f"{arch}.attention.head_count_kv") or heads},
+    index = {"version": INDEX_VERSION, "source": identity, "arch": arch,
+             "heads": {"q_proj.weight": heads,
+                       "k_proj.weight": _field(reader, f"{arch}.attention.head_count_kv") or heads},
              "tensors": [{"name": t.name, "type": t.tensor_type.name, "shape": [int(d) for d in t.shape],
                           "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in reader.tensors]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".index-", dir=path.parent)
-    with open(fd, "w") as f:
-        json.dump(index, f)
-    Path(tmp).replace(path)  # atomic: a concurrent start reads no index or the whole one
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".index-", dir=path.parent)
+        with open(fd, "w") as f:
+            json.dump(index, f)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would have every other user of a shared cache parse again
+        os.replace(tmp, path)  # atomic: a concurrent start reads no index or the whole one
+        tmp = None
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
     return index
 
 

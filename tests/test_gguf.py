@@ -4,6 +4,7 @@ source checkpoint, cached, and refused with typed errors that name what is unsup
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -120,13 +121,15 @@ def test_unsupported_pre_tokenizer_is_named(tmp_path, cache):
 def test_quantised_blocks_come_from_a_cached_tensor_index(tmp_path, cache, monkeypatch):
     """The GGUF kernel's blocks are the reader's bytes (q/k rows un-permuted as conversion does); after the first
     read, the tensors' offsets come from the index cached beside the converted folders and no reader parses the
-    file's metadata again; an index that does not parse is rebuilt, and a rewritten file gets its own."""
+    file's metadata again; an index that does not parse, has another shape or another version is rebuilt, a
+    rewritten file gets its own, and one rewritten with its old size and mtime is read again."""
     import gguf
 
     from specstep.engine import gguf_checkpoint as gc
 
     src = make_checkpoint(tmp_path / "src", seed=4, tokenizer=True)
     gguf_path = write_gguf(tmp_path / "q8.gguf", src, qtype="Q8_0")
+    st = gguf_path.stat()
     reader = gguf.GGUFReader(str(gguf_path))
     heads = json.loads((src / "config.json").read_text())["num_attention_heads"]
     expect = {t.name: np.array(t.data).reshape(int(t.shape[1]), -1) for t in reader.tensors
@@ -145,9 +148,20 @@ def test_quantised_blocks_come_from_a_cached_tensor_index(tmp_path, cache, monke
         m.setattr(gc, "_reader", no_reader)
         again = gc.quantized_blocks(gguf_path, ("Q8_0",))
     assert all(torch.equal(again[n][1], first[n][1]) for n in first)
-    index.write_text("{not json")
-    assert torch.equal(gc.quantized_blocks(gguf_path, ("Q8_0",))["model.layers.0.mlp.up_proj.weight"][1], up)
-    assert json.loads(index.read_text())["tensors"]
+    for bad in ("{not json", "{}", "[]", "null", json.dumps({**json.loads(index.read_text()), "version": -1})):
+        index.write_text(bad)
+        assert torch.equal(gc.quantized_blocks(gguf_path, ("Q8_0",))["model.layers.0.mlp.up_proj.weight"][1], up)
+        assert json.loads(index.read_text())["tensors"], bad
     write_gguf(gguf_path, make_checkpoint(tmp_path / "src2", seed=5, tokenizer=True), qtype="Q8_0")
     assert not torch.equal(gc.quantized_blocks(gguf_path, ("Q8_0",))["model.layers.0.mlp.up_proj.weight"][1], up)
     assert len(list((cache / "gguf").glob("*.tensors.json"))) == 2
+    # the first file back under the same name, size and mtime (as cp -p would): its own bytes, not the index's
+    first_file = write_gguf(tmp_path / "again.gguf", src, qtype="Q8_0")
+    assert first_file.stat().st_size == st.st_size
+    os.replace(first_file, gguf_path)
+    os.utime(gguf_path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    reads = []
+    with monkeypatch.context() as m:
+        m.setattr(gc, "_reader", lambda path: reads.append(path) or gguf.GGUFReader(str(path)))
+        assert torch.equal(gc.quantized_blocks(gguf_path, ("Q8_0",))["model.layers.0.mlp.up_proj.weight"][1], up)
+    assert reads == [gguf_path], "an index of the file it replaced was trusted"

@@ -163,7 +163,7 @@ def test_amx_formats_give_the_same_bits_in_lanes_and_in_tiles(fmt, k):
     unsigned and each block's sum corrected by -128 sum(q_x)): every output is bitwise the tiles', at 1-8 rows, 1
     and 2 threads, a partial last 16-row group and a bias; and both are the quantised product (fp64 reference of
     the arithmetic), a row of zeros and a block of saturating activations included. Even and odd block counts
-    (Q4_1's tiles take blocks in two sets in turn, each read out two blocks later), one block, and calls of more
+    (the tiles take blocks in two sets in turn, each read out two blocks later), one block, and calls of more
     rows than lanes take (several tile passes) against each row alone."""
     blocks, _ = quantised(fmt, 67, k, seed=7)
     tiles, bias = amx_pack(blocks, fmt, k), torch.randn(67)

@@ -137,11 +137,11 @@ inline void attend_item(int64_t it, int64_t i0, int64_t i1, const float *q, floa
     for (int64_t j = 0, p = 0; j < keys; p++)  // (pages in order: no division a key)
         for (int64_t r = 0, base = page_table[b * P + p] * page_size; r < page_size && j < keys; r++)
             slots[j++] = base + r;
-    if (avx512_ok(D, G)) {  // the rows together (attend_rows16), at most ROWS16 at a time
-        constexpr int64_t ROWS16 = 32;
-        const float *q_rows[ROWS16];
-        float *o_rows[ROWS16], *s_rows[ROWS16], l[ROWS16 * 64];
-        int64_t seen[ROWS16], R = 0;
+    if (avx512_ok(D, G)) {  // the rows together (attend_rows16), at most ROWS_TOGETHER at a time
+        constexpr int64_t ROWS_TOGETHER = 32;
+        const float *q_rows[ROWS_TOGETHER];
+        float *o_rows[ROWS_TOGETHER], *s_rows[ROWS_TOGETHER], l[ROWS_TOGETHER * MOST_HEADS16];
+        int64_t seen[ROWS_TOGETHER], R = 0;
         for (int64_t i = i0; i < i1; i++) {
             // a padding row (it points at token 0, a real row of lane 0's) writes nothing
             if (q_valid[b * Q + i]) {
@@ -150,7 +150,7 @@ inline void attend_item(int64_t it, int64_t i0, int64_t i1, const float *q, floa
                 s_rows[R] = scores + i * G * (most_keys + SCORE_PAD);
                 seen[R++] = q_pos[b * Q + i] + 1 < keys ? q_pos[b * Q + i] + 1 : keys;
             }
-            if (R == ROWS16 || (i + 1 == i1 && R > 0)) {
+            if (R == ROWS_TOGETHER || (i + 1 == i1 && R > 0)) {
                 if (D == 64)
                     attend_rows16<4>(R, q_rows, o_rows, s_rows, seen, most_keys + SCORE_PAD, l, k_cache, v_cache,
                                      slots, G, Hkv, kvh, scale);

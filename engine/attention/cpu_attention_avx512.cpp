@@ -121,7 +121,8 @@ inline void values_block16(const float *const *p, float *const *o, const float *
 }
 
 // R rows: q_rows[r] / o_rows[r] a row's [H, D], s_rows[r] its G score rows (`stride` floats apart), seen[r] its
-// keys; l: R * G floats.
+// keys; l: R * G floats. The rows' outputs must be distinct (each is accumulated in place between values blocks);
+// a step's rows of one item are distinct tokens.
 template <int DC>
 inline void attend_rows16(int64_t R, const float *const *q_rows, float *const *o_rows, float *const *s_rows,
                           const int64_t *seen, int64_t stride, float *l, const float *k_cache, const float *v_cache,
@@ -186,4 +187,7 @@ inline bool avx512_cpu() {
 }
 inline int avx512_off = 0;  // cpu_attention_use_avx512(0): the AVX2 form on an AVX-512 CPU too (tests, A/Bs)
 // The AVX-512 form takes heads of 64 and 128 (at most 64 query heads a KV head) where the CPU has it.
-inline bool avx512_ok(int64_t D, int64_t G) { return !avx512_off && (D == 64 || D == 128) && G <= 64 && avx512_cpu(); }
+constexpr int64_t MOST_HEADS16 = 64;  // query heads a KV head the AVX-512 form takes
+inline bool avx512_ok(int64_t D, int64_t G) {
+    return !avx512_off && (D == 64 || D == 128) && G <= MOST_HEADS16 && avx512_cpu();
+}

@@ -130,7 +130,11 @@ inline void amx_tile_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, f
 #pragma GCC unroll 16
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     auto unpack = [&](int64_t b) {
-        if (Q41) amx_q41_weights(w + b * BB + 64, bt[b % RING]);
+        if (!Q41) return;
+        amx_q41_weights(w + b * BB + 64, bt[b % RING]);
+        // The tile load that reads these bytes is an asm with no memory operand: keep the vector stores before
+        // it, and the next unpack of this buffer after the load of its last use.
+        __asm__ volatile("" : : : "memory");
     };
     auto source = [&](int64_t b) -> const void * { return Q41 ? (const void *)bt[b % RING] : w + b * BB + 32; };
     for (int64_t b = 0; b < AHEAD && b < nblk; b++) unpack(b);
