@@ -111,18 +111,27 @@ inline void row_times_weight_pairs(const float *x, const float *xsum, int64_t K,
     }
 }
 
-// rows_times_weight for weight rows n and n + 1: the same near-equal tiles of at most MAX_TILE rows.
+// Rows a tile of the pair kernel, more than the AVX2 form's MAX_TILE (its 16 registers hold 6 accumulators; here
+// 32). Each tile converts the weight rows' blocks again, which costs most of a one-row pass (compute-bound on the
+// conversion): over SmolLM2's stack, one thread, alternating, 7 / 8 / 12 / 16 rows took 24.4 / 26.3 / 33.9 / 45.5
+// ms a pass in tiles of 6 and 21.2 / 23.7 / 34.6 / 43.6 in tiles of 8 (one tile of 12 measured slower than two
+// of 6). A row's operations are the same in any tile.
+constexpr int64_t MAX_TILE512 = 8;
+
+// rows_times_weight for weight rows n and n + 1 in near-equal tiles of at most MAX_TILE512 rows.
 template <class F>
 inline void rows_times_weight_pair_tiled(const float *x, const float *xsum, int64_t m0, int64_t m1, int64_t K,
                                          const uint8_t *wa, const uint8_t *wb, float *y, int64_t N, int64_t n,
                                          const float *bias) {
     const int64_t nblk = K / QK;
     int64_t m = m0;
-    for (int64_t tiles = (m1 - m0 + MAX_TILE - 1) / MAX_TILE; tiles > 0; tiles--) {
+    for (int64_t tiles = (m1 - m0 + MAX_TILE512 - 1) / MAX_TILE512; tiles > 0; tiles--) {
         const int64_t mt = (m1 - m + tiles - 1) / tiles;
         const float *xm = x + m * K, *sm = xsum + m * nblk * 8;
         float *ym = y + m * N;
         switch (mt) {
+            case 8: rows_times_weight_pair<F, 8>(xm, sm, K, wa, wb, ym, N, n, bias); break;
+            case 7: rows_times_weight_pair<F, 7>(xm, sm, K, wa, wb, ym, N, n, bias); break;
             case 6: rows_times_weight_pair<F, 6>(xm, sm, K, wa, wb, ym, N, n, bias); break;
             case 5: rows_times_weight_pair<F, 5>(xm, sm, K, wa, wb, ym, N, n, bias); break;
             case 4: rows_times_weight_pair<F, 4>(xm, sm, K, wa, wb, ym, N, n, bias); break;
