@@ -4,7 +4,8 @@ per row count and thread count, side by side in one run (settings alternate ever
 
     python -m benchmarks.bench_gguf_kernel [--rows 1,5,8] [--threads 1,2] [--reps 15] [--activations fp32,int8]
 
-Activations: fp32, int8 (AVX2 lanes), and where the host has AMX-INT8 int8-tiles (the tiles at every row count)
+Activations: fp32, int8 (AVX2 lanes over the blocks as they are), int8-packed (the same lanes and bits over
+`lanes_pack`'s copy: what the loader runs), and where the host has AMX-INT8 int8-tiles (the tiles at every row count)
 and int8-vnni (the same repacked copy and bits in AVX-512 VNNI lanes at every row count): the two forms whose
 crossover sets `gguf_amx.cpp`'s default.
 
@@ -30,6 +31,7 @@ from specstep.engine.models.gguf_kernel import (
     amx_pack,
     gguf_linear,
     kernel_fmt,
+    lanes_pack,
     tiles_unavailable,
     unavailable,
 )
@@ -53,7 +55,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,5,8")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--activations", default="fp32,int8", help="of fp32, int8, int8-tiles, int8-vnni")
+    ap.add_argument("--activations", default="fp32,int8", help="of fp32, int8, int8-packed, int8-tiles, int8-vnni")
     args = ap.parse_args()
     acts = args.activations.split(",")
     amx = [a for a in acts if a in ("int8-tiles", "int8-vnni")]
@@ -64,6 +66,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     stack = [(q4_1_blocks(o, i, rng), o, i) for _ in range(LAYERS) for o, i in LAYER_SHAPES]
     tiles = [amx_pack(b, "Q4_1", i) for b, _, i in stack] if amx else None  # the same bytes a weight
+    lanes = [lanes_pack(b, "Q4_1", i) for b, _, i in stack] if "int8-packed" in acts else None
     nbytes = sum(b.numel() for b, _, _ in stack)
     settings = [(act, rows, threads) for act in acts for rows in map(int, args.rows.split(","))
                 for threads in map(int, args.threads.split(","))]
@@ -71,7 +74,7 @@ def main() -> None:
 
     def one_pass(act: str, rows: int, threads: int) -> float:
         fmt = kernel_fmt("Q4_1", "int8-tiles" if act in amx else act)
-        weights = tiles if act in amx else [b for b, _, _ in stack]
+        weights = tiles if act in amx else lanes if act == "int8-packed" else [b for b, _, _ in stack]
         amx_lane_rows(8 if act == "int8-vnni" else 0)
         try:
             t0 = time.perf_counter()

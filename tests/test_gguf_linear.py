@@ -13,7 +13,14 @@ from specstep.engine.cpu_kernels import CpuKernels
 from specstep.engine.errors import ConfigError
 from specstep.engine.model_loader import describe_cpu_kernels, load_model
 from specstep.engine.models import gguf_kernel
-from specstep.engine.models.gguf_kernel import amx_pack, gguf_gemm, gguf_linear, tiles_unavailable, unavailable
+from specstep.engine.models.gguf_kernel import (
+    amx_pack,
+    gguf_gemm,
+    gguf_linear,
+    lanes_pack,
+    tiles_unavailable,
+    unavailable,
+)
 from specstep.engine.models.gguf_linear import GGUFLinear, dequantize
 from specstep.engine.sampling_params import SamplingParams
 from tests.fixtures_gguf import write_gguf
@@ -24,13 +31,14 @@ pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"GGUF kernel unavai
 FORMATS = ["Q4_1", "Q8_0"]
 TILES = [pytest.param("int8-tiles", marks=pytest.mark.skipif(bool(tiles_unavailable()),
                                                               reason=f"AMX tiles: {tiles_unavailable()}"))]
-KERNEL_FORMATS = [*FORMATS, "Q4_1/int8", "Q8_0/int8"] + [pytest.param(f"{f}/int8-tiles", marks=TILES[0].marks)
-                                                       for f in FORMATS]
+KERNEL_FORMATS = [*FORMATS, "Q4_1/int8", "Q8_0/int8", "Q4_1/int8-packed"] + [
+    pytest.param(f"{f}/int8-tiles", marks=TILES[0].marks) for f in FORMATS]
 
 
 def weights_for(fmt: str, blocks: torch.Tensor, cols: int) -> torch.Tensor:
-    """What kernel format `fmt` reads: the blocks, or their AMX tiles copy."""
-    return amx_pack(blocks, fmt.split("/")[0], cols) if fmt.endswith("-tiles") else blocks
+    """What kernel format `fmt` reads: the blocks, or their AMX tiles or lanes copy."""
+    pack = amx_pack if fmt.endswith("-tiles") else lanes_pack if fmt.endswith("-packed") else None
+    return blocks if pack is None else pack(blocks, fmt.split("/")[0], cols)
 
 
 def quantised(fmt: str, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,6 +161,44 @@ def test_amx_pack_holds_every_block_byte_once_in_the_tile_layout(fmt):
     qs = by_row[..., heads:].reshape(groups, nblk, 16, -1, 4).transpose(0, 1, 3, 2, 4)  # [.., column k, row, 4]
     assert np.array_equal(per[..., 16 * heads:], qs.reshape(groups, nblk, -1))
     assert packed.size == groups * nblk * (20 if fmt == "Q4_1" else 34) * 16
+
+
+def test_lanes_pack_lays_out_a_rows_block_pairs_then_its_ds_and_ms():
+    """The lanes copy of Q4_1 (`gguf_int8.cpp`): per weight row, its blocks in pairs of 32 bytes (weight j of block
+    2p in byte j's low nibble, of block 2p + 1 in its high one; an odd last block pairs with zeros), then its d's
+    and its m's as fp16, each zero-padded to whole 8-block chunks. Another GGML type is refused."""
+    k, n = 96, 5  # 3 blocks: a pair and an odd one
+    blocks, _ = quantised("Q4_1", n, k, seed=4)
+    raw = blocks.numpy().reshape(n, k // 32, 20)
+    packed = lanes_pack(blocks, "Q4_1", k).numpy().reshape(n, -1)
+    assert packed.shape[1] == 2 * 32 + 8 * 2 * 2
+    qs = raw[..., 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [row, block, weight j] in index order
+    q = np.concatenate([q, np.zeros((n, 1, 32), np.uint8)], axis=1)  # the odd block's empty partner
+    assert np.array_equal(packed[:, :64].reshape(n, 2, 32), q[:, 0::2] | (q[:, 1::2] << 4))
+    d, m = packed[:, 64:80].reshape(n, 8, 2), packed[:, 80:96].reshape(n, 8, 2)
+    assert np.array_equal(d[:, :3], raw[..., 0:2]) and np.array_equal(m[:, :3], raw[..., 2:4])
+    assert not d[:, 3:].any() and not m[:, 3:].any()
+    with pytest.raises(gguf_kernel.KernelError, match="gguf_lanes_pack"):
+        lanes_pack(quantised("Q8_0", n, k)[0], "Q8_0", k)
+
+
+@pytest.mark.parametrize("k", [576, 544, 64, 32])
+def test_lanes_copy_gives_the_blocks_bits(k):
+    """Q4_1 with int8 activations reads `lanes_pack`'s copy ("int8-packed", what the loader uses): every output is
+    bitwise the same call's over the blocks as they are ("int8"), at 1-17 and 40 rows (the tiles of 1 row x 4
+    weight rows, 2 x 2, up to 8 x 1, the software prefetch at few rows), 1 and 2 threads, a partial last tile of
+    weight rows and a bias; even and odd block counts and one block; a row of zeros and a block of ties."""
+    blocks, _ = quantised("Q4_1", 67, k, seed=7)
+    packed, bias = lanes_pack(blocks, "Q4_1", k), torch.randn(67)
+    x = torch.randn(40, k)
+    x[2] = 0.0
+    x[5, :32] = torch.tensor([127.0, 0.5, -0.5, 1.5, -2.5] + [0.25] * 27)
+    for rows in [*range(1, 18), 40]:
+        for threads in (1, 2):
+            want = gguf_linear(x[:rows], blocks, 67, "Q4_1/int8", bias, threads=threads)
+            got = gguf_linear(x[:rows], packed, 67, "Q4_1/int8-packed", bias, threads=threads)
+            assert torch.equal(got, want), (rows, threads)
 
 
 @pytest.mark.skipif(bool(tiles_unavailable()), reason=f"AMX tiles: {tiles_unavailable()}")
@@ -285,11 +331,11 @@ def test_int8_activations_need_the_gguf_kernel(tmp_path, cache, monkeypatch):
     hf = load_model(src, "cpu", "float32", CpuKernels(activations="int8"))
     assert "fp32 activations (not a GGUF checkpoint)" in describe_cpu_kernels(hf)
     lanes = load_model(path, "cpu", "float32", CpuKernels(activations="int8-lanes"))
-    assert {m.kernel_fmt for m in lanes.modules() if isinstance(m, GGUFLinear)} == {"Q4_1/int8"}
+    assert {m.kernel_fmt for m in lanes.modules() if isinstance(m, GGUFLinear)} == {"Q4_1/int8-packed"}
     int8 = load_model(path, "cpu", "float32", CpuKernels(activations="int8"))  # the host's int8 kernel
     tiles = not tiles_unavailable()
     assert {m.kernel_fmt for m in int8.modules() if isinstance(m, GGUFLinear)} == {
-        "Q4_1/int8-tiles" if tiles else "Q4_1/int8"}
+        "Q4_1/int8-tiles" if tiles else "Q4_1/int8-packed"}
     assert ("in AMX tiles" in describe_cpu_kernels(int8)) == tiles
     monkeypatch.setattr("specstep.engine.models.gguf_linear.tiles_unavailable", lambda: "this CPU lacks AMX_TILE")
     with pytest.raises(ConfigError, match="--activations int8-tiles: AMX tiles cannot run here: this CPU lacks"):

@@ -39,12 +39,13 @@
 
 extern "C" {
 // One GGUF linear: blocks [n, k / 32] of GGML type `fmt` (gguf_kernel's numbering), an fp32 bias [n] or null;
-// tiles: the blocks repacked by gguf_amx_pack, which AMX formats read (null otherwise; prompt rows read blocks).
+// packed: the blocks repacked by gguf_amx_pack or gguf_lanes_pack, which the AMX and lanes formats read (null
+// otherwise; prompt rows read blocks).
 struct Linear {
     const uint8_t *blocks;
     const float *bias;
     int64_t n, k, fmt;
-    const uint8_t *tiles;
+    const uint8_t *packed;
 };
 
 struct Layer {
@@ -230,7 +231,7 @@ void linear(const Linear &l, const float *in, int64_t M, float *y, float *residu
         const Range g(gguf_kernel::amx_groups(l.n), t, nt);
         cols.a = g.a * 16 < l.n ? g.a * 16 : l.n, cols.b = g.b * 16 < l.n ? g.b * 16 : l.n;
     }
-    const uint8_t *w = amx ? l.tiles : l.blocks;
+    const uint8_t *w = l.fmt & (gguf_kernel::FMT_AMX | gguf_kernel::FMT_LANES) ? l.packed : l.blocks;
     float *xsum = buf.xsum + t * buf.xsum_n;
     if (buf.gemm_rows)
         gguf_kernel::gemm_range(in, M, l.k, l.blocks, l.n, (int)l.fmt, l.bias, y, cols.a, cols.b,
@@ -306,7 +307,7 @@ bool layer_ok(const Shape *s, const Layer *L) {
     const int64_t qn = s->heads * s->head_dim, width = qn + 2 * s->kv_heads * s->head_dim;
     auto ok = [](const Linear &l, int64_t n, int64_t k) {
         return l.n == n && l.k == k && l.k % 32 == 0 && gguf_kernel::fmt_ok(l.fmt, l.k) &&
-               (!(l.fmt & gguf_kernel::FMT_AMX) || l.tiles);
+               (!(l.fmt & (gguf_kernel::FMT_AMX | gguf_kernel::FMT_LANES)) || l.packed);
     };
     return s->hidden % 8 == 0 && s->inter % 8 == 0 && s->head_dim % 8 == 0 && s->head_dim <= 256 &&
            s->heads % s->kv_heads == 0 && ok(L->qkv, width, s->hidden) && ok(L->o, s->hidden, qn) &&

@@ -45,7 +45,7 @@ i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("blocks", ptr), ("bias", ptr), ("n", i64), ("k", i64), ("fmt", i64), ("tiles", ptr)]
+    _fields_ = [("blocks", ptr), ("bias", ptr), ("n", i64), ("k", i64), ("fmt", i64), ("packed", ptr)]
 
 
 class _Layer(ctypes.Structure):
@@ -129,7 +129,7 @@ def _linear(lin: GGUFLinear, keep: list[torch.Tensor]) -> _Linear:
     if bias is not None:
         keep.append(bias)
     return _Linear(lin.blocks.data_ptr(), 0 if bias is None else bias.data_ptr(), lin.out_features,
-                   lin.in_features, fmt_code(lin.kernel_fmt), 0 if lin.tiles is None else lin.tiles.data_ptr())
+                   lin.in_features, fmt_code(lin.kernel_fmt), 0 if lin.packed is None else lin.packed.data_ptr())
 
 
 class NativeLayers:

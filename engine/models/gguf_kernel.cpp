@@ -235,9 +235,12 @@ inline int64_t xsum_floats(int64_t M, int64_t K) { return M * (K / QK) * 8 + M *
 
 // `fmt`: bit 0 the GGML type (0: Q4_1, 1: Q8_0), bit 1 int8 activations (the header's two arithmetics), bit 2
 // (with bit 1) int8 activations in AMX tiles over weights repacked by gguf_amx_pack (gguf_amx.cpp's block sums).
-constexpr int FMT_INT8 = 2, FMT_AMX = 4;
+// bit 3 (with bits 1 and Q4_1): int8 activations in AVX2 lanes over weights repacked by gguf_lanes_pack (the same
+// bits as fmt 2).
+constexpr int FMT_INT8 = 2, FMT_AMX = 4, FMT_LANES = 8;
 inline bool fmt_ok(int64_t fmt, int64_t K) {
-    return (fmt >= 0 && fmt <= 3 && (fmt < FMT_INT8 || K / QK <= MAX_BLOCKS_I8)) || fmt == 6 || fmt == 7;
+    return (fmt >= 0 && fmt <= 3 && (fmt < FMT_INT8 || K / QK <= MAX_BLOCKS_I8)) || fmt == 6 || fmt == 7 ||
+           (fmt == 10 && K / QK <= MAX_BLOCKS_I8);
 }
 
 // run_range for `fmt`; xsum: xsum_floats(M, K) floats, 32-byte aligned. With FMT_AMX, w is gguf_amx_pack's layout
@@ -249,6 +252,7 @@ inline void linear_range(const float *x, int64_t M, int64_t K, const uint8_t *w,
         case 1: run_range<Q80>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
         case 2: run_range_i8<Q41i8>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
         case 3: run_range_i8<Q80i8>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
+        case 10: run_range_i8<Q41i8, true>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
         case 6: amx_range<true>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
         default: amx_range<false>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
     }
@@ -324,6 +328,18 @@ int gguf_amx_pack(const uint8_t *blocks, int64_t N, int64_t K, int fmt, uint8_t 
     if (K % gguf_kernel::QK != 0 || (fmt != 0 && fmt != 1)) return -1;
     if (fmt == 0) gguf_kernel::amx_pack<true>(blocks, N, K, out);
     else gguf_kernel::amx_pack<false>(blocks, N, K, out);
+    return 0;
+}
+
+// Bytes gguf_lanes_pack writes for an [N, K] weight of GGML type `fmt` (0: Q4_1; -1 for another).
+int64_t gguf_lanes_bytes(int fmt, int64_t N, int64_t K) {
+    return fmt == 0 ? N * gguf_kernel::lanes_row_bytes(K) : -1;
+}
+
+// Q4_1 blocks [N, K / 32] -> out (gguf_lanes_bytes): what fmt 10 reads. Returns 0, -1 for a bad fmt or K.
+int gguf_lanes_pack(const uint8_t *blocks, int64_t N, int64_t K, int fmt, uint8_t *out) {
+    if (K % gguf_kernel::QK != 0 || fmt != 0) return -1;
+    gguf_kernel::lanes_pack(blocks, N, K, out);
     return 0;
 }
 

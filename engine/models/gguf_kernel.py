@@ -24,9 +24,11 @@ AVX512_SOURCE = Path(__file__).with_name("gguf_avx512.cpp")  # fp32 activations 
 # what a build of SOURCE reads besides it (keys the build cache)
 INCLUDES = (GEMM_SOURCE, INT8_SOURCE, AMX_SOURCE, AVX512_SOURCE)
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
-# The kernel's activation arithmetics -> the `fmt` argument's bits 1-2: fp32; int8 in AVX2 lanes; int8 in AMX
-# tiles (block sums, over `amx_pack`'s copy of the blocks)
-ACTIVATIONS = {"fp32": 0, "int8": 2, "int8-tiles": 6}
+# The kernel's activation arithmetics -> the `fmt` argument's bits 1-3: fp32; int8 in AVX2 lanes; int8 in AMX
+# tiles (block sums, over `amx_pack`'s copy of the blocks); int8 in AVX2 lanes over `lanes_pack`'s copy (Q4_1
+# only: int8's bits, faster)
+ACTIVATIONS = {"fp32": 0, "int8": 2, "int8-tiles": 6, "int8-packed": 10}
+LANES_PACKED = ("Q4_1",)  # the GGML types `lanes_pack` repacks
 AMX_CPU_FLAGS = ("amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 
 
@@ -62,6 +64,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         lib.gguf_amx_bytes.restype = ctypes.c_int64
         lib.gguf_amx_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
         lib.gguf_amx_pack.restype = ctypes.c_int
+        lib.gguf_lanes_bytes.argtypes = lib.gguf_amx_bytes.argtypes
+        lib.gguf_lanes_bytes.restype = ctypes.c_int64
+        lib.gguf_lanes_pack.argtypes = lib.gguf_amx_pack.argtypes
+        lib.gguf_lanes_pack.restype = ctypes.c_int
     return lib, why
 
 
@@ -102,25 +108,39 @@ def amx_lane_rows(rows: int) -> int:
     return lib.gguf_amx_lane_rows(rows)
 
 
-def amx_pack(blocks: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
-    """`blocks` [N, K / 32 blocks] of GGML type `fmt` repacked for the AMX tiles (`gguf_amx.cpp`: groups of 16
-    weight rows, the same bytes a weight): what "int8-tiles" kernel formats take in place of the blocks."""
+def _repack(kind: str, blocks: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
     lib, why = _build()
     if lib is None:
         raise KernelError(f"the GGUF kernel cannot run here: {why}")
     blocks = blocks.contiguous()
     n = blocks.shape[0]
-    out = torch.empty(lib.gguf_amx_bytes(FORMATS[fmt], n, in_features), dtype=torch.uint8)
-    if lib.gguf_amx_pack(blocks.data_ptr(), n, in_features, FORMATS[fmt], out.data_ptr()) != 0:
-        raise KernelError(f"gguf_amx_pack({fmt}, K={in_features}) failed")
+    size = getattr(lib, f"gguf_{kind}_bytes")(FORMATS[fmt], n, in_features)
+    out = torch.empty(max(size, 0), dtype=torch.uint8)
+    if size < 0 or getattr(lib, f"gguf_{kind}_pack")(blocks.data_ptr(), n, in_features, FORMATS[fmt],
+                                                        out.data_ptr()) != 0:
+        raise KernelError(f"gguf_{kind}_pack({fmt}, K={in_features}) failed")
     return out
+
+
+def amx_pack(blocks: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
+    """`blocks` [N, K / 32 blocks] of GGML type `fmt` repacked for the AMX tiles (`gguf_amx.cpp`: groups of 16
+    weight rows, the same bytes a weight): what "int8-tiles" kernel formats take in place of the blocks."""
+    return _repack("amx", blocks, fmt, in_features)
+
+
+def lanes_pack(blocks: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
+    """Q4_1 `blocks` [N, K / 32 blocks] repacked for int8 activations in AVX2 lanes (`gguf_int8.cpp`: a row's
+    blocks in pairs, 32 bytes of nibbles a pair, then its d's and m's): what "int8-packed" kernel formats take in
+    place of the blocks, for the same bits as "int8" over the blocks."""
+    return _repack("lanes", blocks, fmt, in_features)
 
 
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: str,
                 bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """x [..., K] float32 on CPU @ W.T (+ bias): W [out_features, K] as `blocks` [out_features, K / 32 blocks]
     uint8 of GGML type `fmt`, or `kernel_fmt(type, "int8")` for int8 activations (`kernel_fmt(type,
-    "int8-tiles")`: `blocks` is `amx_pack`'s copy, and `tiles_unavailable()` must be ""). Threads: one or all of
+    "int8-tiles")`: `blocks` is `amx_pack`'s copy, and `tiles_unavailable()` must be ""; "int8-packed":
+    `lanes_pack`'s). Threads: one or all of
     torch's, whichever this kind of call measured faster (`THREADS`), unless given; the result does not depend
     on them."""
     lib, why = _build()

@@ -30,10 +30,12 @@ from specstep.engine.models.gguf_kernel import (
     ACTIVATIONS,
     BLOCK,
     FORMATS,
+    LANES_PACKED,
     amx_pack,
     gguf_linear,
     kernel_fmt,
     kernel_isa,
+    lanes_pack,
     tiles_unavailable,
     unavailable,
 )
@@ -53,9 +55,9 @@ def dequantize(fmt: str, blocks: torch.Tensor, in_features: int) -> torch.Tensor
 class GGUFLinear(nn.Module):
     """y = x @ W.T + b with W read from GGUF blocks (`blocks` [out_features, in_features / 32 blocks], uint8);
     `activations` "int8": x quantised per 32-value block first (`gguf_kernel.cpp`'s header: not exact), in AVX2
-    lanes; "int8-tiles": the same quantisation in AMX tiles over a repacked copy of the blocks (`tiles`;
-    `gguf_amx.cpp`: block sums, other roundings). `blocks` stay for prompt rows (the C++ layers' prompt GEMM) and
-    the fp32 weights."""
+    lanes (Q4_1 over a copy of the blocks repacked for them, `packed`: the same bits); "int8-tiles": the same
+    quantisation in AMX tiles over a copy repacked for the tiles (`packed`; `gguf_amx.cpp`: block sums, other
+    roundings). `blocks` stay for prompt rows (the C++ layers' prompt GEMM) and the fp32 weights."""
 
     def __init__(self, fmt: str, blocks: torch.Tensor, in_features: int, bias: nn.Parameter | None,
                  tied: nn.Parameter | None = None, activations: str = "fp32") -> None:
@@ -65,11 +67,13 @@ class GGUFLinear(nn.Module):
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         self.fmt, self.activations = fmt, activations
-        self.kernel_fmt = kernel_fmt(fmt, activations)
+        layout = "int8-packed" if activations == "int8" and fmt in LANES_PACKED else activations
+        self.kernel_fmt = kernel_fmt(fmt, layout)
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
-        tiles = amx_pack(self.blocks, fmt, in_features) if activations == "int8-tiles" else None
-        self.register_buffer("tiles", tiles, persistent=False)
+        pack = {"int8-tiles": amx_pack, "int8-packed": lanes_pack}.get(layout)
+        self.register_buffer("packed", None if pack is None else pack(self.blocks, fmt, in_features),
+                             persistent=False)
         self.bias = bias
         self._tied = [tied]  # a list: not registered (the embedding owns it)
 
@@ -89,8 +93,8 @@ class GGUFLinear(nn.Module):
 
     @property
     def kernel_weights(self) -> torch.Tensor:
-        """What the kernel's `kernel_fmt` reads: the blocks, or their AMX tiles copy."""
-        return self.blocks if self.tiles is None else self.tiles
+        """What the kernel's `kernel_fmt` reads: the blocks, or their repacked copy."""
+        return self.blocks if self.packed is None else self.packed
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.kernel_fmt}"
@@ -163,7 +167,9 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         return ""
     kinds = ", ".join(f"{n} {fmt}" for fmt, n in sorted(swapped.items()))
     if activations == "int8":
-        return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB) times int8 activations (llama.cpp's "
+        packed = sum(m.packed.numel() for m in model.modules() if isinstance(m, GGUFLinear) and m.packed is not None)
+        copy = f", and a {packed / 2**20:.0f} MB copy of the Q4_1 ones repacked for the lanes" if packed else ""
+        return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB{copy}) times int8 activations (llama.cpp's "
                 f"arithmetic: not exact) in specstep's AVX2 kernel, batch-invariant{tiles_note}; --activations "
                 "fp32 for exact")
     if activations == "int8-tiles":
