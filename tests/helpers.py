@@ -99,7 +99,7 @@ class ScriptedPolicy(AdaptivePolicy):
     def proposer_current(self) -> bool:
         return self.prefill
 
-    def choose(self, accs, overrides, room, behind=None, commit=True):
+    def choose(self, accs, overrides, room, behind=None, commit=True, limits=None):  # (limits: scripted anyway)
         on = self.pattern[self.i % len(self.pattern)]
         nd = np.minimum(np.full(len(accs), self.k if on else 0), np.asarray(room)).clip(0)
         d = Decision(nd, int(nd.max(initial=0)), bool(on or self.off_refill), 0.0, 0.0, "model")

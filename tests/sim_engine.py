@@ -81,6 +81,9 @@ class SimProposer:
     def has_model(self) -> bool:
         return self.kind != "ngram"
 
+    def draft_limits(self, token_ids: list[list[int]], k: int) -> None:
+        return None  # the scenarios draw acceptance per step: no lookup to tell in advance
+
 
 @dataclass
 class SimContext:

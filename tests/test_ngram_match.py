@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from specstep.engine.engine_config import EngineConfig
 from specstep.engine.errors import ConfigError
-from specstep.engine.proposers.ngram import match_length, ngram_lookup
+from specstep.engine.proposers.ngram import NgramProposer, match_length, ngram_lookup
 from specstep.engine.sampling_params import SamplingParams
 from tests.helpers import make_core, run_to_completion
 
@@ -61,3 +62,43 @@ def test_bounded_drafts_keep_greedy_output_and_draft_less(tiny_target):
         assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in plain], ratio
     drafted = {ratio: sum(r.stats.drafted for r in reqs) for ratio, reqs in runs.items()}
     assert 0 < drafted[1.0] < drafted[0.0]
+
+
+def test_draft_limits_are_what_the_lookup_would_draft():
+    """What n-gram tells the adaptive policy before it decides (`Proposer.draft_limits`): each lane's draft length
+    now, at the proposer's ratio (no match: 0)."""
+    prop = NgramProposer(torch.device("cpu"), match_ratio=1.0)
+    run = [10, 11, 12, 13, 14, 15, 16, 17]
+    lanes = [[5, 1, 2, 3, 4, 6, 7, 9, 8, 5], [3] + run + [20, 21, 22, 23, 24, 25] + [4] + run, [1, 2, 3, 4, 5]]
+    assert prop.draft_limits(lanes, 4).tolist() == [len(lookup(t, 4, 1.0)) for t in lanes] == [1, 4, 0]
+    assert NgramProposer(torch.device("cpu"), match_ratio=0.0).draft_limits(lanes, 3).tolist() == [3, 3, 0]
+
+
+def test_adaptive_ngram_counts_acceptance_per_limit_and_keeps_greedy_output(tiny_target):
+    """With the adaptive policy, n-gram's limits reach the policy (its steps' outcomes are counted per limit), and
+    speculative greedy output is plain greedy output."""
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(3, 200, 24)) * 2 + list(rng.integers(3, 200, 6)) for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = run_to_completion(make_core(tiny_target, spec="none"), prompts, params)
+    core = make_core(tiny_target, spec="ngram", num_spec_tokens=4, spec_policy="adaptive")
+    reqs = run_to_completion(core, prompts, params)
+    assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in plain]
+    by_limit = core.scheduler.policy.by_limit
+    assert by_limit and set(by_limit) <= {1, 2, 3, 4} and sum(a.trials for a in by_limit.values()) > 0
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0, 2.0])
+def test_a_lookup_at_fewer_drafts_is_a_prefix_of_one_at_more(ratio):
+    """The step reuses the lookup `draft_limits` made at k for the k' <= k it drafts: the same tokens as its own
+    lookup at k' would give, for every k' and random sequences with repeats."""
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        tokens = rng.integers(0, 6, int(rng.integers(2, 40))).tolist()
+        full = lookup(tokens, 8, ratio)
+        for k in range(9):
+            assert lookup(tokens, k, ratio) == full[:k], (tokens, k)
+    prop = NgramProposer(torch.device("cpu"), match_ratio=ratio)
+    lanes = [rng.integers(0, 6, 30).tolist() for _ in range(4)]
+    prop.draft_limits(lanes, 8)
+    assert [prop._lookup(t, 3) for t in lanes] == [lookup(t, 3, ratio) for t in lanes]

@@ -192,3 +192,36 @@ def test_bad_policy_settings_are_typed_errors():
         EngineConfig(spec_epsilon=1.5)
     with pytest.raises(ValueError, match="spec-delta"):
         EngineConfig(spec_delta=-0.1)
+
+
+def ngram_policy(batch: int, per_row: float) -> AdaptivePolicy:
+    """n-gram's policy (ragged verify rows, no draft KV) past exploration, a step costing 1 + per_row a row."""
+    pol = AdaptivePolicy(PolicyConfig(kind="adaptive", k_max=4, cost_shape="rows", keeps_draft_kv=False))
+    for k in pol.cfg.ks:
+        for _ in range(pol.cfg.plain_samples if k == 0 else pol.cfg.explore_samples):
+            pol.observe_step(batch, np.full(batch, k), False, 1.0 + per_row * batch * k)
+    return pol
+
+
+def test_limits_cap_drafts_and_acceptance_is_measured_per_limit():
+    """n-gram tells the policy how many drafts each lane's lookup would make (`limits`): they cap the lane's drafts
+    (none without a match), and the lane's acceptance is the one measured under its limit, so a long match drafts
+    all it can while a short one (rarely accepted) does not, where one estimate per request averages the two."""
+    pol = ngram_policy(batch=2, per_row=0.12)
+    own = requests_with_alpha([0.55, 0.55], steps=30, k=2)
+    for _ in range(40):  # long matches: every draft accepted; one-token matches: a third of them
+        pol.observe_request(RequestAcceptance(), 4, 4, limit=4)
+        pol.observe_request(RequestAcceptance(), 1, int(pol.steps % 3 == 0), limit=1)
+        pol.steps += 1
+    d = pol.choose(own, [None, None], np.full(2, 100), limits=np.array([4, 1]))
+    assert d.num_draft.tolist() == [4, 0] and d.limits.tolist() == [4, 1]
+    assert pol.acceptance_estimate(own[0], 4) > 0.9 > 0.4 > pol.acceptance_estimate(own[1], 1)
+    # without limits both lanes are the same to the policy: one k for both, neither 4 nor a split
+    blind = pol.choose(own, [None, None], np.full(2, 100))
+    assert blind.num_draft[0] == blind.num_draft[1] < 4
+    # a lane drafts at most its limit, and nothing where its lookup found nothing, whatever its acceptance
+    for _ in range(40):
+        pol.observe_request(RequestAcceptance(), 2, 2, limit=2)
+    sure = requests_with_alpha([0.97, 0.97], steps=30, k=4)
+    assert pol.choose(sure, [None, None], np.full(2, 100), limits=np.array([2, 4])).num_draft.tolist() == [2, 4]
+    assert pol.choose(sure, [None, None], np.full(2, 100), limits=np.array([0, 4])).num_draft.tolist() == [0, 4]

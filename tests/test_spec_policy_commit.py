@@ -44,14 +44,14 @@ class CheckedPolicy(AdaptivePolicy):
         self.rng = np.random.default_rng(seed)
         self.checked = Counter()
 
-    def choose(self, accs, overrides, room, behind=None, commit=True) -> Decision:
+    def choose(self, accs, overrides, room, behind=None, commit=True, limits=None) -> Decision:
         before = state((self, accs))
-        first = super().choose(accs, overrides, room, behind, commit=False)
-        again = super().choose(accs, overrides, room, behind, commit=False)
+        first = super().choose(accs, overrides, room, behind, commit=False, limits=limits)
+        again = super().choose(accs, overrides, room, behind, commit=False, limits=limits)
         assert state(first) == state(again), "the same inputs decided differently: a dropped decision left a trace"
         other_room = self.rng.integers(0, self.cfg.k_max + 1, len(accs))
         other_behind = self.rng.integers(0, 50, len(accs)) if behind is not None else None
-        super().choose(accs, overrides, other_room, other_behind, commit=False)
+        super().choose(accs, overrides, other_room, other_behind, commit=False, limits=limits)
         assert state((self, accs)) == before, f"choose(commit=False) changed state ({first.reason})"
         self.checked[first.reason] += 1
         if commit:
@@ -62,9 +62,9 @@ class CheckedPolicy(AdaptivePolicy):
 class PlanThenCommit(AdaptivePolicy):
     """What the engine core does: plan (commit=False), drop a re-planned decision, commit when the step runs."""
 
-    def choose(self, accs, overrides, room, behind=None, commit=True) -> Decision:
-        super().choose(accs, overrides, room, behind, commit=False)  # dropped
-        d = super().choose(accs, overrides, room, behind, commit=False)
+    def choose(self, accs, overrides, room, behind=None, commit=True, limits=None) -> Decision:
+        super().choose(accs, overrides, room, behind, commit=False, limits=limits)  # dropped
+        d = super().choose(accs, overrides, room, behind, commit=False, limits=limits)
         if commit:
             self.commit(d)
         return d

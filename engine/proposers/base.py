@@ -103,6 +103,11 @@ class Proposer(ABC):
         """Drafts known on the host at build time (n-gram); None for model proposers."""
         return None
 
+    def draft_limits(self, token_ids: list[list[int]], k: int) -> np.ndarray | None:
+        """[B] how many of k drafts the proposer would make for each request's current tokens, where it knows
+        before the step (n-gram: its lookup's length); None where it does not (model proposers: always k)."""
+        return None
+
     def plan_drafts(self, seqs: list[SeqState], num_draft: np.ndarray, refill: bool
                     ) -> tuple[np.ndarray, list[list[int]] | None]:
         """For a step asked to draft num_draft[i] tokens for request i (a refill dropped where `refill` is

@@ -62,6 +62,20 @@ class NgramProposer(Proposer):
     def __init__(self, device: torch.device, min_n: int = 1, max_n: int = 4, match_ratio: float = 1.0) -> None:
         self.device = device
         self.min_n, self.max_n, self.match_ratio = min_n, max_n, match_ratio
+        # draft_limits' lookups (k, draft), which the step then drafts: a lookup at fewer drafts is a prefix of
+        # one at more (the same match; the bound ceil(ratio x m) does not depend on k)
+        self._looked_up: dict[tuple, tuple[int, list[int]]] = {}
+
+    @staticmethod
+    def _key(tokens: list[int]) -> tuple:
+        # the same token list, unchanged since (token lists only grow)
+        return id(tokens), len(tokens), tokens[-1] if tokens else None
+
+    def _lookup(self, tokens: list[int], k: int) -> list[int]:
+        got = self._looked_up.get(self._key(tokens))
+        if got is not None and got[0] >= k:
+            return got[1][:k]
+        return ngram_lookup(np.asarray(tokens, dtype=np.int64), k, self.min_n, self.max_n, self.match_ratio)
 
     def can_chain(self, num_draft: np.ndarray) -> bool:
         # The lookup reads each request's latest tokens on the host; a plain step (no drafts) reads none.
@@ -73,8 +87,14 @@ class NgramProposer(Proposer):
         drafts = self.propose_host(seqs, int(num_draft.max(initial=0)))
         return np.minimum(num_draft, [len(d) for d in drafts]), drafts
 
+    def draft_limits(self, token_ids: list[list[int]], k: int) -> np.ndarray:
+        # The policy's view of a lane before it decides: what the lookup finds now is what the step would draft
+        # (kept, so the step's own lookup is not run twice: 0.1-0.4 ms a request on long contexts)
+        drafts = [self._lookup(t, k) for t in token_ids]
+        self._looked_up = {self._key(t): (k, d) for t, d in zip(token_ids, drafts)}
+        return np.array([len(d) for d in drafts], dtype=np.int64)
+
     def propose_host(self, seqs: list[SeqState], k: int) -> list[list[int]]:
         if k <= 0:  # a plain step (speculation off) must not pay the lookup: 0.1-0.4 ms a request on long contexts
             return [[] for _ in seqs]
-        return [ngram_lookup(np.asarray(s.token_ids, dtype=np.int64), k, self.min_n, self.max_n, self.match_ratio)
-                for s in seqs]
+        return [self._lookup(s.token_ids, k) for s in seqs]

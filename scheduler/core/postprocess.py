@@ -62,14 +62,15 @@ class Postprocessor:
         """A decode step's results: `accepted[b]` drafts of lane b and the token after them, `tokens[b]`."""
         d = plan.decision
         probing = d.probing if d.probing is not None else np.zeros(len(plan.decode), bool)
+        limits = d.limits.tolist() if d.limits is not None else [None] * len(plan.decode)
         outputs = []
-        for req, a, row, nd, probe, current in zip(plan.decode, accepted, tokens, num_draft, probing.tolist(),
-                                                   refilled.tolist()):
+        for req, a, row, nd, probe, current, limit in zip(plan.decode, accepted, tokens, num_draft,
+                                                          probing.tolist(), refilled.tolist(), limits):
             self.queues.landed(req)
             if req.finished:  # finished in an earlier step or aborted: a wasted lane
                 continue
             req.stats.record(nd, a)
-            self.policy.observe_request(req.acceptance, nd, a, probe, d.break_even)
+            self.policy.observe_request(req.acceptance, nd, a, probe, d.break_even, limit)
             req.num_computed = len(req.token_ids) + a  # target KV now holds last + a accepted drafts
             ro = self._append(req, row[: a + 1])
             ro.num_draft, ro.num_accepted = nd, a

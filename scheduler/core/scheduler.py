@@ -12,6 +12,7 @@ Pages: every running request's page table holds every position its next step may
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -53,12 +54,16 @@ class ModelFacts:
     has_draft_model: bool  # the proposer keeps a KV of its own (a draft model or a head): it can fall behind
     draft_shift: int  # tokens a skipped prompt leaves the draft at (a head never consumes t[0]: 1)
     lookahead: int  # positions the proposer writes past the verify window
+    # (token ids of each request, k) -> [B] drafts the proposer would make now, where it knows before the step
+    # (n-gram's lookup: `Proposer.draft_limits`); None where it cannot tell
+    draft_limits: Callable[[list[list[int]], int], np.ndarray | None] | None = None
 
     @classmethod
     def of(cls, engine) -> ModelFacts:
         p = engine.proposer
         return cls(engine.vocab_size, p is not None, engine.has_draft_model,
-                   p.shift if engine.has_draft_model else 0, p.kv_lookahead if p is not None else 0)
+                   p.shift if engine.has_draft_model else 0, p.kv_lookahead if p is not None else 0,
+                   p.draft_limits if p is not None else None)
 
 
 def check_prompt(req: Request, vocab: int, max_model_len: int, max_prompt_tokens: int) -> None:
@@ -252,8 +257,16 @@ class Scheduler:
         room = draft_room(reqs, extra, max_len, self.step_tokens)
         if lag is None and self.facts.has_draft_model:
             lag = draft_lag(reqs, extra, set())
+        # A host proposer that knows now how many drafts each lane would make (n-gram: none without a match, few
+        # after a short one) tells the adaptive policy, which then prices and predicts the drafts the step would
+        # really run. Not for a chained step: its tokens are not on the host yet.
+        limits = None
+        if (pending is None and self.facts.draft_limits is not None and self.policy.cfg.kind != "fixed"
+                and int(room.max(initial=0)) > 0):
+            k = max(self.config.num_spec_tokens, *(r.num_spec_tokens or 0 for r in reqs))
+            limits = self.facts.draft_limits([r.token_ids for r in reqs], k)
         decision = self.policy.choose([r.acceptance for r in reqs], [r.num_spec_tokens for r in reqs], room, lag,
-                                      commit=False)
+                                      commit=False, limits=limits)
         if not self.facts.has_draft_model and decision.refill:
             decision = replace(decision, refill=False)
         if self.tracer.recording:

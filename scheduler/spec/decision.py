@@ -94,6 +94,9 @@ class Decision:
     catch_up: np.ndarray | None = None
     break_even: float | None = None  # accepted drafts a probing lane needs to pay its share of the step's overhead
     effects: Effects | None = None  # what `AdaptivePolicy.commit` applies when the step runs
+    # [B] drafts the proposer said each lane would make, when it knew before the decision (n-gram); their
+    # outcomes are counted per limit (`AdaptivePolicy.by_limit`)
+    limits: np.ndarray | None = None
 
     @property
     def explored(self) -> bool:
