@@ -12,25 +12,51 @@ namespace gguf_kernel {
 constexpr int64_t PANEL = 16;  // weight rows a packed panel: two ymm of outputs
 constexpr int64_t GEMM_TILE = 6;  // rows a GEMM tile: 12 accumulators
 
-// Weight rows [n, n + nb) as fp32 into P [K][PANEL] (columns past nb zero).
+// out[i] = lane i of each of in[0..8): an 8 x 8 transpose.
+inline void transpose8(const __m256 in[8], __m256 out[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(in[i], in[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(in[i], in[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        out[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        out[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+// Weight rows [n, n + nb) as fp32 into P [K][PANEL] (columns past nb zero). Eight weight rows at a time: each
+// block's values (d q + m, as the converted checkpoint has them) into a row-major scratch, then transposed 8 x 8
+// into the panel's columns (one float a store was ~13% of a 128-row prompt's time on an AVX2 EPYC).
 template <class F>
 inline void pack_panel(const uint8_t *w, int64_t row_bytes, int64_t K, int64_t n, int64_t nb, float *P) {
     const int64_t nblk = K / QK;
-    for (int64_t j = 0; j < PANEL; j++) {
-        if (j >= nb) {
-            for (int64_t k = 0; k < K; k++) P[k * PANEL + j] = 0.f;
-            continue;
-        }
-        const uint8_t *wr = w + (n + j) * row_bytes;
+    alignas(32) float vals[8][QK];
+    for (int64_t j0 = 0; j0 < PANEL; j0 += 8) {
         for (int64_t b = 0; b < nblk; b++) {
-            __m256 q[4], d, m;
-            F::load(wr + b * F::bytes, q, d, m);
-            alignas(32) float vals[QK];
-            for (int c = 0; c < 4; c++)
-                _mm256_store_ps(vals + 8 * c,
-                                F::has_min ? _mm256_add_ps(_mm256_mul_ps(d, q[c]), m) : _mm256_mul_ps(d, q[c]));
-            float *dst = P + b * QK * PANEL + j;
-            for (int i = 0; i < QK; i++) dst[i * PANEL] = vals[i];
+            for (int r = 0; r < 8; r++) {
+                if (j0 + r >= nb) {
+                    for (int c = 0; c < 4; c++) _mm256_store_ps(vals[r] + 8 * c, _mm256_setzero_ps());
+                    continue;
+                }
+                __m256 q[4], d, m;
+                F::load(w + (n + j0 + r) * row_bytes + b * F::bytes, q, d, m);
+                for (int c = 0; c < 4; c++)
+                    _mm256_store_ps(vals[r] + 8 * c,
+                                    F::has_min ? _mm256_add_ps(_mm256_mul_ps(d, q[c]), m) : _mm256_mul_ps(d, q[c]));
+            }
+            for (int c = 0; c < 4; c++) {
+                __m256 rows[8], cols[8];
+                for (int r = 0; r < 8; r++) rows[r] = _mm256_load_ps(vals[r] + 8 * c);
+                transpose8(rows, cols);
+                for (int i = 0; i < 8; i++) _mm256_store_ps(P + (b * QK + 8 * c + i) * PANEL + j0, cols[i]);
+            }
         }
     }
 }
