@@ -74,14 +74,16 @@ def test_draft_limits_are_what_the_lookup_would_draft():
     assert NgramProposer(torch.device("cpu"), match_ratio=0.0).draft_limits(lanes, 3).tolist() == [3, 3, 0]
 
 
-def test_adaptive_ngram_counts_acceptance_per_limit_and_keeps_greedy_output(tiny_target):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_adaptive_ngram_counts_acceptance_per_limit_and_keeps_greedy_output(tiny_target, overlap):
     """With the adaptive policy, n-gram's limits reach the policy (its steps' outcomes are counted per limit), and
-    speculative greedy output is plain greedy output."""
+    speculative greedy output is plain greedy output, on both stream paths (the overlap path plans plain steps
+    chained, without limits, and drafting steps from the host's tokens, with them)."""
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(3, 200, 24)) * 2 + list(rng.integers(3, 200, 6)) for _ in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     plain = run_to_completion(make_core(tiny_target, spec="none"), prompts, params)
-    core = make_core(tiny_target, spec="ngram", num_spec_tokens=4, spec_policy="adaptive")
+    core = make_core(tiny_target, spec="ngram", num_spec_tokens=4, spec_policy="adaptive", overlap=overlap)
     reqs = run_to_completion(core, prompts, params)
     assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in plain]
     by_limit = core.scheduler.policy.by_limit

@@ -100,6 +100,22 @@ inline void gather_mins(const uint8_t *wrow, uint16_t *mw, XQ8 xq) {
     for (int64_t b = xq.nblk; b < xq.sblk; b++) mw[b] = 0;
 }
 
+// Block b's products of rows [0, MT) with NW weight rows (their bytes wv, as F::prepare left them pw, their d's dv)
+// into acc: the header's int8 arithmetic for each output, the same whatever the tile and the weights' layout.
+template <class F, int MT, int NW>
+__attribute__((always_inline)) inline void block_products(__m256 (&acc)[MT][NW], const __m256i (&pw)[NW],
+                                                          const __m256i (&wv)[NW], const __m256 (&dv)[NW], XQ8 xq,
+                                                          int64_t K, int64_t b) {
+    for (int i = 0; i < MT; i++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq.q + i * K + b * QK));
+        const __m256 dx = _mm256_broadcast_ss(xq.d + i * xq.nblk + b);
+        for (int j = 0; j < NW; j++) {
+            const __m256 px = _mm256_mul_ps(_mm256_cvtepi32_ps(F::dot(pw[j], wv[j], x)), dx);
+            acc[i][j] = _mm256_fmadd_ps(dv[j], px, acc[i][j]);
+        }
+    }
+}
+
 // y[i, n + j] for the tile's outputs: (sum + the m term) + bias, the m term over mins(j) (weight row n + j's m's
 // as fp16 bits, zero-padded to whole 8-block chunks).
 template <bool HAS_MIN, int MT, int NW, class Mins>
@@ -130,14 +146,7 @@ inline void tile_i8(XQ8 xq, int64_t K, const uint8_t *w, int64_t row_bytes, floa
             wv[j] = F::load(w + (n + j) * row_bytes + b * F::bytes, dv[j]);
             pw[j] = F::prepare(wv[j]);
         }
-        for (int i = 0; i < MT; i++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq.q + i * K + b * QK));
-            const __m256 dx = _mm256_broadcast_ss(xq.d + i * xq.nblk + b);
-            for (int j = 0; j < NW; j++) {
-                const __m256 px = _mm256_mul_ps(_mm256_cvtepi32_ps(F::dot(pw[j], wv[j], x)), dx);
-                acc[i][j] = _mm256_fmadd_ps(dv[j], px, acc[i][j]);
-            }
-        }
+        block_products<F, MT, NW>(acc, pw, wv, dv, xq, K, b);
     }
     // acc read in loops GCC unrolls: one it did not (min_term's, or 8 hsums) kept acc in memory, a store per
     // accumulator and block in the block loop
@@ -196,17 +205,10 @@ inline void tile_i8_lanes(XQ8 xq, int64_t K, const uint8_t *w, int64_t rb, float
     __m256 acc[MT][NW];
     for (int i = 0; i < MT; i++)
         for (int j = 0; j < NW; j++) acc[i][j] = _mm256_setzero_ps();
-    auto block = [&](const __m256i (&wv)[NW], int64_t b) {  // (takes no accumulator's address)
+    auto block = [&](const __m256i (&wv)[NW], int64_t b) {  // (Q4_1's prepared bytes are its bytes)
         __m256 dv[NW];
         for (int j = 0; j < NW; j++) dv[j] = broadcast_half(w + (n + j) * rb + dm + b * 2);
-        for (int i = 0; i < MT; i++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq.q + i * K + b * QK));
-            const __m256 dx = _mm256_broadcast_ss(xq.d + i * xq.nblk + b);
-            for (int j = 0; j < NW; j++) {
-                const __m256 px = _mm256_mul_ps(_mm256_cvtepi32_ps(Q41i8::dot(wv[j], wv[j], x)), dx);
-                acc[i][j] = _mm256_fmadd_ps(dv[j], px, acc[i][j]);
-            }
-        }
+        block_products<Q41i8, MT, NW>(acc, wv, wv, dv, xq, K, b);
     };
     __m256i lo[NW], hi[NW];
     auto load_pair = [&](int64_t b) {

@@ -236,9 +236,8 @@ class AdaptivePolicy:
         return self.probes.with_probes(accs, best, b, lanes, behind, prior, px)
 
     def _alpha(self, accs: list[RequestAcceptance], limits: np.ndarray | None = None) -> np.ndarray:
-        if limits is None:
-            return np.array([self.acceptance_estimate(a) for a in accs])
-        return np.array([self.acceptance_estimate(a, int(n)) for a, n in zip(accs, limits)])
+        per_lane = [None] * len(accs) if limits is None else limits.tolist()
+        return np.array([self.acceptance_estimate(a, n) for a, n in zip(accs, per_lane)])
 
     def _threshold(self, accs: list[RequestAcceptance]) -> np.ndarray:
         """Hysteresis on each request's inclusion: one that drafted last step stays in at 0.65 of min_gain."""
