@@ -5,9 +5,10 @@ per row count and thread count, side by side in one run (settings alternate ever
     python -m benchmarks.bench_gguf_kernel [--rows 1,5,8] [--threads 1,2] [--reps 15] [--activations fp32,int8]
 
 Activations: fp32, int8 (AVX2 lanes over the blocks as they are), int8-packed (the same lanes and bits over
-`lanes_pack`'s copy: what the loader runs), and where the host has AMX-INT8 int8-tiles (the tiles at every row count)
-and int8-vnni (the same repacked copy and bits in AVX-512 VNNI lanes at every row count): the two forms whose
-crossover sets `gguf_amx.cpp`'s default.
+`lanes_pack`'s copy: what the loader runs on AVX2 hosts), where the host has AMX-INT8 int8-tiles (the tiles at every
+row count: their crossover with int8-vnni sets `gguf_amx.cpp`'s default), and where it has AVX-512 VNNI int8-vnni
+(`amx_pack`'s copy and the tiles' bits in AVX-512 VNNI lanes at every row count: what the loader runs there
+without AMX).
 
 Answers "is it the kernel or the step around it" when a step-level figure (bench_steps) moves on a new host.
 The blocks are random nibbles with fixed scales: the kernel's time does not depend on the values. Each linear is
@@ -34,6 +35,7 @@ from specstep.engine.models.gguf_kernel import (
     lanes_pack,
     tiles_unavailable,
     unavailable,
+    vnni_unavailable,
 )
 
 BLOCK, Q4_1_BYTES = 32, 20  # a Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles for 32 weights
@@ -58,9 +60,11 @@ def main() -> None:
     ap.add_argument("--activations", default="fp32,int8", help="of fp32, int8, int8-packed, int8-tiles, int8-vnni")
     args = ap.parse_args()
     acts = args.activations.split(",")
-    amx = [a for a in acts if a in ("int8-tiles", "int8-vnni")]
-    if amx and tiles_unavailable():
-        raise SystemExit(f"{'/'.join(amx)}: AMX tiles cannot run here: {tiles_unavailable()}")
+    amx = [a for a in acts if a in ("int8-tiles", "int8-vnni")]  # the forms over amx_pack's copy
+    if "int8-tiles" in acts and tiles_unavailable():
+        raise SystemExit(f"int8-tiles: AMX tiles cannot run here: {tiles_unavailable()}")
+    if "int8-vnni" in acts and vnni_unavailable():
+        raise SystemExit(f"int8-vnni: AVX-512 VNNI lanes cannot run here: {vnni_unavailable()}")
     if unavailable():
         raise SystemExit(f"GGUF kernel unavailable: {unavailable()}")
     rng = np.random.default_rng(0)
@@ -73,16 +77,18 @@ def main() -> None:
     xs = {r: {i: torch.randn(r, i) for i in (HIDDEN, INTERMEDIATE)} for r in map(int, args.rows.split(","))}
 
     def one_pass(act: str, rows: int, threads: int) -> float:
-        fmt = kernel_fmt("Q4_1", "int8-tiles" if act in amx else act)
+        fmt = kernel_fmt("Q4_1", act)
         weights = tiles if act in amx else lanes if act == "int8-packed" else [b for b, _, _ in stack]
-        amx_lane_rows(8 if act == "int8-vnni" else 0)
+        if act == "int8-tiles":
+            amx_lane_rows(0)
         try:
             t0 = time.perf_counter()
             for w, (_, out, inp) in zip(weights, stack):
                 gguf_linear(xs[rows][inp], w, out, fmt, threads=threads)
             return time.perf_counter() - t0
         finally:
-            amx_lane_rows(-1)
+            if act == "int8-tiles":
+                amx_lane_rows(-1)
 
     times: dict[tuple, list[float]] = {s: [] for s in settings}
     for s in settings:  # warm: builds, first touches

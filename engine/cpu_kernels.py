@@ -21,9 +21,9 @@ LINEAR_MODES = ("auto", "matmul", "onednn")
 HALF_CHOICES = ("auto", "off")
 QUANTIZATION_CHOICES = ("auto", "gguf", "none")
 LAYER_CHOICES = ("auto", "torch")
-# int8: in AMX tiles where the host has AMX-INT8 (block sums), else in AVX2 lanes; int8-tiles / int8-lanes: that one
-# (int8-tiles an error where it cannot run)
-ACTIVATION_CHOICES = ("fp32", "int8", "int8-tiles", "int8-lanes")
+# int8: in AMX tiles where the host has AMX-INT8 (block sums), else in AVX-512 VNNI lanes (the same arithmetic) where
+# it has those, else in AVX2 lanes; int8-tiles / int8-vnni / int8-lanes: that one (an error where it cannot run)
+ACTIVATION_CHOICES = ("fp32", "int8", "int8-tiles", "int8-vnni", "int8-lanes")
 # bf16 must be this much faster than fp32 (decode and verify rows together) to be taken: it changes the numerics.
 BF16_MARGIN = 0.95
 

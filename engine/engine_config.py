@@ -250,7 +250,8 @@ class EngineConfig:
                 "llama.cpp does for these formats) and multiplies in integers: faster decode and verify steps, "
                 "not exact against fp32 (speculative output still equals plain output under it, bitwise); fp32: "
                 "exact. int8 runs in AMX tiles where the CPU has AMX-INT8 (each block's products summed in "
-                "integers, verify rows nearly free), else in AVX2 lanes; int8-tiles / int8-lanes choose one",
+                "integers, verify rows nearly free), else in AVX-512 VNNI lanes where it has those (the same "
+                "arithmetic), else in AVX2 lanes; int8-tiles / int8-vnni / int8-lanes choose one",
         choices=ACTIVATION_CHOICES)
 
     def __post_init__(self) -> None:

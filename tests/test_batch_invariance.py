@@ -15,7 +15,7 @@ from specstep.engine.gguf_checkpoint import converted_folder
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.model_loader import describe_cpu_kernels, load_model, load_mtp_head
 from specstep.engine.models.cpu_linear import onednn_available
-from specstep.engine.models.gguf_kernel import tiles_unavailable
+from specstep.engine.models.gguf_kernel import tiles_unavailable, vnni_unavailable
 from specstep.engine.models.gguf_kernel import unavailable as gguf_unavailable
 from specstep.engine.models.gguf_linear import GGUFLinear
 from specstep.engine.sampling_params import SamplingParams
@@ -126,15 +126,18 @@ def proposers(tiny_target, tmp_path_factory):
 
 
 TILES = pytest.mark.skipif(bool(tiles_unavailable()), reason=f"AMX tiles: {tiles_unavailable()}")
+VNNI = pytest.mark.skipif(bool(vnni_unavailable()), reason=f"AVX-512 VNNI: {vnni_unavailable()}")
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft_model", "mtp", "ngram_gguf_q4_1", "ngram_gguf_q4_1_int8-lanes",
-                                      pytest.param("ngram_gguf_q4_1_int8-tiles", marks=TILES)])
+                                      pytest.param("ngram_gguf_q4_1_int8-tiles", marks=TILES),
+                                      pytest.param("ngram_gguf_q4_1_int8-vnni", marks=VNNI)])
 def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, request, tiny_target):
     """Each verify row whose inputs are plain decoding's (every earlier draft of its step accepted) has plain
     decoding's logits at that position, bitwise: the target's own draft accepts all (draft_model), n-gram
     drafts from a repetitive prompt, the random MTP head mostly only the first row; and n-gram on a Q4_1 GGUF
-    target whose linears read its blocks, with fp32 or int8 activations (in AVX2 lanes; in AMX tiles)."""
+    target whose linears read its blocks, with fp32 or int8 activations (in AVX2 lanes; in AMX tiles; in AVX-512
+    VNNI lanes)."""
     gguf = proposer.startswith("ngram_gguf_q4_1")
     acts = proposer.rpartition("_")[2] if "_int8" in proposer else ""
     kernels = dict(activations=acts) if acts else {}
@@ -148,7 +151,7 @@ def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, reque
     core = make_core(tiny_target, page_size=PAGE, num_spec_tokens=4, spec_policy="fixed", **proposers[proposer],
                      **kernels)
     if kernels:
-        kind = {"int8-lanes": "int8", "int8-tiles": "int8-tiles"}[acts]
+        kind = {"int8-lanes": "int8", "int8-tiles": "int8-tiles", "int8-vnni": "int8-vnni"}[acts]
         assert {m.activations for m in core.engine.target.modules() if isinstance(m, GGUFLinear)} == {kind}
     spec_logits = record_target_logits(core)
     assert gguf == any(isinstance(m, GGUFLinear) for m in core.engine.target.modules())

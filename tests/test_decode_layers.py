@@ -15,7 +15,7 @@ from specstep.engine.gguf_checkpoint import converted_folder
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.model_loader import describe_cpu_kernels, load_model
 from specstep.engine.models import decode_layers
-from specstep.engine.models.gguf_kernel import tiles_unavailable
+from specstep.engine.models.gguf_kernel import tiles_unavailable, vnni_unavailable
 from specstep.engine.sampling_params import SamplingParams
 from specstep.engine.thread_choice import ThreadChoice
 from tests.fixtures_gguf import write_gguf
@@ -90,21 +90,26 @@ def test_one_call_a_step_and_per_layer_calls_give_the_same_bits(gguf_model, monk
     assert all(torch.equal(a, b) for a, b in zip(again, (prompt, single, verify, beside), strict=True))
 
 
-@pytest.mark.parametrize("acts", ["int8-lanes", pytest.param("int8-tiles", marks=pytest.mark.skipif(
-    bool(tiles_unavailable()), reason=f"AMX tiles: {tiles_unavailable()}"))])
+@pytest.mark.parametrize("acts", [
+    "int8-lanes",
+    pytest.param("int8-tiles", marks=pytest.mark.skipif(bool(tiles_unavailable()),
+                                                        reason=f"AMX tiles: {tiles_unavailable()}")),
+    pytest.param("int8-vnni", marks=pytest.mark.skipif(bool(vnni_unavailable()),
+                                                       reason=f"AVX-512 VNNI: {vnni_unavailable()}"))])
 def test_int8_activations_keep_verify_rows_bitwise_and_stay_near_the_fp32_logits(gguf_model, acts, monkeypatch):
-    """`--activations int8` in the C++ layers (AVX2 lanes; AMX tiles): a verify step's rows are the decode steps'
-    bits (alone and beside another lane), and the logits stay near the exact fp32 layers' (about 1% of the
-    largest logit on this random model, as near as the torch layers over the same int8 kernel are: a rounding
-    apart before a quantisation moves a value by a quantisation step; prompt rows take the fp32 prompt GEMM in
-    the C++ layers with lanes, the tiles with tiles)."""
+    """`--activations int8` in the C++ layers (AVX2 lanes; AMX tiles; AVX-512 VNNI lanes over the tiles' copy): a
+    verify step's rows are the decode steps' bits (alone and beside another lane), and the logits stay near the
+    exact fp32 layers' (about 1% of the largest logit on this random model, as near as the torch layers over the
+    same int8 kernel are: a rounding apart before a quantisation moves a value by a quantisation step; prompt
+    rows take the fp32 prompt GEMM in the C++ layers with AVX2 lanes, the int8 kernel itself with the others)."""
     net, eager, exact = load(gguf_model, "auto", acts), load(gguf_model, "torch", acts), load(gguf_model, "auto")
     assert "int8 activations" in describe_cpu_kernels(net)
     assert ("in AMX tiles" in describe_cpu_kernels(net)) == (acts == "int8-tiles")
+    assert ("in AVX-512 VNNI lanes" in describe_cpu_kernels(net)) == (acts == "int8-vnni")
     flagged = []
     spy = decode_layers.prompt_rows
     monkeypatch.setattr(decode_layers, "prompt_rows", lambda *a: flagged.append(spy(*a)) or flagged[-1])
-    steps(net)  # lanes: the 40-token lane's rows take the fp32 prompt GEMM; tiles: the tiles, like every row
+    steps(net)  # AVX2 lanes: the 40-token lane's rows take the fp32 prompt GEMM; the others: their own kernel
     assert (acts == "int8-lanes") == any(f is not None and bool(f.any()) for f in flagged)
     monkeypatch.undo()
     prompt, single, verify, beside = steps(net)

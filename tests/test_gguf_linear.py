@@ -20,6 +20,7 @@ from specstep.engine.models.gguf_kernel import (
     lanes_pack,
     tiles_unavailable,
     unavailable,
+    vnni_unavailable,
 )
 from specstep.engine.models.gguf_linear import GGUFLinear, dequantize
 from specstep.engine.sampling_params import SamplingParams
@@ -31,13 +32,16 @@ pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"GGUF kernel unavai
 FORMATS = ["Q4_1", "Q8_0"]
 TILES = [pytest.param("int8-tiles", marks=pytest.mark.skipif(bool(tiles_unavailable()),
                                                               reason=f"AMX tiles: {tiles_unavailable()}"))]
+NO_VNNI = pytest.mark.skipif(bool(vnni_unavailable()), reason=f"AVX-512 VNNI: {vnni_unavailable()}")
+VNNI = [pytest.param("int8-vnni", marks=NO_VNNI)]
 KERNEL_FORMATS = [*FORMATS, "Q4_1/int8", "Q8_0/int8", "Q4_1/int8-packed"] + [
-    pytest.param(f"{f}/int8-tiles", marks=TILES[0].marks) for f in FORMATS]
+    pytest.param(f"{f}/{a}", marks=m[0].marks)
+    for f in FORMATS for a, m in (("int8-tiles", TILES), ("int8-vnni", VNNI))]
 
 
 def weights_for(fmt: str, blocks: torch.Tensor, cols: int) -> torch.Tensor:
     """What kernel format `fmt` reads: the blocks, or their AMX tiles or lanes copy."""
-    pack = amx_pack if fmt.endswith("-tiles") else lanes_pack if fmt.endswith("-packed") else None
+    pack = amx_pack if fmt.endswith(("-tiles", "-vnni")) else lanes_pack if fmt.endswith("-packed") else None
     return blocks if pack is None else pack(blocks, fmt.split("/")[0], cols)
 
 
@@ -96,13 +100,13 @@ def int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.
     return torch.from_numpy(y + bias.double().numpy())
 
 
-@pytest.mark.parametrize("acts", ["int8", *TILES])
+@pytest.mark.parametrize("acts", ["int8", *TILES, *VNNI])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_int8_activations_compute_the_quantised_product(fmt, acts):
     """`--activations int8`: the kernel's result is the quantised activations' product with the blocks (fp64
     reference of the header's arithmetic) to fp32 rounding, a row of zeros and a block of ties included, and it
-    is the fp32 product to within int8 quantisation's error; in AVX2 lanes and in AMX tiles (200 outputs: 12
-    whole 16-row groups and a partial one)."""
+    is the fp32 product to within int8 quantisation's error; in AVX2 lanes, in AMX tiles and in AVX-512 VNNI lanes
+    over the tiles' copy (200 outputs: 12 whole 16-row groups and a partial one)."""
     blocks, w = quantised(fmt, 200, 576, seed=3)
     x, bias = torch.randn(9, 576), torch.randn(200)
     x[3] = 0.0  # amax = 0: d = 0, q = 0
@@ -236,6 +240,44 @@ def test_amx_formats_give_the_same_bits_in_lanes_and_in_tiles(fmt, k):
         gguf_kernel.amx_lane_rows(-1)
 
 
+@NO_VNNI
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("k", [576, 544, 64, 32])
+def test_vnni_format_is_the_tiles_arithmetic_at_every_row_count(fmt, k):
+    """"int8-vnni" (AVX-512 VNNI lanes over the tile layout at every row count, for hosts without AMX): the
+    quantised product (fp64 reference) at 1-17 and 40 rows, a row of zeros and a block of saturating activations
+    included; every row bitwise itself alone whatever the rows beside it (passes of at most 8 rows a group, of
+    near-equal sizes) and the threads; and where the host has AMX, bitwise the tiles' at every row count. Q8_0 past
+    the corrections' stack buffer (8,192 block sums: prompts' rows in chunks) too."""
+    blocks, _ = quantised(fmt, 67, k, seed=7)
+    packed, bias = amx_pack(blocks, fmt, k), torch.randn(67)
+    x = torch.randn(40, k)
+    x[2] = 0.0
+    x[5, :32] = 50.0 * torch.sign(torch.randn(32))
+    kfmt = f"{fmt}/int8-vnni"
+    ref = int8_reference(x, blocks, fmt, bias)
+    alone = torch.cat([gguf_linear(x[r:r + 1], packed, 67, kfmt, bias, threads=1) for r in range(40)])
+    assert (alone.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for rows in [*range(1, 18), 40]:
+        for start in {0, 40 - rows}:
+            for threads in (1, 2):
+                got = gguf_linear(x[start:start + rows], packed, 67, kfmt, bias, threads=threads)
+                assert torch.equal(got, alone[start:start + rows]), (rows, start, threads)
+    if not tiles_unavailable():
+        try:
+            gguf_kernel.amx_lane_rows(0)
+            for rows in (1, 5, 8, 9, 17, 40):
+                tiles = gguf_linear(x[:rows], packed, 67, f"{fmt}/int8-tiles", bias, threads=2)
+                assert torch.equal(tiles, alone[:rows]), rows
+        finally:
+            gguf_kernel.amx_lane_rows(-1)
+    if fmt == "Q8_0" and k == 576:  # 18 blocks a row: 455 rows fill the stack buffer, 1,000 take three chunks
+        big = torch.randn(1000, k)
+        got = gguf_linear(big, packed, 67, kfmt, bias, threads=2)
+        want = torch.cat([gguf_linear(big[r:r + 8], packed, 67, kfmt, bias, threads=1) for r in range(0, 1000, 8)])
+        assert torch.equal(got, want)
+
+
 @pytest.mark.skipif(gguf_kernel.kernel_isa() != "avx512", reason="this CPU has no AVX-512")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_avx512_forms_give_the_avx2_forms_bits(fmt):
@@ -333,15 +375,25 @@ def test_int8_activations_need_the_gguf_kernel(tmp_path, cache, monkeypatch):
     lanes = load_model(path, "cpu", "float32", CpuKernels(activations="int8-lanes"))
     assert {m.kernel_fmt for m in lanes.modules() if isinstance(m, GGUFLinear)} == {"Q4_1/int8-packed"}
     int8 = load_model(path, "cpu", "float32", CpuKernels(activations="int8"))  # the host's int8 kernel
-    tiles = not tiles_unavailable()
-    assert {m.kernel_fmt for m in int8.modules() if isinstance(m, GGUFLinear)} == {
-        "Q4_1/int8-tiles" if tiles else "Q4_1/int8-packed"}
-    assert ("in AMX tiles" in describe_cpu_kernels(int8)) == tiles
+    host = "tiles" if not tiles_unavailable() else "vnni" if not vnni_unavailable() else "packed"
+    assert {m.kernel_fmt for m in int8.modules() if isinstance(m, GGUFLinear)} == {f"Q4_1/int8-{host}"}
+    assert ("in AMX tiles" in describe_cpu_kernels(int8)) == (host == "tiles")
+    assert ("in AVX-512 VNNI lanes" in describe_cpu_kernels(int8)) == (host == "vnni")
     monkeypatch.setattr("specstep.engine.models.gguf_linear.tiles_unavailable", lambda: "this CPU lacks AMX_TILE")
     with pytest.raises(ConfigError, match="--activations int8-tiles: AMX tiles cannot run here: this CPU lacks"):
         load_model(path, "cpu", "float32", CpuKernels(activations="int8-tiles"))
+    monkeypatch.setattr("specstep.engine.models.gguf_linear.vnni_unavailable", lambda: "")
+    vnni = load_model(path, "cpu", "float32", CpuKernels(activations="int8"))  # (built, not run: the host may lack it)
+    assert {m.kernel_fmt for m in vnni.modules() if isinstance(m, GGUFLinear)} == {"Q4_1/int8-vnni"}
+    assert "in AVX-512 VNNI lanes" in describe_cpu_kernels(vnni)
+    assert "(AMX tiles: this CPU lacks AMX_TILE)" in describe_cpu_kernels(vnni)
+    monkeypatch.setattr("specstep.engine.models.gguf_linear.vnni_unavailable", lambda: "this CPU lacks AVX512_VNNI")
+    with pytest.raises(ConfigError, match="--activations int8-vnni: AVX-512 VNNI lanes cannot run here: this CPU"):
+        load_model(path, "cpu", "float32", CpuKernels(activations="int8-vnni"))
     lanes = load_model(path, "cpu", "float32", CpuKernels(activations="int8"))
-    assert "(AMX tiles: this CPU lacks AMX_TILE)" in describe_cpu_kernels(lanes)
+    assert {m.kernel_fmt for m in lanes.modules() if isinstance(m, GGUFLinear)} == {"Q4_1/int8-packed"}
+    assert "(AMX tiles: this CPU lacks AMX_TILE; AVX-512 VNNI: this CPU lacks AVX512_VNNI)" in describe_cpu_kernels(
+        lanes)
     monkeypatch.setattr("specstep.engine.models.gguf_linear.unavailable", lambda: "this CPU lacks AVX2")
     with pytest.raises(ConfigError, match="--activations int8: the GGUF kernel cannot run here: this CPU lacks"):
         load_model(path, "cpu", "float32", CpuKernels(activations="int8"))

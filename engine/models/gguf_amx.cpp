@@ -249,28 +249,69 @@ inline void amx_lane_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, f
     }
 }
 
+// Q8_0's correction for rows [0, M) of xq: 128 * sum(q_x) a block, exact in int32 (`amx_lane_pass`).
+inline void lanes_corr(XQ8 xq, int64_t M, int64_t K, int32_t *corr) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t b = 0; b < xq.nblk; b++) {
+            int32_t s = 0;
+            for (int k = 0; k < QK; k++) s += xq.q[i * K + b * QK + k];
+            corr[i * xq.nblk + b] = 128 * s;
+        }
+}
+
+// Group g for M <= AMX_LANES_MOST rows of xq in lanes.
+template <bool Q41>
+inline void amx_lane_group(XQ8 xq, int64_t M, int64_t K, const uint8_t *packed, int64_t g, float *y, int64_t N,
+                           const float *bias, const int32_t *corr) {
+    switch (M) {
+        case 1: amx_lane_pass<Q41, 1>(xq, K, packed, g, y, N, bias, corr); break;
+        case 2: amx_lane_pass<Q41, 2>(xq, K, packed, g, y, N, bias, corr); break;
+        case 3: amx_lane_pass<Q41, 3>(xq, K, packed, g, y, N, bias, corr); break;
+        case 4: amx_lane_pass<Q41, 4>(xq, K, packed, g, y, N, bias, corr); break;
+        case 5: amx_lane_pass<Q41, 5>(xq, K, packed, g, y, N, bias, corr); break;
+        case 6: amx_lane_pass<Q41, 6>(xq, K, packed, g, y, N, bias, corr); break;
+        case 7: amx_lane_pass<Q41, 7>(xq, K, packed, g, y, N, bias, corr); break;
+        default: amx_lane_pass<Q41, 8>(xq, K, packed, g, y, N, bias, corr); break;
+    }
+}
+
 // Groups [g0, g1) for M <= AMX_LANES_MOST rows in lanes.
 template <bool Q41>
 void amx_lanes(XQ8 xq, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
                int64_t g0, int64_t g1) {
     int32_t corr[AMX_LANES_MOST * MAX_BLOCKS_I8];
-    if (!Q41)
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t b = 0; b < xq.nblk; b++) {
-                int32_t s = 0;
-                for (int k = 0; k < QK; k++) s += xq.q[i * K + b * QK + k];
-                corr[i * xq.nblk + b] = 128 * s;
+    if (!Q41) lanes_corr(xq, M, K, corr);
+    for (int64_t g = g0; g < g1; g++) amx_lane_group<Q41>(xq, M, K, packed, g, y, N, bias, corr);
+}
+
+// Every row count in the VNNI lanes, over the tile layout (fmt 14 / 15: hosts with AVX-512 VNNI and no AMX, such
+// as AMD Zen 4): the tile formats' arithmetic, so their bits. Group by group, the rows in passes of near-equal
+// sizes of at most AMX_LANES_MOST (a group's weights, 6-16 KB on SmolLM2's shapes, stay in L1 across the passes).
+// Why not the AVX2 lanes' layout on such hosts: vpdpbusd sums 4 products into each of 16 int32 lanes in one
+// instruction, where AVX2's maddubs / madd / add take three for 8; a verify step's extra rows cost that much less.
+template <bool Q41>
+void vnni_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8_t *packed, int64_t N,
+                const float *bias, float *y, int64_t n0, int64_t n1) {
+    const int64_t g0 = amx_groups(n0), g1 = amx_groups(n1);
+    if (g0 >= g1) return;
+    const XQ8 xq = xq8_view(scratch, M, K);
+    for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
+    // Q8_0's corrections on the stack, for as many rows at a time as it holds (any step; prompts in chunks)
+    int32_t corr[AMX_LANES_MOST * MAX_BLOCKS_I8];
+    const int64_t chunk = Q41 ? M : (int64_t)(sizeof corr / sizeof *corr) / xq.nblk / AMX_LANES_MOST * AMX_LANES_MOST;
+    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+        const int64_t rows = M - c0 < chunk ? M - c0 : chunk;
+        const XQ8 xc = xq.rows_from(c0, K);
+        if (!Q41) lanes_corr(xc, rows, K, corr);
+        const int64_t passes = (rows + AMX_LANES_MOST - 1) / AMX_LANES_MOST;
+        for (int64_t g = g0; g < g1; g++)
+            for (int64_t p = passes, m = 0; p > 0; p--) {
+                const int64_t mt = (rows - m + p - 1) / p;
+                amx_lane_group<Q41>(xc.rows_from(m, K), mt, K, packed, g, y + (c0 + m) * N, N, bias,
+                                    corr + m * xq.nblk);
+                m += mt;
             }
-    for (int64_t g = g0; g < g1; g++) switch (M) {
-            case 1: amx_lane_pass<Q41, 1>(xq, K, packed, g, y, N, bias, corr); break;
-            case 2: amx_lane_pass<Q41, 2>(xq, K, packed, g, y, N, bias, corr); break;
-            case 3: amx_lane_pass<Q41, 3>(xq, K, packed, g, y, N, bias, corr); break;
-            case 4: amx_lane_pass<Q41, 4>(xq, K, packed, g, y, N, bias, corr); break;
-            case 5: amx_lane_pass<Q41, 5>(xq, K, packed, g, y, N, bias, corr); break;
-            case 6: amx_lane_pass<Q41, 6>(xq, K, packed, g, y, N, bias, corr); break;
-            case 7: amx_lane_pass<Q41, 7>(xq, K, packed, g, y, N, bias, corr); break;
-            default: amx_lane_pass<Q41, 8>(xq, K, packed, g, y, N, bias, corr); break;
-        }
+    }
 }
 
 // The weight groups that start in weight rows [n0, n1), on the calling thread (ranges that split [0, N) split

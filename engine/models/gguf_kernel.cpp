@@ -236,10 +236,11 @@ inline int64_t xsum_floats(int64_t M, int64_t K) { return M * (K / QK) * 8 + M *
 // `fmt`: bit 0 the GGML type (0: Q4_1, 1: Q8_0), bit 1 int8 activations (the header's two arithmetics), bit 2
 // (with bit 1) int8 activations in AMX tiles over weights repacked by gguf_amx_pack (gguf_amx.cpp's block sums).
 // bit 3 (with bits 1 and Q4_1): int8 activations in AVX2 lanes over weights repacked by gguf_lanes_pack (the same
-// bits as fmt 2).
+// bits as fmt 2); bits 2 and 3 (with bit 1): the AMX formats' arithmetic and layout in AVX-512 VNNI lanes at every
+// row count (the same bits as fmt 6 / 7, on hosts without AMX).
 constexpr int FMT_INT8 = 2, FMT_AMX = 4, FMT_LANES = 8;
 inline bool fmt_ok(int64_t fmt, int64_t K) {
-    return (fmt >= 0 && fmt <= 3 && (fmt < FMT_INT8 || K / QK <= MAX_BLOCKS_I8)) || fmt == 6 || fmt == 7 ||
+    return (fmt >= 0 && fmt <= 3 && (fmt < FMT_INT8 || K / QK <= MAX_BLOCKS_I8)) || fmt == 6 || fmt == 7 || fmt == 14 || fmt == 15 ||
            (fmt == 10 && K / QK <= MAX_BLOCKS_I8);
 }
 
@@ -254,6 +255,8 @@ inline void linear_range(const float *x, int64_t M, int64_t K, const uint8_t *w,
         case 3: run_range_i8<Q80i8>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
         case 10: run_range_i8<Q41i8, true>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
         case 6: amx_range<true>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
+        case 14: vnni_range<true>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
+        case 15: vnni_range<false>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
         default: amx_range<false>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
     }
 }

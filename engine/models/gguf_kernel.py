@@ -26,10 +26,12 @@ INCLUDES = (GEMM_SOURCE, INT8_SOURCE, AMX_SOURCE, AVX512_SOURCE)
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
 # The kernel's activation arithmetics -> the `fmt` argument's bits 1-3: fp32; int8 in AVX2 lanes; int8 in AMX
 # tiles (block sums, over `amx_pack`'s copy of the blocks); int8 in AVX2 lanes over `lanes_pack`'s copy (Q4_1
-# only: int8's bits, faster)
-ACTIVATIONS = {"fp32": 0, "int8": 2, "int8-tiles": 6, "int8-packed": 10}
+# only: int8's bits, faster); int8 in AVX-512 VNNI lanes over `amx_pack`'s copy at every row count (the tiles'
+# arithmetic and bits, where the host has AVX-512 VNNI and no AMX)
+ACTIVATIONS = {"fp32": 0, "int8": 2, "int8-tiles": 6, "int8-packed": 10, "int8-vnni": 14}
 LANES_PACKED = ("Q4_1",)  # the GGML types `lanes_pack` repacks
-AMX_CPU_FLAGS = ("amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+AMX_CPU_FLAGS = ("amx_tile", "amx_int8", *VNNI_CPU_FLAGS)
 
 
 def kernel_fmt(fmt: str, activations: str = "fp32") -> str:
@@ -98,6 +100,16 @@ def tiles_unavailable() -> str:
     return ""
 
 
+@cache
+def vnni_unavailable() -> str:
+    """Why int8 activations cannot run in AVX-512 VNNI lanes over the tile layout here ("" if they can)."""
+    lib, why = _build()
+    if lib is None:
+        return why
+    missing = [f for f in VNNI_CPU_FLAGS if f not in cpu_flags()]
+    return f"this CPU lacks {'/'.join(missing).upper()}" if missing else ""
+
+
 def amx_lane_rows(rows: int) -> int:
     """Calls of at most `rows` rows of x (0-8) take the AMX formats' AVX-512 VNNI lanes, more the tiles; -1 restores
     the measured defaults (`gguf_amx.cpp`). The same bits either way: tests and benchmarks compare the two. Sets
@@ -124,7 +136,8 @@ def _repack(kind: str, blocks: torch.Tensor, fmt: str, in_features: int) -> torc
 
 def amx_pack(blocks: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
     """`blocks` [N, K / 32 blocks] of GGML type `fmt` repacked for the AMX tiles (`gguf_amx.cpp`: groups of 16
-    weight rows, the same bytes a weight): what "int8-tiles" kernel formats take in place of the blocks."""
+    weight rows, the same bytes a weight): what "int8-tiles" and "int8-vnni" kernel formats take in place of the
+    blocks."""
     return _repack("amx", blocks, fmt, in_features)
 
 
@@ -139,8 +152,8 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: s
                 bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """x [..., K] float32 on CPU @ W.T (+ bias): W [out_features, K] as `blocks` [out_features, K / 32 blocks]
     uint8 of GGML type `fmt`, or `kernel_fmt(type, "int8")` for int8 activations (`kernel_fmt(type,
-    "int8-tiles")`: `blocks` is `amx_pack`'s copy, and `tiles_unavailable()` must be ""; "int8-packed":
-    `lanes_pack`'s). Threads: one or all of
+    "int8-tiles")`: `blocks` is `amx_pack`'s copy, and `tiles_unavailable()` must be ""; "int8-vnni": that copy,
+    and `vnni_unavailable()` ""; "int8-packed": `lanes_pack`'s). Threads: one or all of
     torch's, whichever this kind of call measured faster (`THREADS`), unless given; the result does not depend
     on them."""
     lib, why = _build()
@@ -148,6 +161,8 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: s
         raise KernelError(f"the GGUF kernel cannot run here: {why}")
     if fmt.endswith("-tiles") and tiles_unavailable():  # (also asks the OS for the tile state, once)
         raise KernelError(f"{fmt} cannot run here: {tiles_unavailable()}")
+    if fmt.endswith("-vnni") and vnni_unavailable():
+        raise KernelError(f"{fmt} cannot run here: {vnni_unavailable()}")
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.dtype != torch.float32 or not x2.is_contiguous():

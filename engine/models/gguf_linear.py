@@ -38,6 +38,7 @@ from specstep.engine.models.gguf_kernel import (
     lanes_pack,
     tiles_unavailable,
     unavailable,
+    vnni_unavailable,
 )
 from specstep.engine.models.gguf_op import gguf_linear_op
 
@@ -57,7 +58,8 @@ class GGUFLinear(nn.Module):
     `activations` "int8": x quantised per 32-value block first (`gguf_kernel.cpp`'s header: not exact), in AVX2
     lanes (Q4_1 over a copy of the blocks repacked for them, `packed`: the same bits); "int8-tiles": the same
     quantisation in AMX tiles over a copy repacked for the tiles (`packed`; `gguf_amx.cpp`: block sums, other
-    roundings). `blocks` stay for prompt rows (the C++ layers' prompt GEMM) and the fp32 weights."""
+    roundings); "int8-vnni": the tiles' arithmetic and copy in AVX-512 VNNI lanes (hosts without AMX). `blocks`
+    stay for prompt rows (the C++ layers' prompt GEMM) and the fp32 weights."""
 
     def __init__(self, fmt: str, blocks: torch.Tensor, in_features: int, bias: nn.Parameter | None,
                  tied: nn.Parameter | None = None, activations: str = "fp32") -> None:
@@ -71,7 +73,7 @@ class GGUFLinear(nn.Module):
         self.kernel_fmt = kernel_fmt(fmt, layout)
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
-        pack = {"int8-tiles": amx_pack, "int8-packed": lanes_pack}.get(layout)
+        pack = {"int8-tiles": amx_pack, "int8-vnni": amx_pack, "int8-packed": lanes_pack}.get(layout)
         self.register_buffer("packed", None if pack is None else pack(self.blocks, fmt, in_features),
                              persistent=False)
         self.bias = bias
@@ -133,9 +135,18 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
     if activations == "int8-tiles" and tiles_unavailable():
         raise ConfigError(f"{flag}: AMX tiles cannot run here: {tiles_unavailable()} (--activations int8-lanes "
                           "runs in AVX2 lanes)")
-    tiles_note = "" if activations != "int8" else f" (AMX tiles: {tiles_unavailable()})" if tiles_unavailable() else ""
-    activations = {"int8": "int8" if tiles_unavailable() else "int8-tiles", "int8-lanes": "int8"}.get(
-        activations, activations)  # the user's choice -> the kernel's arithmetic
+    if activations == "int8-vnni" and vnni_unavailable():
+        raise ConfigError(f"{flag}: AVX-512 VNNI lanes cannot run here: {vnni_unavailable()} (--activations "
+                          "int8-lanes runs in AVX2 lanes)")
+    host_note = ""
+    if activations == "int8":  # the host's fastest: AMX tiles, else AVX-512 VNNI lanes, else AVX2 lanes
+        if not tiles_unavailable():
+            activations = "int8-tiles"
+        elif not vnni_unavailable():
+            activations, host_note = "int8-vnni", f" (AMX tiles: {tiles_unavailable()})"
+        else:
+            host_note = f" (AMX tiles: {tiles_unavailable()}; AVX-512 VNNI: {vnni_unavailable()})"
+    activations = {"int8-lanes": "int8"}.get(activations, activations)  # the user's choice -> the kernel's
     if not gguf_path.is_file():
         if required:
             raise ConfigError(f"{flag}: {folder} was converted from {gguf_path}, which is gone")
@@ -170,13 +181,18 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         packed = sum(m.packed.numel() for m in model.modules() if isinstance(m, GGUFLinear) and m.packed is not None)
         copy = f", and a {packed / 2**20:.0f} MB copy of the Q4_1 ones repacked for the lanes" if packed else ""
         return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB{copy}) times int8 activations (llama.cpp's "
-                f"arithmetic: not exact) in specstep's AVX2 kernel, batch-invariant{tiles_note}; --activations "
+                f"arithmetic: not exact) in specstep's AVX2 kernel, batch-invariant{host_note}; --activations "
                 "fp32 for exact")
     if activations == "int8-tiles":
         return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB, and a {nbytes / 2**20:.0f} MB copy "
                 "repacked for AMX tiles) times int8 activations in AMX tiles (each block's products summed in "
                 "integers, llama.cpp's order: not exact; calls of few rows in AVX-512 VNNI lanes over the same copy, "
                 "the same bits), batch-invariant; --activations fp32 for exact")
+    if activations == "int8-vnni":
+        return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB, and a {nbytes / 2**20:.0f} MB copy "
+                "repacked in 16-row groups) times int8 activations in AVX-512 VNNI lanes (each block's products "
+                f"summed in integers, llama.cpp's order: not exact), batch-invariant{host_note}; --activations fp32 "
+                "for exact")
     isa = "AVX-512" if kernel_isa() == "avx512" else "AVX2"
     return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB) in specstep's {isa} kernel, "
             "batch-invariant; --quantization none for fp32 weights")
