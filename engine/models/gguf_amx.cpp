@@ -226,17 +226,27 @@ inline void amx_lane_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, f
             for (int k = 0; k < 8; k++) wr[k] = _mm512_xor_si512(_mm512_loadu_si512(blk + QS + 64 * k), flip);
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        for (int i = 0; i < MT; i++) {
-            int32_t xr[8];
-            memcpy(xr, xq.q + i * K + b * QK, sizeof xr);
-            __m512i s0 = Q41 ? _mm512_setzero_si512() : _mm512_set1_epi32(-corr[i * nblk + b]);
-            __m512i s1 = _mm512_setzero_si512();
-            for (int r = 0; r < 8; r += 2) {  // two chains (integer sums: the order does not matter)
-                s0 = _mm512_dpbusd_epi32(s0, wr[r], _mm512_set1_epi32(xr[r]));
-                s1 = _mm512_dpbusd_epi32(s1, wr[r + 1], _mm512_set1_epi32(xr[r + 1]));
+        // One chain a row, the rows' chains side by side (integer sums: the order does not matter); at one row,
+        // two chains
+        constexpr int CH = MT == 1 ? 2 : MT;
+        __m512i s[CH];
+#pragma GCC unroll 8
+        for (int i = 0; i < CH; i++)
+            s[i] = Q41 || i >= MT ? _mm512_setzero_si512() : _mm512_set1_epi32(-corr[i * nblk + b]);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++)
+#pragma GCC unroll 8
+            for (int i = 0; i < MT; i++) {
+                int32_t xr;
+                memcpy(&xr, xq.q + i * K + b * QK + 4 * r, sizeof xr);
+                const int c = MT == 1 ? (r & 1) : i;
+                s[c] = _mm512_dpbusd_epi32(s[c], wr[r], _mm512_set1_epi32(xr));
             }
+        if (MT == 1) s[0] = _mm512_add_epi32(s[0], s[CH - 1]);
+#pragma GCC unroll 8
+        for (int i = 0; i < MT; i++) {
             const __m512 dx = _mm512_set1_ps(xq.d[i * nblk + b]);
-            const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), dx);
+            const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(s[i]), dx);
             acc[i] = _mm512_fmadd_ps(d, p, acc[i]);
         }
     }
