@@ -378,7 +378,7 @@ def test_int8_activations_need_the_gguf_kernel(tmp_path, cache, monkeypatch):
     host = "tiles" if not tiles_unavailable() else "vnni" if not vnni_unavailable() else "packed"
     assert {m.kernel_fmt for m in int8.modules() if isinstance(m, GGUFLinear)} == {f"Q4_1/int8-{host}"}
     assert ("in AMX tiles" in describe_cpu_kernels(int8)) == (host == "tiles")
-    assert ("in AVX-512 VNNI lanes" in describe_cpu_kernels(int8)) == (host == "vnni")
+    assert ("times int8 activations in AVX-512 VNNI lanes" in describe_cpu_kernels(int8)) == (host == "vnni")
     monkeypatch.setattr("specstep.engine.models.gguf_linear.tiles_unavailable", lambda: "this CPU lacks AMX_TILE")
     with pytest.raises(ConfigError, match="--activations int8-tiles: AMX tiles cannot run here: this CPU lacks"):
         load_model(path, "cpu", "float32", CpuKernels(activations="int8-tiles"))

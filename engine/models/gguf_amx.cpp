@@ -63,6 +63,17 @@ struct alignas(64) TileConfig {
     uint8_t rows[16];
 };
 
+// `rows` split into as few passes as `most` allows, of near-equal sizes (13 rows at most 8: 7 + 6, not 8 + 5, so
+// no pass is left with a sliver): pass(first row, rows) for each, in order.
+template <class Pass>
+inline void near_equal_passes(int64_t rows, int64_t most, Pass &&pass) {
+    for (int64_t p = (rows + most - 1) / most, m = 0; p > 0; p--) {
+        const int64_t mt = (rows - m + p - 1) / p;
+        pass(m, mt);
+        m += mt;
+    }
+}
+
 // Tiles, two sets used in turn: 0 / 1 a block's sums (rows x 16 int32), 3 / 7 x's block (rows x 32 int8), 4 / 5
 // the group's weights (8 x 64 bytes).
 inline void amx_configure(int rows) {
@@ -313,14 +324,11 @@ void vnni_range(const float *x, float *scratch, int64_t M, int64_t K, const uint
         const int64_t rows = M - c0 < chunk ? M - c0 : chunk;
         const XQ8 xc = xq.rows_from(c0, K);
         if (!Q41) lanes_corr(xc, rows, K, corr);
-        const int64_t passes = (rows + AMX_LANES_MOST - 1) / AMX_LANES_MOST;
         for (int64_t g = g0; g < g1; g++)
-            for (int64_t p = passes, m = 0; p > 0; p--) {
-                const int64_t mt = (rows - m + p - 1) / p;
+            near_equal_passes(rows, AMX_LANES_MOST, [&](int64_t m, int64_t mt) {
                 amx_lane_group<Q41>(xc.rows_from(m, K), mt, K, packed, g, y + (c0 + m) * N, N, bias,
                                     corr + m * xq.nblk);
-                m += mt;
-            }
+            });
     }
 }
 
@@ -336,11 +344,9 @@ void amx_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8
     if (M <= amx_lane_rows<Q41>()) return amx_lanes<Q41>(xq, M, K, packed, N, bias, y, g0, g1);
     // Group by group, every pass of rows over the group (its weights stay in L1 across the passes); passes of
     // near-equal sizes, at most two, so the tile configuration changes at most twice a group.
-    const int64_t passes = (M + AMX_ROWS - 1) / AMX_ROWS;
     int configured = 0;
     for (int64_t g = g0; g < g1; g++)
-        for (int64_t p = passes, m = 0; p > 0; p--) {
-            const int64_t mt = (M - m + p - 1) / p;
+        near_equal_passes(M, AMX_ROWS, [&](int64_t m, int64_t mt) {
             if (mt != configured) amx_configure((int)(configured = (int)mt));
             const XQ8 xm = xq.rows_from(m, K);
             float *ym = y + m * N;
@@ -352,8 +358,7 @@ void amx_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8
 #undef AMX_PASS
                 default: amx_tile_pass<Q41, 1>(xm, K, packed, g, ym, N, bias); break;
             }
-            m += mt;
-        }
+        });
     _tile_release();  // no tile state left for the next context switch to save
 }
 
