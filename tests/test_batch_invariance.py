@@ -19,6 +19,7 @@ from specstep.engine.models.gguf_kernel import tiles_unavailable, vnni_unavailab
 from specstep.engine.models.gguf_kernel import unavailable as gguf_unavailable
 from specstep.engine.models.gguf_linear import GGUFLinear
 from specstep.engine.sampling_params import SamplingParams
+from specstep.scheduler.core.request import Request
 from tests.fixtures_gguf import write_gguf
 from tests.fixtures_models import make_mtp_head
 from tests.helpers import make_core, run_to_completion
@@ -167,6 +168,35 @@ def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, reque
     assert compared >= len(plain.output_token_ids) - 1
     if proposer != "mtp":
         assert max(len(ids) for rows in spec_logits.values() for _, ids, _ in rows) > 1  # real verify steps
+
+
+@pytest.mark.parametrize("acts", ["fp32", "int8-lanes", pytest.param("int8-tiles", marks=TILES),
+                                  pytest.param("int8-vnni", marks=VNNI)])
+def test_gguf_speculation_on_the_overlap_path_is_plain_decoding(acts, tiny_gguf):
+    """The GGUF kernels on the overlap stream path (steps on the worker thread, the next batch built beside them):
+    adaptive n-gram speculation over a batch of lanes that draft and lanes that do not gives inline plain
+    decoding's tokens, with fp32 and each int8 kernel the host has (the kernels' scratch and thread choice are
+    per call, so nothing may depend on which thread runs the step)."""
+    prompts = [[7, 8, 9, 10] * 3, [40 + i for i in range(9)], [3, 5] * 5, [60, 61, 62, 60, 61, 62, 63]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kernels = dict(activations=acts)
+    plain = run_to_completion(make_core(tiny_gguf, page_size=PAGE, **kernels), prompts, params)
+    core = make_core(tiny_gguf, page_size=PAGE, num_spec_tokens=4, spec="ngram", spec_policy="adaptive",
+                     overlap=True, **kernels)
+    assert core.overlap
+    spec = [Request(str(i), list(p), params, seed=i) for i, p in enumerate(prompts)]
+    for r in spec:
+        core.add_request(r)
+    accepted = 0
+    try:
+        while core.has_unfinished():
+            accepted += sum(o.num_accepted for o in core.step())
+            core.check_integrity()
+    finally:
+        core.stream.close()
+    assert core.allocator.num_free == core.allocator.num_usable
+    assert [r.output_token_ids for r in spec] == [r.output_token_ids for r in plain]
+    assert accepted > 0  # it did speculate
 
 
 def make_near_ties(folder, seed: int = 0):
