@@ -15,6 +15,7 @@ from specstep.engine.gguf_checkpoint import converted_folder
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.model_loader import describe_cpu_kernels, load_model, load_mtp_head
 from specstep.engine.models.cpu_linear import onednn_available
+from specstep.engine.models.decode_layers import prompt_gemm_kind
 from specstep.engine.models.gguf_kernel import tiles_unavailable, vnni_unavailable
 from specstep.engine.models.gguf_kernel import unavailable as gguf_unavailable
 from specstep.engine.models.gguf_linear import GGUFLinear
@@ -176,14 +177,18 @@ def test_gguf_speculation_on_the_overlap_path_is_plain_decoding(acts, tiny_gguf)
     """The GGUF kernels on the overlap stream path (steps on the worker thread, the next batch built beside them):
     adaptive n-gram speculation over a batch of lanes that draft and lanes that do not gives inline plain
     decoding's tokens, with fp32 and each int8 kernel the host has (the kernels' scratch and thread choice are
-    per call, so nothing may depend on which thread runs the step)."""
-    prompts = [[7, 8, 9, 10] * 3, [40 + i for i in range(9)], [3, 5] * 5, [60, 61, 62, 60, 61, 62, 63]]
+    per call, so nothing may depend on which thread runs the step). One prompt is long enough (over 17 tokens) for
+    the prompt GEMM (with AMX tiles its AMX-BF16 form, where the host has it)."""
+    prompts = [[7, 8, 9, 10] * 3, [40 + i for i in range(9)], [3, 5] * 5, [60, 61, 62, 60, 61, 62, 63],
+               [11, 12, 13, 14, 15, 16] * 6]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     kernels = dict(activations=acts)
     plain = run_to_completion(make_core(tiny_gguf, page_size=PAGE, **kernels), prompts, params)
     core = make_core(tiny_gguf, page_size=PAGE, num_spec_tokens=4, spec="ngram", spec_policy="adaptive",
                      overlap=True, **kernels)
     assert core.overlap
+    native = core.engine.target.native
+    assert native is not None and native.prompt_gemm == prompt_gemm_kind([acts if acts != "int8-lanes" else "int8"])
     spec = [Request(str(i), list(p), params, seed=i) for i, p in enumerate(prompts)]
     for r in spec:
         core.add_request(r)

@@ -15,7 +15,7 @@ from specstep.engine.gguf_checkpoint import converted_folder
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.model_loader import describe_cpu_kernels, load_model
 from specstep.engine.models import decode_layers
-from specstep.engine.models.gguf_kernel import tiles_unavailable, vnni_unavailable
+from specstep.engine.models.gguf_kernel import bf16_tiles_unavailable, tiles_unavailable, vnni_unavailable
 from specstep.engine.sampling_params import SamplingParams
 from specstep.engine.thread_choice import ThreadChoice
 from tests.fixtures_gguf import write_gguf
@@ -101,7 +101,8 @@ def test_int8_activations_keep_verify_rows_bitwise_and_stay_near_the_fp32_logits
     verify step's rows are the decode steps' bits (alone and beside another lane), and the logits stay near the
     exact fp32 layers' (about 1% of the largest logit on this random model, as near as the torch layers over the
     same int8 kernel are: a rounding apart before a quantisation moves a value by a quantisation step; prompt
-    rows take the fp32 prompt GEMM in the C++ layers with AVX2 lanes, the int8 kernel itself with the others)."""
+    rows take the fp32 prompt GEMM in the C++ layers with AVX2 lanes, the AMX-BF16 prompt GEMM with the tiles
+    where the host has AMX-BF16, the int8 kernel itself otherwise)."""
     net, eager, exact = load(gguf_model, "auto", acts), load(gguf_model, "torch", acts), load(gguf_model, "auto")
     assert "int8 activations" in describe_cpu_kernels(net)
     assert ("in AMX tiles" in describe_cpu_kernels(net)) == (acts == "int8-tiles")
@@ -109,8 +110,10 @@ def test_int8_activations_keep_verify_rows_bitwise_and_stay_near_the_fp32_logits
     flagged = []
     spy = decode_layers.prompt_rows
     monkeypatch.setattr(decode_layers, "prompt_rows", lambda *a: flagged.append(spy(*a)) or flagged[-1])
-    steps(net)  # AVX2 lanes: the 40-token lane's rows take the fp32 prompt GEMM; the others: their own kernel
-    assert (acts == "int8-lanes") == any(f is not None and bool(f.any()) for f in flagged)
+    steps(net)  # the 40-token lane's rows: the prompt GEMM of the kind the activations take, or their own kernel
+    kind = {"int8-lanes": decode_layers.PROMPT_GEMM_FP32, "int8-vnni": 0,
+            "int8-tiles": 0 if bf16_tiles_unavailable() else decode_layers.PROMPT_GEMM_BF16_TILES}[acts]
+    assert {int(v) for f in flagged if f is not None for v in f.unique()} == ({0, kind} if kind else set())
     monkeypatch.undo()
     prompt, single, verify, beside = steps(net)
     assert torch.equal(verify, single) and torch.equal(beside[: len(NEXT)], single)
@@ -120,11 +123,17 @@ def test_int8_activations_keep_verify_rows_bitwise_and_stay_near_the_fp32_logits
         assert 1e-4 * scale < (a - c).abs().max() < 5e-2 * scale  # int8, not fp32: near it
 
 
-def test_prompt_rows_take_the_gemm_and_decode_rows_beside_them_keep_their_bits(gguf_model):
-    """A step with a prompt lane (more than 17 positions: the prompt GEMM) beside a decode lane (its context longer
-    than the prompt, so the step's attention splits, as a mixed step's does): the decode row's logits are bitwise
-    its logits in a step of its own, and the prompt's are the torch layers' to rounding."""
-    net, eager = load(gguf_model, "auto"), load(gguf_model, "torch")
+@pytest.mark.parametrize("acts", [
+    "fp32", pytest.param("int8-tiles", marks=pytest.mark.skipif(bool(bf16_tiles_unavailable()),
+                                                                reason=f"AMX-BF16: {bf16_tiles_unavailable()}"))])
+def test_prompt_rows_take_the_gemm_and_decode_rows_beside_them_keep_their_bits(gguf_model, acts):
+    """A step with a prompt lane (more than 17 positions: the prompt GEMM; with AMX tiles its AMX-BF16 form)
+    beside a decode lane (its context longer than the prompt, so the step's attention splits, as a mixed step's
+    does): the decode row's logits are bitwise its logits in a step of its own, and the prompt's are the torch
+    layers' to rounding (fp32), or near them (the tiles: the torch layers take the int8 kernel, about 1% away)."""
+    net, eager = load(gguf_model, "auto", acts), load(gguf_model, "torch", acts)
+    kind = decode_layers.PROMPT_GEMM_FP32 if acts == "fp32" else decode_layers.PROMPT_GEMM_BF16_TILES
+    assert net.native.prompt_gemm == kind
     long_prompt, context = list(range(100, 140)), PROMPT * 3
     n = len(context)
     outs = {}
@@ -143,12 +152,12 @@ def test_prompt_rows_take_the_gemm_and_decode_rows_beside_them_keep_their_bits(g
         beside, fb = step([([11], n, pages[: -(-(n + 1) // PAGE)]), (long_prompt, 0, other)])
         outs[name] = (alone, beside)
         assert isinstance(fb.attn, SplitAttention)
-        rows = decode_layers.prompt_rows(fb.attn, fb.num_tokens)
-        assert rows is not None and rows.tolist() == [0] + [1] * len(long_prompt)
+        rows = decode_layers.prompt_rows(fb.attn, fb.num_tokens, kind)
+        assert rows is not None and rows.tolist() == [0] + [kind] * len(long_prompt)
     alone, beside = outs["native"]
     assert torch.equal(beside[:1], alone)
     ref = outs["torch"][1]
-    assert (beside - ref).abs().max() < 1e-4 * ref.abs().max()
+    assert (beside - ref).abs().max() < (1e-4 if acts == "fp32" else 5e-2) * ref.abs().max()
 
 
 def test_results_do_not_depend_on_the_threads(gguf_model, monkeypatch):

@@ -157,19 +157,41 @@ void silu_mul(const float *gu, float *a, Range rows, int64_t I) {
     }
 }
 
+// The memory a call's buffers take, kept by the calling thread for its next calls (grown, never shrunk: the
+// largest call's, as a caching allocator keeps it). Freshly allocated each call, a prompt's buffers (tens of MB at
+// 1,024 rows) came from new pages every time: a 1,024-row SmolLM2 prefill spent about a quarter of its time in
+// the kernel's page faults (perf). One per calling thread: the engine's steps and a scheduler thread may call.
+struct Scratch {
+    void *mem = nullptr;
+    size_t bytes = 0;
+    ~Scratch() { free(mem); }
+    void *get(size_t want) {
+        if (want > bytes) {
+            free(mem);
+            want = (want + 4095) / 4096 * 4096;
+            mem = aligned_alloc(64, want);
+            bytes = mem ? want : 0;
+        }
+        return mem;
+    }
+};
+thread_local Scratch scratch;
+
 // A call's buffers: shared ones [M, width], each thread's scratch (a linear's block sums and GEMM panel,
 // attention's slots and scores, the kernel rows of a call that mixes prompt rows with others), and the list of
 // those kernel rows, in one allocation.
 struct Buffers {
     float *h, *qkv, *q, *out, *gu, *a;
-    float *xsum, *panel, *scores, *xk, *yk, *own_h, *own_a;
+    float *xsum, *panel, *scores, *xk, *yk, *own_h, *own_a, *xb;
     int64_t *slots, *kernel_rows;
-    int64_t xsum_n, panel_n, scores_n, slots_n, xk_n, yk_n, own_h_n, own_a_n;
+    int64_t xsum_n, panel_n, scores_n, slots_n, xk_n, yk_n, own_h_n, own_a_n, xb_n;
     bool own;  // every thread computes a norm's and the MLP gate's rows whole, into its own rows (OWN_ROWS)
     int64_t gemm_rows = 0, n_kernel = 0;  // rows the GEMM computes (0: none), rows the kernel computes
+    bool gemm_bf16 = false;  // the AMX formats' linears take the AMX-BF16 prompt GEMM (gemm flag 2), not fp32's
     void *mem;
 
-    // gemm: [M] uint8, the rows that take the prompt GEMM, or null (none)
+    // gemm: [M] uint8, the rows that take the prompt GEMM (1; 2: its AMX-BF16 form for AMX-format linears), or
+    // null (none)
     // q_rows: the most query rows a lane has (attention's scores), 0 where the call does not attend
     Buffers(const Shape *s, int64_t M, int threads, int64_t most_keys, int64_t q_rows, const uint8_t *gemm)
         : mem(nullptr) {
@@ -178,12 +200,14 @@ struct Buffers {
         const int64_t widest = most(s->hidden, s->inter, qn);  // a linear's input width: o_proj's is qn
         const int64_t widest_out = most(width, 2 * s->inter, s->hidden);
         if (gemm)
-            for (int64_t r = 0; r < M; r++) gemm_rows += gemm[r] != 0;
+            for (int64_t r = 0; r < M; r++) gemm_rows += gemm[r] != 0, gemm_bf16 |= gemm[r] == 2;
         n_kernel = gemm_rows ? M - gemm_rows : M;
         const int64_t mixed = gemm_rows && n_kernel;
         auto up = [](int64_t n) { return (n + 7) / 8 * 8; };  // whole 32-byte lines: every buffer stays aligned
         xsum_n = up(gguf_kernel::xsum_floats(M, widest));
+        // (the bf16 panel is as large: 32 outputs x 2 bytes a k against 16 x 4)
         panel_n = gemm_rows ? up(gguf_kernel::panel_floats(widest)) : 0;
+        xb_n = gemm_bf16 ? up((M * widest + 1) / 2) : 0;  // x's rows as bf16
         scores_n = most_keys ? up(cpu_attention_kernel::scores_floats(s->heads / s->kv_heads, q_rows, most_keys)) : 0;
         slots_n = most_keys ? up(most_keys + 1) : 0;
         xk_n = mixed ? up(n_kernel * widest) : 0;
@@ -195,8 +219,8 @@ struct Buffers {
                                up(M * s->inter) + 2 * up(mixed ? n_kernel : 0);  // kernel_rows: int64
         // an int64 is 2 floats
         const int64_t floats =
-            shared + threads * (xsum_n + panel_n + scores_n + slots_n * 2 + xk_n + yk_n + own_h_n + own_a_n);
-        mem = aligned_alloc(32, sizeof(float) * (size_t)floats);
+            shared + threads * (xsum_n + panel_n + scores_n + slots_n * 2 + xk_n + yk_n + own_h_n + own_a_n + xb_n);
+        mem = scratch.get(sizeof(float) * (size_t)floats);
         if (!mem) return;
         float *p = (float *)mem;
         h = p, p += up(M * s->hidden);
@@ -213,12 +237,12 @@ struct Buffers {
         yk = p, p += threads * yk_n;
         own_h = p, p += threads * own_h_n;
         own_a = p, p += threads * own_a_n;
+        xb = p, p += threads * xb_n;
         slots = (int64_t *)p;
         if (mixed)
             for (int64_t r = 0, i = 0; r < M; r++)
                 if (!gemm[r]) kernel_rows[i++] = r;
     }
-    ~Buffers() { free(mem); }
 };
 
 // Thread t's weight rows of `l` times in [M, l.k] -> y [M, l.n]; with `residual`, then x += y on those columns.
@@ -233,7 +257,10 @@ void linear(const Linear &l, const float *in, int64_t M, float *y, float *residu
     }
     const uint8_t *w = l.fmt & (gguf_kernel::FMT_AMX | gguf_kernel::FMT_LANES) ? l.packed : l.blocks;
     float *xsum = buf.xsum + t * buf.xsum_n;
-    if (buf.gemm_rows)
+    if (buf.gemm_rows && buf.gemm_bf16 && amx && !(l.fmt & gguf_kernel::FMT_LANES))
+        gguf_kernel::bf16_gemm_range(in, M, l.k, l.packed, l.n, (int)(l.fmt & 1), l.bias, y, cols.a, cols.b,
+                                     (uint16_t *)(buf.xb + t * buf.xb_n), (uint16_t *)(buf.panel + t * buf.panel_n));
+    else if (buf.gemm_rows)
         gguf_kernel::gemm_range(in, M, l.k, l.blocks, l.n, (int)l.fmt, l.bias, y, cols.a, cols.b,
                                 buf.panel + t * buf.panel_n);
     if (!buf.gemm_rows) {
@@ -323,7 +350,7 @@ bool slots_ok(const int64_t *slots, int64_t M, int64_t num_slots) {
 
 extern "C" {
 // The library's version: bump it with any change to the arithmetic above.
-int decode_layers_version(void) { return 3; }
+int decode_layers_version(void) { return 4; }
 
 // x [M, hidden] (the residual stream, read) -> q [M, heads * D] rotated, and the rotated keys and the values
 // written to k_cache / v_cache [num_slots, kv_heads, D] at slots [M]. gemm_rows [M] (uint8) or null: the rows

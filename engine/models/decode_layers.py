@@ -29,7 +29,7 @@ from specstep.engine.attention.invariant_attention import MAX_QUERY_ROWS
 from specstep.engine.forward_batch import AttentionMetadata, ForwardBatch, SplitAttention
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.models import gguf_kernel
-from specstep.engine.models.gguf_kernel import fmt_code
+from specstep.engine.models.gguf_kernel import bf16_tiles_unavailable, fmt_code
 from specstep.engine.models.gguf_linear import GGUFLinear
 from specstep.engine.native import load_kernel
 from specstep.engine.thread_choice import ThreadChoice
@@ -109,18 +109,32 @@ def why_not(model: nn.Module) -> str:
     return unavailable()
 
 
-def prompt_rows(meta: AttentionMetadata | SplitAttention, tokens: int) -> torch.Tensor | None:
-    """uint8 [tokens]: 1 for the rows whose lane has more than MAX_QUERY_ROWS positions in this step (prompts and
-    prompt chunks: their linears take the prompt GEMM, `gguf_gemm.cpp`), 0 for the others (decode, verify,
-    draft and refill rows keep the kernel, so their bits never depend on a prompt beside them); None if no row is
-    a prompt's. The same rule decides which rows attend with SDPA (`TorchAttention`)."""
+PROMPT_GEMM_FP32, PROMPT_GEMM_BF16_TILES = 1, 2  # `prompt_rows`' flags: the prompt GEMM's two forms
+
+
+def prompt_gemm_kind(activations: list[str]) -> int:
+    """The prompt GEMM a model's prompt rows take in the C++ layers, by its linears' activations: the AMX tiles'
+    AMX-BF16 form where the host has it (else 0: the tiles themselves), 0 for the VNNI lanes (they take prompt
+    rows themselves), the fp32 GEMM otherwise."""
+    if activations == ["int8-tiles"]:
+        return 0 if bf16_tiles_unavailable() else PROMPT_GEMM_BF16_TILES
+    return 0 if activations == ["int8-vnni"] else PROMPT_GEMM_FP32
+
+
+def prompt_rows(meta: AttentionMetadata | SplitAttention, tokens: int, kind: int = PROMPT_GEMM_FP32
+                ) -> torch.Tensor | None:
+    """uint8 [tokens]: `kind` for the rows whose lane has more than MAX_QUERY_ROWS positions in this step (prompts
+    and prompt chunks: their linears take the prompt GEMM, `gguf_gemm.cpp`, or for `PROMPT_GEMM_BF16_TILES` its
+    AMX-BF16 form over the tiles' copy, `gguf_amx_bf16.cpp`), 0 for the others (decode, verify, draft and refill
+    rows keep the kernel, so their bits never depend on a prompt beside them); None if no row is a prompt's. The
+    same rule decides which rows attend with SDPA (`TorchAttention`)."""
     parts = meta.parts if isinstance(meta, SplitAttention) else [(0, tokens, meta)]
     flags = None
     for t0, _, part in parts:
         long = part.q_valid.sum(1) > MAX_QUERY_ROWS
         if bool(long.any()):
             flags = torch.zeros(tokens, dtype=torch.uint8) if flags is None else flags
-            flags[t0 + part.q_index[part.q_valid & long.unsqueeze(1)]] = 1
+            flags[t0 + part.q_index[part.q_valid & long.unsqueeze(1)]] = kind
     return flags
 
 
@@ -146,10 +160,13 @@ class NativeLayers:
         # this model's calls time apart from another's (a draft's; the same model's with other activations)
         acts = sorted({lin.activations for lin in model.modules() if isinstance(lin, GGUFLinear)})
         self._model_key = (len(model.layers), self._max_work, *acts)
-        # AMX tiles take prompt rows too: 2.4-2.9x the fp32 prompt GEMM at 128-512 rows of SmolLM2's shapes (2
-        # threads, AMX host), and one arithmetic for every row (int8 activations are not exact anyway); so do the
-        # VNNI lanes over the tiles' copy: 1.8-2.3x the GEMM at 32-512 rows (2 threads, AMD EPYC with AVX-512 VNNI)
-        self._prompt_gemm = acts not in (["int8-tiles"], ["int8-vnni"])
+        # Which prompt GEMM prompt rows take (`prompt_rows`' flag; 0: none, they take the kernel). fp32 and the AVX2
+        # lanes: the fp32 GEMM. AMX tiles: their AMX-BF16 GEMM where the host has it (bf16 weights and rows summed
+        # in fp32: 1.6x / 1.9x the int8 tiles at 128 / 1,024 rows of SmolLM2's layers, 2 threads, and 2-5x nearer
+        # the exact product than int8 activations), else the tiles themselves (2.4-2.9x the fp32 GEMM at 128-512
+        # rows); the VNNI lanes over the tiles' copy take prompt rows too (1.8-2.3x the fp32 GEMM at 32-512 rows, 2
+        # threads, AMD EPYC with AVX-512 VNNI).
+        self.prompt_gemm = prompt_gemm_kind(acts)
         self._shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
         self._keep: list[torch.Tensor] = []  # contiguous copies the structs point at
@@ -220,7 +237,7 @@ class NativeLayers:
         shape, x, m, cos, sin, slots = step
         rows = m if m <= 64 else 1 << m.bit_length()  # prompts' row counts in powers of two: fewer keys to time
         q = torch.empty(m, self.num_heads * self.head_dim)
-        gemm = prompt_rows(meta, m) if self._prompt_gemm else None
+        gemm = prompt_rows(meta, m, self.prompt_gemm) if self.prompt_gemm else None
         gemm_ptr = None if gemm is None else gemm.data_ptr()
         for i in range(len(self._layers)):
             layer = ctypes.byref(self._layers[i])  # an element shares the array's memory
@@ -243,5 +260,7 @@ def use_native_layers(model: nn.Module, mode: str) -> str:
     if why:
         return f"decoder layers in torch ({why})"
     model.native = NativeLayers(model)
-    return "decoder layers in specstep's C++ (one call a step for decode, verify, draft and refill)"
+    prompts = ("; prompt rows in AMX-BF16 tiles (weights and rows rounded to bf16, products summed in fp32)"
+               if model.native.prompt_gemm == PROMPT_GEMM_BF16_TILES else "")
+    return f"decoder layers in specstep's C++ (one call a step for decode, verify, draft and refill{prompts})"
 

@@ -90,6 +90,8 @@ struct Q80 {
 #include "gguf_int8.cpp"
 // Int8 activations in AMX tiles (block sums: a third arithmetic, on repacked weights, where the host has AMX-INT8).
 #include "gguf_amx.cpp"
+// Prompt rows over the AMX formats' copy in AMX-BF16 tiles (bf16 products summed in fp32, where the host has AMX-BF16).
+#include "gguf_amx_bf16.cpp"
 
 namespace gguf_kernel {
 // Rows [0, MT) of x (row stride K) times weight row n: each block's values are converted once for MT rows.
@@ -266,7 +268,7 @@ inline void linear_range(const float *x, int64_t M, int64_t K, const uint8_t *w,
 
 extern "C" {
 // The kernel's version: bump it with any change to the arithmetic above (the build cache keys on the source too).
-int gguf_kernel_version(void) { return 2; }
+int gguf_kernel_version(void) { return 3; }
 
 // x [M, K] fp32 contiguous; w [N, K / 32 blocks] of `fmt` (0: Q4_1, 1: Q8_0; + 2: int8 activations; + 4 more:
 // in AMX tiles, w repacked by gguf_amx_pack); bias [N] or null; y [M, N]. Returns 0, or -1 if K is not a
@@ -346,21 +348,31 @@ int gguf_lanes_pack(const uint8_t *blocks, int64_t N, int64_t K, int fmt, uint8_
     return 0;
 }
 
-// The prompt GEMM (above) over all of w's rows: x [M, K] fp32 contiguous; w, bias, y as gguf_linear's. Returns 0,
-// -1 if K is not a multiple of 32 or fmt is unknown, -2 if the scratch cannot be allocated.
+// The prompt GEMM over all of w's rows: x [M, K] fp32 contiguous; w, bias, y as gguf_linear's. fmt 0 / 1: the
+// dequantised blocks in fp32 panels (gguf_gemm.cpp); 6 / 7 (w: gguf_amx_pack's copy): in AMX-BF16 tiles
+// (gguf_amx_bf16.cpp: only where the host has AMX-BF16 and gguf_amx_init returned 0). Returns 0, -1 if K is not a
+// multiple of 32 or fmt is not one of those, -2 if the scratch cannot be allocated.
 int gguf_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int fmt, const float *bias, float *y,
               int threads) {
-    if (K % gguf_kernel::QK != 0 || (fmt != 0 && fmt != 1)) return -1;  // fp32 activations only
+    const bool bf16 = fmt == 6 || fmt == 7;
+    if (K % gguf_kernel::QK != 0 || (fmt != 0 && fmt != 1 && !bf16)) return -1;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        float *P = (float *)aligned_alloc(32, sizeof(float) * gguf_kernel::panel_floats(K));
+        // fp32 panels, or the bf16 panel and x as bf16 (uint16 counts rounded up to whole 64-byte lines)
+        const size_t panel = bf16 ? (size_t)(gguf_kernel::bf16_panel_halves(K) + 31) / 32 * 32 : 0;
+        const size_t floats = bf16 ? (panel + (size_t)(M * K + 31) / 32 * 32) / 2 : (size_t)gguf_kernel::panel_floats(K);
+        float *P = (float *)aligned_alloc(64, sizeof(float) * floats);
         if (!P) {
             #pragma omp atomic write
             failed = 1;
         } else {
             const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-            gguf_kernel::gemm_range(x, M, K, w, N, fmt, bias, y, N * t / nt, N * (t + 1) / nt, P);
+            if (bf16)
+                gguf_kernel::bf16_gemm_range(x, M, K, w, N, fmt & 1, bias, y, N * t / nt, N * (t + 1) / nt,
+                                             (uint16_t *)P + panel, (uint16_t *)P);
+            else
+                gguf_kernel::gemm_range(x, M, K, w, N, fmt, bias, y, N * t / nt, N * (t + 1) / nt, P);
         }
         free(P);
     }

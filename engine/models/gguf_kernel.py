@@ -20,9 +20,10 @@ SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
 GEMM_SOURCE = Path(__file__).with_name("gguf_gemm.cpp")  # the prompt GEMM, #included by SOURCE
 INT8_SOURCE = Path(__file__).with_name("gguf_int8.cpp")  # int8 activations, #included by SOURCE
 AMX_SOURCE = Path(__file__).with_name("gguf_amx.cpp")  # int8 activations in AMX tiles, #included by SOURCE
+AMX_BF16_SOURCE = Path(__file__).with_name("gguf_amx_bf16.cpp")  # their prompt GEMM in AMX-BF16, #included by SOURCE
 AVX512_SOURCE = Path(__file__).with_name("gguf_avx512.cpp")  # fp32 activations in AVX-512, #included by SOURCE
 # what a build of SOURCE reads besides it (keys the build cache)
-INCLUDES = (GEMM_SOURCE, INT8_SOURCE, AMX_SOURCE, AVX512_SOURCE)
+INCLUDES = (GEMM_SOURCE, INT8_SOURCE, AMX_SOURCE, AMX_BF16_SOURCE, AVX512_SOURCE)
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
 # The kernel's activation arithmetics -> the `fmt` argument's bits 1-3: fp32; int8 in AVX2 lanes; int8 in AMX
 # tiles (block sums, over `amx_pack`'s copy of the blocks); int8 in AVX2 lanes over `lanes_pack`'s copy (Q4_1
@@ -32,6 +33,7 @@ ACTIVATIONS = {"fp32": 0, "int8": 2, "int8-tiles": 6, "int8-packed": 10, "int8-v
 LANES_PACKED = ("Q4_1",)  # the GGML types `lanes_pack` repacks
 VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 AMX_CPU_FLAGS = ("amx_tile", "amx_int8", *VNNI_CPU_FLAGS)
+BF16_TILE_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # beside AMX_CPU_FLAGS: the AMX formats' prompt GEMM
 
 
 def kernel_fmt(fmt: str, activations: str = "fp32") -> str:
@@ -98,6 +100,17 @@ def tiles_unavailable() -> str:
     if lib.gguf_amx_init() != 0:
         return "the OS did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
     return ""
+
+
+@cache
+def bf16_tiles_unavailable() -> str:
+    """Why the AMX formats' prompt GEMM cannot run in AMX-BF16 tiles here ("" if it can): the int8 tiles' needs,
+    and the CPU's AMX-BF16 and AVX512-BF16 flags (`gguf_amx_bf16.cpp`)."""
+    why = tiles_unavailable()
+    if why:
+        return why
+    missing = [f for f in BF16_TILE_CPU_FLAGS if f not in cpu_flags()]
+    return f"this CPU lacks {'/'.join(missing).upper()}" if missing else ""
 
 
 @cache
@@ -186,19 +199,23 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: s
 
 def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: str,
               bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-    """As `gguf_linear`, by the prompt GEMM (the dequantised weights unpacked in panels, `gguf_gemm.cpp`): faster
+    """As `gguf_linear`, by the prompt GEMM: for a GGML type `fmt` (fp32 activations) the dequantised weights
+    unpacked in fp32 panels (`gguf_gemm.cpp`); for its "int8-tiles" format (`blocks`: `amx_pack`'s copy, and
+    `bf16_tiles_unavailable()` must be "") bf16 weights and rows in AMX-BF16 tiles (`gguf_amx_bf16.cpp`). Faster
     from tens of rows, row-invariant too, but other bits than the kernel's. The C++ layers take it for prompt rows
     (`decode_layers`); here for tests and benchmarks. Threads: all of torch's unless given."""
     lib, why = _build()
     if lib is None:
         raise KernelError(f"the GGUF kernel cannot run here: {why}")
-    if fmt.endswith("-tiles") and tiles_unavailable():  # (also asks the OS for the tile state, once)
-        raise KernelError(f"{fmt} cannot run here: {tiles_unavailable()}")
+    if fmt.endswith("-tiles") and bf16_tiles_unavailable():  # (also asks the OS for the tile state, once)
+        raise KernelError(f"the prompt GEMM of {fmt} cannot run here: {bf16_tiles_unavailable()}")
+    if fmt not in FORMATS and not fmt.endswith("/int8-tiles"):
+        raise KernelError(f"no prompt GEMM for {fmt}")
     k = x.shape[-1]
     x2 = x.reshape(-1, k).float().contiguous()
     y = x2.new_empty(x2.shape[0], out_features)
     bias = None if bias is None else bias.float().contiguous()
-    rc = lib.gguf_gemm(x2.data_ptr(), x2.shape[0], k, blocks.data_ptr(), out_features, FORMATS[fmt],
+    rc = lib.gguf_gemm(x2.data_ptr(), x2.shape[0], k, blocks.data_ptr(), out_features, fmt_code(fmt),
                        None if bias is None else bias.data_ptr(), y.data_ptr(), threads or torch.get_num_threads())
     if rc != 0:
         raise KernelError(f"gguf_gemm({fmt}, K={k}, N={out_features}) returned {rc}")
