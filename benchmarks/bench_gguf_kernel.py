@@ -8,7 +8,10 @@ Activations: fp32, int8 (AVX2 lanes over the blocks as they are), int8-packed (t
 `lanes_pack`'s copy: what the loader runs on AVX2 hosts), where the host has AMX-INT8 int8-tiles (the tiles at every
 row count: their crossover with int8-vnni sets `gguf_amx.cpp`'s default), and where it has AVX-512 VNNI int8-vnni
 (`amx_pack`'s copy and the tiles' bits in AVX-512 VNNI lanes at every row count: what the loader runs there
-without AMX).
+without AMX). The prompt GEMMs the C++ layers give prompt rows: gemm-fp32 (the dequantised blocks in fp32 panels,
+`gguf_gemm.cpp`) and, where the host has AMX-BF16, gemm-bf16-tiles (bf16 weights and rows in AMX-BF16 tiles over
+`amx_pack`'s copy, `gguf_amx_bf16.cpp`: prompt rows of int8-tiles); compare them with int8-tiles at prompt row
+counts (`--rows 128,1024`).
 
 Answers "is it the kernel or the step around it" when a step-level figure (bench_steps) moves on a new host.
 The blocks are random nibbles with fixed scales: the kernel's time does not depend on the values. Each linear is
@@ -30,6 +33,8 @@ from benchmarks.common import machine, table
 from specstep.engine.models.gguf_kernel import (
     amx_lane_rows,
     amx_pack,
+    bf16_tiles_unavailable,
+    gguf_gemm,
     gguf_linear,
     kernel_fmt,
     lanes_pack,
@@ -57,10 +62,13 @@ def main() -> None:
     ap.add_argument("--rows", default="1,5,8")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--activations", default="fp32,int8", help="of fp32, int8, int8-packed, int8-tiles, int8-vnni")
+    ap.add_argument("--activations", default="fp32,int8", help="of fp32, int8, int8-packed, int8-tiles, int8-vnni, "
+                    "gemm-fp32, gemm-bf16-tiles")
     args = ap.parse_args()
     acts = args.activations.split(",")
-    amx = [a for a in acts if a in ("int8-tiles", "int8-vnni")]  # the forms over amx_pack's copy
+    amx = [a for a in acts if a in ("int8-tiles", "int8-vnni", "gemm-bf16-tiles")]  # the forms over amx_pack's copy
+    if "gemm-bf16-tiles" in acts and bf16_tiles_unavailable():
+        raise SystemExit(f"gemm-bf16-tiles: AMX-BF16 tiles cannot run here: {bf16_tiles_unavailable()}")
     if "int8-tiles" in acts and tiles_unavailable():
         raise SystemExit(f"int8-tiles: AMX tiles cannot run here: {tiles_unavailable()}")
     if "int8-vnni" in acts and vnni_unavailable():
@@ -77,14 +85,16 @@ def main() -> None:
     xs = {r: {i: torch.randn(r, i) for i in (HIDDEN, INTERMEDIATE)} for r in map(int, args.rows.split(","))}
 
     def one_pass(act: str, rows: int, threads: int) -> float:
-        fmt = kernel_fmt("Q4_1", act)
+        gemm = act.startswith("gemm-")
+        fmt = kernel_fmt("Q4_1", "int8-tiles" if act == "gemm-bf16-tiles" else "fp32" if gemm else act)
         weights = tiles if act in amx else lanes if act == "int8-packed" else [b for b, _, _ in stack]
+        run = gguf_gemm if gemm else gguf_linear
         if act == "int8-tiles":
             amx_lane_rows(0)
         try:
             t0 = time.perf_counter()
             for w, (_, out, inp) in zip(weights, stack):
-                gguf_linear(xs[rows][inp], w, out, fmt, threads=threads)
+                run(xs[rows][inp], w, out, fmt, threads=threads)
             return time.perf_counter() - t0
         finally:
             if act == "int8-tiles":

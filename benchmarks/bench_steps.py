@@ -207,6 +207,17 @@ def main() -> None:
             json.dump(results, f, indent=2)
 
 
+def mode_config(mode: str, model: str, spec: str, k: int, threads: int, max_batch: int) -> EngineConfig:
+    """The engine a mode names (`--cpu-linear[/--batch-invariant[/--quantization[/--cpu-layers[/--activations]]]]`),
+    inline, greedy-ready, for batches up to `max_batch`."""
+    parts = mode.split("/")
+    defaults = ["on", "auto", "auto", "fp32"][len(parts) - 1:]
+    linear, invariant, quantization, layers, activations = (parts + defaults)[:5]
+    return EngineConfig(model=model, spec=spec, num_spec_tokens=k, overlap=False, threads=threads,
+                        cpu_linear=linear, batch_invariant=invariant != "off", quantization=quantization,
+                        cpu_layers=layers, activations=activations, max_batch_size=max_batch)
+
+
 def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts: list[list[int]], b: int,
                    max_batch: int, results: dict) -> list[list]:
     """Table rows for batch size `b`, one per mode; its figures go into `results` (and, on the first call, the
@@ -216,14 +227,7 @@ def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts
     # Target steps through the n-gram proposer (host drafts: the step is the target's alone); the MTP head's
     # draft cost from an engine with the head, on the last mode's kernels.
     def timer(m: str, spec: str) -> StepTimer:
-        parts = m.split("/")
-        defaults = ["on", "auto", "auto", "fp32"][len(parts) - 1:]
-        linear, invariant, quantization, layers, activations = (parts + defaults)[:5]
-        return StepTimer(EngineConfig(model=model, spec=spec, num_spec_tokens=args.k, overlap=False,
-                                      threads=args.threads, cpu_linear=linear, batch_invariant=invariant != "off",
-                                      quantization=quantization, cpu_layers=layers, activations=activations,
-                                      max_batch_size=max_batch),
-                         prompts[:b], args.k)
+        return StepTimer(mode_config(m, model, spec, args.k, args.threads, max_batch), prompts[:b], args.k)
 
     timers = {m: timer(m, "ngram") for m in modes}
     mtp = timer(modes[-1], "mtp") if with_mtp else None
