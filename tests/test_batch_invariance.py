@@ -176,9 +176,9 @@ def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, reque
 def test_gguf_speculation_on_the_overlap_path_is_plain_decoding(acts, tiny_gguf):
     """The GGUF kernels on the overlap stream path (steps on the worker thread, the next batch built beside them):
     adaptive n-gram speculation over a batch of lanes that draft and lanes that do not gives inline plain
-    decoding's tokens, with fp32 and each int8 kernel the host has (the kernels' scratch and thread choice are
-    per call, so nothing may depend on which thread runs the step). One prompt is long enough (over 17 tokens) for
-    the prompt GEMM (with AMX tiles its AMX-BF16 form, where the host has it)."""
+    decoding's tokens, with fp32 and each int8 kernel the host has (the C++ layers keep their scratch per calling
+    thread, the thread choice is per call: nothing may depend on which thread runs the step). One prompt is long
+    enough (over 17 tokens) for the prompt GEMM (with AMX tiles its AMX-BF16 form, where the host has it)."""
     prompts = [[7, 8, 9, 10] * 3, [40 + i for i in range(9)], [3, 5] * 5, [60, 61, 62, 60, 61, 62, 63],
                [11, 12, 13, 14, 15, 16] * 6]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

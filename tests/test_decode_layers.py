@@ -160,6 +160,23 @@ def test_prompt_rows_take_the_gemm_and_decode_rows_beside_them_keep_their_bits(g
     assert (beside - ref).abs().max() < (1e-4 if acts == "fp32" else 5e-2) * ref.abs().max()
 
 
+def test_prompt_gemm_flags_a_call_cannot_run_are_a_typed_error(gguf_model, monkeypatch):
+    """A call's prompt rows take one prompt GEMM: rows asking for both kinds are refused (-1), not run with one
+    kind's bits for the other's rows; so is the AMX-BF16 kind where the host cannot run it."""
+    net = load(gguf_model, "auto")
+    real = decode_layers.prompt_rows
+
+    def one_row_of_the_other_kind(meta, tokens, kind=decode_layers.PROMPT_GEMM_FP32):
+        flags = real(meta, tokens, kind)
+        if flags is not None:
+            flags[int(flags.nonzero()[0, 0])] = decode_layers.PROMPT_GEMM_BF16_TILES
+        return flags
+
+    monkeypatch.setattr(decode_layers, "prompt_rows", one_row_of_the_other_kind)
+    with pytest.raises(decode_layers.LayerKernelError, match="returned -1"):
+        steps(net)
+
+
 def test_results_do_not_depend_on_the_threads(gguf_model, monkeypatch):
     """Every call on one thread, then every call on two (each phase split between them, barriers between)."""
     net = load(gguf_model, "auto")

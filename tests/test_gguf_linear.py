@@ -118,6 +118,9 @@ def test_bf16_prompt_gemm_is_the_bf16_operands_product_and_row_invariant(fmt):
     for m, start in [(130, 0), (7, 3), (64, 66), (33, 97), (1, 129)]:
         assert torch.equal(gguf_gemm(x[start: start + m], packed, 67, f"{fmt}/int8-tiles", bias, threads=2),
                            alone[start: start + m])
+    # fewer outputs than a group, no bias
+    got = gguf_gemm(x[:20], packed[: len(packed) // 5], 13, f"{fmt}/int8-tiles")  # the first group's blocks
+    assert torch.allclose(got.double(), x[:20].to(torch.bfloat16).double() @ wb[:13].double().T, rtol=0, atol=1e-4)
 
 
 def int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor) -> torch.Tensor:

@@ -157,11 +157,13 @@ void silu_mul(const float *gu, float *a, Range rows, int64_t I) {
     }
 }
 
-// The memory a call's buffers take, kept by the calling thread for its next calls (grown, never shrunk: the
-// largest call's, as a caching allocator keeps it). Freshly allocated each call, a prompt's buffers (tens of MB at
-// 1,024 rows) came from new pages every time: a 1,024-row SmolLM2 prefill spent about a quarter of its time in
-// the kernel's page faults (perf). One per calling thread: the engine's steps and a scheduler thread may call.
+// The memory a call's buffers take, kept by the calling thread for its next calls, up to KEEP bytes (grown to the
+// largest call's, as a caching allocator keeps it); a larger call allocates for itself and frees after. Freshly
+// allocated each call, a prompt's buffers (tens of MB at 1,024 rows) came from new pages every time: a 1,024-row
+// SmolLM2 prefill spent about a quarter of its time in the kernel's page faults (perf). One per calling thread:
+// the engine's steps and a scheduler thread may call.
 struct Scratch {
+    static constexpr size_t KEEP = (size_t)64 << 20;  // a batch-8 SmolLM2 prefill of 128-token prompts: ~37 MB
     void *mem = nullptr;
     size_t bytes = 0;
     ~Scratch() { free(mem); }
@@ -187,7 +189,10 @@ struct Buffers {
     int64_t xsum_n, panel_n, scores_n, slots_n, xk_n, yk_n, own_h_n, own_a_n, xb_n;
     bool own;  // every thread computes a norm's and the MLP gate's rows whole, into its own rows (OWN_ROWS)
     int64_t gemm_rows = 0, n_kernel = 0;  // rows the GEMM computes (0: none), rows the kernel computes
-    bool gemm_bf16 = false;  // the AMX formats' linears take the AMX-BF16 prompt GEMM (gemm flag 2), not fp32's
+    // the call's flags: 1 (the fp32 prompt GEMM) and 2 (for AMX-format linears its AMX-BF16 form: per call, a
+    // model's prompt rows take one kind); a call with both is refused (`gemm_flags_ok`)
+    bool gemm_fp32 = false, gemm_bf16 = false;
+    bool owned = false;  // mem is the call's own (larger than Scratch::KEEP), freed with it
     void *mem;
 
     // gemm: [M] uint8, the rows that take the prompt GEMM (1; 2: its AMX-BF16 form for AMX-format linears), or
@@ -200,14 +205,14 @@ struct Buffers {
         const int64_t widest = most(s->hidden, s->inter, qn);  // a linear's input width: o_proj's is qn
         const int64_t widest_out = most(width, 2 * s->inter, s->hidden);
         if (gemm)
-            for (int64_t r = 0; r < M; r++) gemm_rows += gemm[r] != 0, gemm_bf16 |= gemm[r] == 2;
+            for (int64_t r = 0; r < M; r++) gemm_rows += gemm[r] != 0, gemm_fp32 |= gemm[r] == 1, gemm_bf16 |= gemm[r] == 2;
         n_kernel = gemm_rows ? M - gemm_rows : M;
         const int64_t mixed = gemm_rows && n_kernel;
         auto up = [](int64_t n) { return (n + 7) / 8 * 8; };  // whole 32-byte lines: every buffer stays aligned
         xsum_n = up(gguf_kernel::xsum_floats(M, widest));
         // (the bf16 panel is as large: 32 outputs x 2 bytes a k against 16 x 4)
         panel_n = gemm_rows ? up(gguf_kernel::panel_floats(widest)) : 0;
-        xb_n = gemm_bf16 ? up((M * widest + 1) / 2) : 0;  // x's rows as bf16
+        xb_n = gemm_bf16 ? up((M * widest + 1) / 2) : 0;  // a linear's input rows as bf16 (shared)
         scores_n = most_keys ? up(cpu_attention_kernel::scores_floats(s->heads / s->kv_heads, q_rows, most_keys)) : 0;
         slots_n = most_keys ? up(most_keys + 1) : 0;
         xk_n = mixed ? up(n_kernel * widest) : 0;
@@ -219,8 +224,10 @@ struct Buffers {
                                up(M * s->inter) + 2 * up(mixed ? n_kernel : 0);  // kernel_rows: int64
         // an int64 is 2 floats
         const int64_t floats =
-            shared + threads * (xsum_n + panel_n + scores_n + slots_n * 2 + xk_n + yk_n + own_h_n + own_a_n + xb_n);
-        mem = scratch.get(sizeof(float) * (size_t)floats);
+            shared + xb_n + threads * (xsum_n + panel_n + scores_n + slots_n * 2 + xk_n + yk_n + own_h_n + own_a_n);
+        const size_t bytes = sizeof(float) * (size_t)floats;
+        owned = bytes > Scratch::KEEP;
+        mem = owned ? aligned_alloc(64, (bytes + 63) / 64 * 64) : scratch.get(bytes);
         if (!mem) return;
         float *p = (float *)mem;
         h = p, p += up(M * s->hidden);
@@ -237,18 +244,26 @@ struct Buffers {
         yk = p, p += threads * yk_n;
         own_h = p, p += threads * own_h_n;
         own_a = p, p += threads * own_a_n;
-        xb = p, p += threads * xb_n;
+        xb = p, p += xb_n;
         slots = (int64_t *)p;
         if (mixed)
             for (int64_t r = 0, i = 0; r < M; r++)
                 if (!gemm[r]) kernel_rows[i++] = r;
     }
+    ~Buffers() {
+        if (owned) free(mem);
+    }
+    Buffers(const Buffers &) = delete;
+    Buffers &operator=(const Buffers &) = delete;
+    // whether the call's prompt-row flags can run: one kind a call, and the AMX-BF16 form only where it may run
+    bool gemm_flags_ok() const { return !(gemm_fp32 && gemm_bf16) && (!gemm_bf16 || gguf_kernel::bf16_tiles_ok()); }
 };
 
 // Thread t's weight rows of `l` times in [M, l.k] -> y [M, l.n]; with `residual`, then x += y on those columns.
 // Rows the call marked for the prompt GEMM take it; the others the kernel (gathered, when a call has both: the
 // GEMM runs over every row, then the kernel's rows overwrite theirs).
-void linear(const Linear &l, const float *in, int64_t M, float *y, float *residual, Buffers &buf, int t, int nt) {
+void linear(const Linear &l, const float *in, int64_t M, float *y, float *residual, Buffers &buf, Barrier &bar, int t,
+            int nt) {
     Range cols(l.n, t, nt);
     const bool amx = l.fmt & gguf_kernel::FMT_AMX;
     if (amx) {  // whole 16-row groups: the tiles' unit
@@ -257,10 +272,15 @@ void linear(const Linear &l, const float *in, int64_t M, float *y, float *residu
     }
     const uint8_t *w = l.fmt & (gguf_kernel::FMT_AMX | gguf_kernel::FMT_LANES) ? l.packed : l.blocks;
     float *xsum = buf.xsum + t * buf.xsum_n;
-    if (buf.gemm_rows && buf.gemm_bf16 && amx && !(l.fmt & gguf_kernel::FMT_LANES))
-        gguf_kernel::bf16_gemm_range(in, M, l.k, l.packed, l.n, (int)(l.fmt & 1), l.bias, y, cols.a, cols.b,
-                                     (uint16_t *)(buf.xb + t * buf.xb_n), (uint16_t *)(buf.panel + t * buf.panel_n));
-    else if (buf.gemm_rows)
+    if (buf.gemm_rows && buf.gemm_bf16 && amx && !(l.fmt & gguf_kernel::FMT_LANES)) {
+        // every thread rounds its share of the rows to bf16, then each multiplies all of them by its weights
+        const Range rows(M, t, nt);
+        uint16_t *xb = (uint16_t *)buf.xb;
+        gguf_kernel::bf16_rows(in + rows.a * l.k, rows.b - rows.a, l.k, xb + rows.a * l.k);
+        bar.wait();
+        gguf_kernel::bf16_gemm_range(xb, M, l.k, l.packed, l.n, (int)(l.fmt & 1), l.bias, y, cols.a, cols.b,
+                                     (uint16_t *)(buf.panel + t * buf.panel_n));
+    } else if (buf.gemm_rows)
         gguf_kernel::gemm_range(in, M, l.k, l.blocks, l.n, (int)l.fmt, l.bias, y, cols.a, cols.b,
                                 buf.panel + t * buf.panel_n);
     if (!buf.gemm_rows) {
@@ -287,7 +307,7 @@ void phase_in(const Shape *s, const Layer *L, const float *x, int64_t M, const f
     float *h = buf.own ? buf.own_h + t * buf.own_h_n : buf.h;
     rms_norm(x, L->norm_in, h, buf.own ? Range(M, 0, 1) : rows, s->hidden, s->eps);
     if (!buf.own) bar.wait();
-    linear(L->qkv, h, M, buf.qkv, nullptr, buf, t, nt);
+    linear(L->qkv, h, M, buf.qkv, nullptr, buf, bar, t, nt);
     bar.wait();
     rotary(buf.qkv, rows, width, s->heads + s->kv_heads, D, cos, sin);
     for (int64_t r = rows.a; r < rows.b; r++) {
@@ -316,17 +336,17 @@ void phase_attention(const Shape *s, const Paging *pg, const float *k_cache, con
 void phase_out(const Shape *s, const Layer *L, float *x, int64_t M, const float *attn, Buffers &buf, Barrier &bar,
                int t, int nt) {
     const Range rows(M, t, nt);
-    linear(L->o, attn, M, buf.h, x, buf, t, nt);
+    linear(L->o, attn, M, buf.h, x, buf, bar, t, nt);
     bar.wait();
     const Range mine = buf.own ? Range(M, 0, 1) : rows;
     float *h = buf.own ? buf.own_h + t * buf.own_h_n : buf.h, *a = buf.own ? buf.own_a + t * buf.own_a_n : buf.a;
     rms_norm(x, L->norm_post, h, mine, s->hidden, s->eps);
     if (!buf.own) bar.wait();
-    linear(L->gate_up, h, M, buf.gu, nullptr, buf, t, nt);
+    linear(L->gate_up, h, M, buf.gu, nullptr, buf, bar, t, nt);
     bar.wait();
     silu_mul(buf.gu, a, mine, s->inter);
     if (!buf.own) bar.wait();
-    linear(L->down, a, M, buf.h, x, buf, t, nt);
+    linear(L->down, a, M, buf.h, x, buf, bar, t, nt);
     bar.wait();
 }
 
@@ -354,12 +374,15 @@ int decode_layers_version(void) { return 4; }
 
 // x [M, hidden] (the residual stream, read) -> q [M, heads * D] rotated, and the rotated keys and the values
 // written to k_cache / v_cache [num_slots, kv_heads, D] at slots [M]. gemm_rows [M] (uint8) or null: the rows
-// whose linears take the prompt GEMM. Returns 0, -1 for a bad shape or slot, -2 if scratch cannot be allocated.
+// whose linears take the prompt GEMM (1), or for AMX-format linears its AMX-BF16 form (2; one kind a call). Returns
+// 0, -1 for a bad shape, slot or flags (both kinds, or AMX-BF16 where it cannot run), -2 if scratch cannot be
+// allocated.
 int attention_in(const Shape *s, const Layer *layer, const float *x, int64_t M, const float *cos, const float *sin,
                  const int64_t *slots, float *k_cache, float *v_cache, int64_t num_slots, float *q,
                  const uint8_t *gemm_rows, int threads) {
     if (!layer_ok(s, layer) || !slots_ok(slots, M, num_slots)) return -1;
     Buffers buf(s, M, threads, 0, 0, gemm_rows);
+    if (!buf.gemm_flags_ok()) return -1;
     if (!buf.mem) return -2;
     Barrier bar;
     #pragma omp parallel num_threads(threads)
@@ -378,6 +401,7 @@ int attention_out_mlp(const Shape *s, const Layer *layer, float *x, int64_t M, c
                       const uint8_t *gemm_rows, int threads) {
     if (!layer_ok(s, layer)) return -1;
     Buffers buf(s, M, threads, 0, 0, gemm_rows);
+    if (!buf.gemm_flags_ok()) return -1;
     if (!buf.mem) return -2;
     Barrier bar;
     #pragma omp parallel num_threads(threads)

@@ -3,9 +3,11 @@
 // compiled for AMX-BF16 and AVX512-BF16 by the target pragma below and called only where the host has them and
 // the process holds its tile state: `gguf_amx_init`).
 //
-// The arithmetic: each weight dequantised in fp32 as the fp32 kernel does it (Q4_1 fma(d, q, m), Q8_0 d * q) and
-// rounded to bf16 (to nearest even), x rounded to bf16 likewise, and per output the tile multiply's fp32 sums over
-// K in order, 32 values a multiply (`tdpbf16ps`: each bf16 product exact in fp32), then + bias. Not the block sums'
+// The arithmetic: each weight dequantised in fp32 as the fp32 prompt GEMM's pack does it (Q4_1 d * q + m, here as
+// fma(d, q, m): d * q is exact in fp32, so the same value; Q8_0 d * q) and rounded to bf16 (to nearest even), x
+// rounded to bf16 likewise (`bf16_rows`, by the caller, once for all threads), and per output the tile multiply's
+// fp32 sums over K, 32 values a multiply in K order (`tdpbf16ps`: each bf16 product exact in fp32; the order inside
+// one multiply is the hardware's, fixed and independent of the other rows), then + bias. Not the block sums'
 // bits (x is not quantised per block here, the weights are rounded instead) and not exact, as int8 activations are
 // not: x's 8-bit significand against int8's per-block step, about the same precision. Why: the block sums' per-block
 // readout (the tile's sums stored, converted, scaled and added for every row, block and output) is most of a
@@ -17,6 +19,8 @@
 // right-hand operand (per block and group 16 rows of 64 bytes: row kk holds weights 2kk, 2kk + 1 of each of the 16
 // outputs), then every 32 rows of x against it: four accumulator tiles (2 x 16 rows by 2 x 16 outputs) stay in
 // the tiles over all of K.
+
+#include <cpuid.h>
 
 namespace gguf_kernel {
 // bf16 values of a panel: two groups' blocks of 16 x 32 weights
@@ -46,7 +50,8 @@ inline void bf16_configure(int r0, int r1) {
     _tile_loadconfig(&c);
 }
 
-// Rows [0, M) of x as bf16 into xb [M, K] (to nearest even).
+// Rows [0, M) of x as bf16 into xb [M, K] (to nearest even). (M * K is a multiple of 32 for GGUF's K; the tail
+// keeps the helper whole.)
 inline void bf16_rows(const float *x, int64_t M, int64_t K, uint16_t *xb) {
     const int64_t n = M * K;
     int64_t i = 0;
@@ -112,15 +117,14 @@ inline void bf16_store(const float *c, int64_t rows, float *y, int64_t m, int64_
         _mm512_mask_storeu_ps(y + (m + i) * N + n, keep, _mm512_add_ps(_mm512_load_ps(c + 16 * i), bv));
 }
 
-// Rows [0, M) of x times the weight groups that start in weight rows [n0, n1) (as amx_range's), on the calling
-// thread. xb: M * K bf16 of scratch; panel: bf16_panel_halves(K) bf16.
+// Rows [0, M) of xb (x's rows as bf16, `bf16_rows`) times the weight groups that start in weight rows [n0, n1) (as
+// amx_range's), on the calling thread. panel: bf16_panel_halves(K) bf16 of the thread's own.
 template <bool Q41>
-void bf16_gemm_range(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias,
-                     float *y, int64_t n0, int64_t n1, uint16_t *xb, uint16_t *panel) {
+void bf16_gemm_range(const uint16_t *xb, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias,
+                     float *y, int64_t n0, int64_t n1, uint16_t *panel) {
     constexpr int64_t BB = amx_block_bytes<Q41>();
     const int64_t g0 = amx_groups(n0), g1 = amx_groups(n1), nblk = K / QK;
     if (g0 >= g1 || M <= 0) return;
-    bf16_rows(x, M, K, xb);
     alignas(64) float c[4][AMX_ROWS * 16];
     int conf0 = -1, conf1 = -1;
     for (int64_t g = g0; g < g1; g += 2) {
@@ -170,12 +174,32 @@ void bf16_gemm_range(const float *x, int64_t M, int64_t K, const uint8_t *packed
 }
 
 // bf16_gemm_range for GGML type q8 (0: Q4_1, 1: Q8_0).
-inline void bf16_gemm_range(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, int q8,
-                            const float *bias, float *y, int64_t n0, int64_t n1, uint16_t *xb, uint16_t *panel) {
-    if (q8) bf16_gemm_range<false>(x, M, K, packed, N, bias, y, n0, n1, xb, panel);
-    else bf16_gemm_range<true>(x, M, K, packed, N, bias, y, n0, n1, xb, panel);
+inline void bf16_gemm_range(const uint16_t *xb, int64_t M, int64_t K, const uint8_t *packed, int64_t N, int q8,
+                            const float *bias, float *y, int64_t n0, int64_t n1, uint16_t *panel) {
+    if (q8) bf16_gemm_range<false>(xb, M, K, packed, N, bias, y, n0, n1, panel);
+    else bf16_gemm_range<true>(xb, M, K, packed, N, bias, y, n0, n1, panel);
 }
 
 }  // namespace gguf_kernel
 
 #pragma GCC pop_options
+
+namespace gguf_kernel {
+// Whether this process may run the AMX-BF16 forms: the CPU's AMX-BF16 and AVX512-BF16 (CPUID leaf 7) and the tile
+// state granted (`gguf_amx_init`; a grant is never taken back, so once seen it is kept). The Python side checks
+// before it asks; this keeps a wrong call a -1, not a SIGILL.
+inline bool bf16_tiles_ok() {
+    static const bool cpu = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+        return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));  // AMX-BF16, AMX-TILE; AVX512-BF16
+    }();
+    static bool granted = false;
+    if (cpu && !granted) {
+        const long ARCH_GET_XCOMP_PERM = 0x1022, XFEATURE_XTILEDATA = 18;
+        unsigned long mask = 0;
+        granted = syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &mask) == 0 && (mask >> XFEATURE_XTILEDATA & 1);
+    }
+    return cpu && granted;
+}
+}  // namespace gguf_kernel

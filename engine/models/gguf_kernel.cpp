@@ -352,30 +352,39 @@ int gguf_lanes_pack(const uint8_t *blocks, int64_t N, int64_t K, int fmt, uint8_
 // dequantised blocks in fp32 panels (gguf_gemm.cpp); 6 / 7 (w: gguf_amx_pack's copy): in AMX-BF16 tiles
 // (gguf_amx_bf16.cpp: only where the host has AMX-BF16 and gguf_amx_init returned 0). Returns 0, -1 if K is not a
 // multiple of 32 or fmt is not one of those, -2 if the scratch cannot be allocated.
+static_assert(gguf_kernel::PANEL * sizeof(float) == 2 * gguf_kernel::AMX_GROUP * sizeof(uint16_t),
+              "one panel buffer serves both prompt GEMMs: bf16_panel_halves(K) bf16 are panel_floats(K) floats");
 int gguf_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int fmt, const float *bias, float *y,
               int threads) {
     const bool bf16 = fmt == 6 || fmt == 7;
-    if (K % gguf_kernel::QK != 0 || (fmt != 0 && fmt != 1 && !bf16)) return -1;
+    if (K % gguf_kernel::QK != 0 || (fmt != 0 && fmt != 1 && !bf16) || (bf16 && !gguf_kernel::bf16_tiles_ok()))
+        return -1;
+    // x's rows as bf16, converted once by all threads (shared)
+    uint16_t *xb = bf16 ? (uint16_t *)aligned_alloc(64, (size_t)(M * K + 31) / 32 * 64) : nullptr;
+    if (bf16 && !xb) return -2;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        // fp32 panels, or the bf16 panel and x as bf16 (uint16 counts rounded up to whole 64-byte lines)
-        const size_t panel = bf16 ? (size_t)(gguf_kernel::bf16_panel_halves(K) + 31) / 32 * 32 : 0;
-        const size_t floats = bf16 ? (panel + (size_t)(M * K + 31) / 32 * 32) / 2 : (size_t)gguf_kernel::panel_floats(K);
-        float *P = (float *)aligned_alloc(64, sizeof(float) * floats);
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (bf16) {
+            const int64_t r0 = M * t / nt, r1 = M * (t + 1) / nt;
+            gguf_kernel::bf16_rows(x + r0 * K, r1 - r0, K, xb + r0 * K);
+            #pragma omp barrier
+        }
+        // each thread's panel: fp32 panel_floats(K), or bf16_panel_halves(K) bf16 (the same bytes)
+        float *P = (float *)aligned_alloc(64, sizeof(float) * (size_t)gguf_kernel::panel_floats(K));
         if (!P) {
             #pragma omp atomic write
             failed = 1;
+        } else if (bf16) {
+            gguf_kernel::bf16_gemm_range(xb, M, K, w, N, fmt & 1, bias, y, N * t / nt, N * (t + 1) / nt,
+                                         (uint16_t *)P);
         } else {
-            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-            if (bf16)
-                gguf_kernel::bf16_gemm_range(x, M, K, w, N, fmt & 1, bias, y, N * t / nt, N * (t + 1) / nt,
-                                             (uint16_t *)P + panel, (uint16_t *)P);
-            else
-                gguf_kernel::gemm_range(x, M, K, w, N, fmt, bias, y, N * t / nt, N * (t + 1) / nt, P);
+            gguf_kernel::gemm_range(x, M, K, w, N, fmt, bias, y, N * t / nt, N * (t + 1) / nt, P);
         }
         free(P);
     }
+    free(xb);
     return failed ? -2 : 0;
 }
 }
