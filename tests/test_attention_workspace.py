@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from specstep.engine import batch_builder
-from specstep.engine.attention.torch_backend import DEFAULT_WORKSPACE, TorchAttention, attention_blocks, paged_attention
+from specstep.engine.attention.torch_backend import (
+    DEFAULT_WORKSPACE,
+    TorchAttention,
+    attention_blocks,
+    paged_attention,
+    whole_prompts,
+)
 from specstep.engine.memory_probe import largest_steps, measure_cpu, step_peak_bytes, warm_up
 from specstep.engine.model_loader import load_model
 from tests.helpers import make_checkpoint
@@ -72,6 +78,38 @@ def test_a_step_that_fits_is_computed_exactly_as_one_sdpa():
     assert blocks_for(meta, DEFAULT_WORKSPACE).whole(4, 5, meta.keys)
     assert torch.equal(TorchAttention().forward(q, k_cache, v_cache, meta, HEADS, 0.25),
                        paged_attention(q, k_cache, v_cache, meta, HEADS, 0.25, 1 << 40))
+
+
+def reference_attention(q, k_cache, v_cache, meta, scale):
+    """fp64 attention of every valid query row over the keys its position sees, from the pages directly."""
+    b, qn = meta.q_index.shape
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for lane in range(b):
+        pages = meta.page_table[lane]
+        slots = pages.repeat_interleave(PAGE) * PAGE + torch.arange(PAGE).repeat(len(pages))
+        for i in range(qn):
+            if not meta.q_valid[lane, i]:
+                continue
+            t, pos = int(meta.q_index[lane, i]), int(meta.q_pos[lane, i])
+            k, v = k_cache[slots[: pos + 1]].double(), v_cache[slots[: pos + 1]].double()  # [keys, Hkv, D]
+            for h in range(HEADS):
+                qh = q[t, h * D:(h + 1) * D].double()
+                p = torch.softmax((k[:, h // (HEADS // KV_HEADS)] @ qh) * scale, 0)
+                out[t, h * D:(h + 1) * D] = p @ v[:, h // (HEADS // KV_HEADS)]
+    return out
+
+
+@pytest.mark.parametrize(("q_lens", "starts", "whole"), [([40, 40], [0, 0], True), ([300], [0], True),
+                                                         ([37], [50], False), ([40, 30], [0, 0], False)])
+def test_whole_prompts_attend_causally_and_others_by_mask(q_lens, starts, whole):
+    """A batch of fresh prompts of one length takes causal SDPA (no mask built); a prompt after cached keys or
+    lanes of other lengths take the masked path; both are the attention to fp32 rounding."""
+    q, k_cache, v_cache, meta = random_batch(q_lens, starts)
+    assert whole_prompts(meta) == whole
+    got = paged_attention(q, k_cache, v_cache, meta, HEADS, 0.25, 1 << 40)
+    rows = meta.q_index[meta.q_valid]
+    torch.testing.assert_close(got[rows].double(), reference_attention(q, k_cache, v_cache, meta, 0.25)[rows],
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

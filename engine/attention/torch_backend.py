@@ -163,6 +163,8 @@ def paged_attention(
     group = num_heads // hkv
     b, qn = meta.q_index.shape
     keys, ps = meta.keys, meta.page_size
+    if (min_rows is None or qn > MAX_QUERY_ROWS) and whole_prompts(meta):
+        return _causal_prompts(q, k_cache, v_cache, meta, num_heads, scale)
     qp = q.view(t, hkv, group, d)
     if not meta.dense:
         qp = qp.index_select(0, meta.q_index.view(-1))
@@ -196,6 +198,33 @@ def paged_attention(
                 o[b0:b1, :, :, i0:i1] = ob.view(b1 - b0, hkv, group, i1 - i0, d)
     o = o.permute(0, 3, 1, 2, 4).reshape(b * qn, num_heads * d)
     return o if meta.dense else o.index_select(0, meta.out_index)
+
+
+def whole_prompts(meta: AttentionMetadata) -> bool:
+    """Whether every lane of this (dense) forward is a whole prompt of the same length: queries at positions 0 to
+    Q - 1 over exactly those keys, so causal attention is the mask (a batch of fresh prompts, the common prefill).
+    Once per forward (every layer shares the answer)."""
+    key = ("whole_prompts",)
+    if key not in meta._blocks:
+        qn = meta.q_index.shape[1]
+        meta._blocks[key] = (meta.dense and qn > 1 and meta.keys >= qn and bool(meta.q_valid.all())
+                             and bool((meta.kv_len == qn).all()))
+    return meta._blocks[key]
+
+
+def _causal_prompts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    num_heads: int, scale: float) -> torch.Tensor:
+    """`whole_prompts` forwards: SDPA with is_causal over each lane's own keys, every query head beside its KV
+    head's keys: no [Q, K] mask built or read, and the kernel skips the key blocks above the diagonal."""
+    b, qn = meta.q_index.shape
+    _, hkv, d = k_cache.shape
+    group = num_heads // hkv
+    k, v = (_gather(c, meta.page_table, meta.page_size, q.dtype)[:, :, :qn] for c in (k_cache, v_cache))
+    if group > 1:  # query head h = kv_head * group + g
+        k, v = (t.unsqueeze(2).expand(b, hkv, group, qn, d).reshape(b, num_heads, qn, d) for t in (k, v))
+    o = F.scaled_dot_product_attention(q.view(b, qn, num_heads, d).transpose(1, 2), k, v, is_causal=True,
+                                       scale=scale)
+    return o.transpose(1, 2).reshape(b * qn, num_heads * d)
 
 
 PROMPT_SLOT = "prefill"  # the plan of whole prefills and mixed steps (`StepEngine.prefill`)
