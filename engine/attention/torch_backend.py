@@ -163,7 +163,7 @@ def paged_attention(
     group = num_heads // hkv
     b, qn = meta.q_index.shape
     keys, ps = meta.keys, meta.page_size
-    if (min_rows is None or qn > MAX_QUERY_ROWS) and whole_prompts(meta):
+    if qn > MAX_QUERY_ROWS and whole_prompts(meta):  # prompt-sized: never a captured step (it reads the host)
         return _causal_prompts(q, k_cache, v_cache, meta, num_heads, scale)
     qp = q.view(t, hkv, group, d)
     if not meta.dense:
@@ -203,7 +203,8 @@ def paged_attention(
 def whole_prompts(meta: AttentionMetadata) -> bool:
     """Whether every lane of this (dense) forward is a whole prompt of the same length: queries at positions 0 to
     Q - 1 over exactly those keys, so causal attention is the mask (a batch of fresh prompts, the common prefill).
-    Once per forward (every layer shares the answer)."""
+    Once per forward (every layer shares the answer). It reads the metadata on the host: asked only of forwards
+    of more than MAX_QUERY_ROWS positions a lane, which no captured graph holds."""
     key = ("whole_prompts",)
     if key not in meta._blocks:
         qn = meta.q_index.shape[1]
