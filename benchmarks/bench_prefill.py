@@ -18,22 +18,17 @@ import statistics
 import time
 
 from benchmarks.bench_steps import mode_config
-from benchmarks.common import code_prompts, machine, table
+from benchmarks.common import code_prompts, drive, machine, table
 from specstep.engine.model_loader import describe_cpu_kernels
 from specstep.engine.model_source import default_target, resolve_model
 from specstep.engine.sampling_params import SamplingParams
 from specstep.scheduler.build import build_engine
-from specstep.scheduler.core.request import Request
 
 
-def prefill_seconds(core, prompts: list[list[int]], tag: str) -> float:
-    """Seconds until every prompt of the batch has its first token (one request each, all added at once)."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        core.add_request(Request(f"{tag}-{i}", list(p), params, seed=i))
+def prefill_seconds(core, prompts: list[list[int]], seed0: int) -> float:
+    """Seconds until every prompt of the batch has its first token (all added at once; request ids from seed0)."""
     t0 = time.perf_counter()
-    while core.has_unfinished():
-        core.step()
+    drive(core, prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), len(prompts), seed0)
     return time.perf_counter() - t0
 
 
@@ -57,10 +52,10 @@ def main() -> None:
         samples: dict[str, list[float]] = {m: [] for m in modes}
         for core in cores.values():  # warm-up: builds, thread choices, first touches
             for _ in range(2):
-                prefill_seconds(core, prompts[:b], "warm")
+                prefill_seconds(core, prompts[:b], 10**6)
         for r in range(args.reps):
             for m, core in cores.items():
-                samples[m].append(prefill_seconds(core, prompts[:b], f"r{r}"))
+                samples[m].append(prefill_seconds(core, prompts[:b], 1000 * r))
         base = statistics.median(samples[modes[0]])
         for m in modes:
             med = statistics.median(samples[m])

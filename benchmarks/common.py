@@ -69,9 +69,9 @@ def run_engine(cfg: EngineConfig, prompts: list[list[int]], params: SamplingPara
     """Generate for every prompt, `batch` requests at a time (closed loop: a new one starts as one finishes)."""
     core, _, _ = build_engine(cfg)
     if warmup:
-        _drive(core, prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), 1, seed0=10**6)
+        drive(core, prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), 1, seed0=10**6)
     start = time.perf_counter()
-    reqs = _drive(core, prompts, params, batch)
+    reqs = drive(core, prompts, params, batch)
     seconds = time.perf_counter() - start
     core.stream.close()
     return RunResult(tokens=sum(r.num_output_tokens for r in reqs), seconds=seconds,
@@ -79,7 +79,7 @@ def run_engine(cfg: EngineConfig, prompts: list[list[int]], params: SamplingPara
                      spec_steps=sum(r.stats.steps for r in reqs), outputs=[r.output_token_ids for r in reqs])
 
 
-def _drive(core, prompts, params, batch, seed0=0) -> list[Request]:
+def drive(core, prompts, params, batch, seed0=0) -> list[Request]:
     pending = [Request(str(seed0 + i), list(p), params, seed=seed0 + i) for i, p in enumerate(prompts)]
     live = []
     done = []

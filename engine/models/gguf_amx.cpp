@@ -39,6 +39,11 @@ template <bool Q41> constexpr int64_t amx_block_bytes() { return Q41 ? 32 + 32 +
 
 inline int64_t amx_groups(int64_t N) { return (N + AMX_GROUP - 1) / AMX_GROUP; }
 
+// The outputs of a group starting at weight row n that exist (rows past N are the copy's zero padding).
+inline uint16_t group_keep(int64_t N, int64_t n) {
+    return N - n >= AMX_GROUP ? (uint16_t)0xFFFF : (uint16_t)((1u << (N - n)) - 1);
+}
+
 // Calls of at most this many rows of x take the VNNI lanes (`amx_lane_pass`), more the tiles (the same bits either
 // way; `gguf_amx_lane_rows` sets it for tests and A/Bs). The defaults are the crossovers measured on SmolLM2's
 // shapes with weights past the cache (tiles' time / lanes'): Q4_1 1.17 / 1.16 / 1.09 / 1.06 / 0.95 at 1 / 2 / 4 /
@@ -193,7 +198,7 @@ inline void amx_tile_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, f
         }
     }
     const int64_t n = g * AMX_GROUP;
-    const __mmask16 keep = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+    const __mmask16 keep = group_keep(N, n);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
 #pragma GCC unroll 16
     for (int i = 0; i < MT; i++) {
@@ -262,7 +267,7 @@ inline void amx_lane_pass(XQ8 xq, int64_t K, const uint8_t *packed, int64_t g, f
         }
     }
     const int64_t n = g * AMX_GROUP;
-    const __mmask16 keep = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+    const __mmask16 keep = group_keep(N, n);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
     for (int i = 0; i < MT; i++) {
         const __m512 mt = Q41 ? amx_min_term(w + 32, BB, xq.s + i * xq.sblk, nblk) : _mm512_setzero_ps();

@@ -111,7 +111,7 @@ inline void bf16_weights(const uint8_t *blk, uint16_t *out) {
 // y's rows [m, m + rows) and outputs [n, n + 16) from a stored accumulator tile c [rows][16], + bias, only the
 // outputs under N.
 inline void bf16_store(const float *c, int64_t rows, float *y, int64_t m, int64_t N, int64_t n, const float *bias) {
-    const __mmask16 keep = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+    const __mmask16 keep = group_keep(N, n);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
     for (int64_t i = 0; i < rows; i++)
         _mm512_mask_storeu_ps(y + (m + i) * N + n, keep, _mm512_add_ps(_mm512_load_ps(c + 16 * i), bv));
