@@ -29,7 +29,7 @@ from specstep.engine.attention.invariant_attention import MAX_QUERY_ROWS
 from specstep.engine.forward_batch import AttentionMetadata, ForwardBatch, SplitAttention
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.models import gguf_kernel
-from specstep.engine.models.gguf_kernel import bf16_tiles_unavailable, fmt_code
+from specstep.engine.models.gguf_kernel import apply_amx_lane_defaults, bf16_tiles_unavailable, fmt_code
 from specstep.engine.models.gguf_linear import GGUFLinear
 from specstep.engine.native import load_kernel
 from specstep.engine.thread_choice import ThreadChoice
@@ -152,6 +152,7 @@ class NativeLayers:
 
     def __init__(self, model: nn.Module) -> None:
         self._lib = _build()[0]
+        apply_amx_lane_defaults(self._lib)  # this library's own copy of the kernel: the loader's measured crossovers
         cfg = model.rank_cfg
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.scale = model.layers[0].self_attn.scale

@@ -45,14 +45,19 @@ inline uint16_t group_keep(int64_t N, int64_t n) {
 }
 
 // Calls of at most this many rows of x take the VNNI lanes (`amx_lane_pass`), more the tiles (the same bits either
-// way; `gguf_amx_lane_rows` sets it for tests and A/Bs). The defaults are the crossovers measured on SmolLM2's
-// shapes with weights past the cache (tiles' time / lanes'): Q4_1 1.17 / 1.16 / 1.09 / 1.06 / 0.95 at 1 / 2 / 4 /
-// 5 / 8 rows (`benchmarks/bench_gguf_kernel.py --activations int8-tiles,int8-vnni`, one thread); Q8_0 1.00 at one
-// row, 0.88 at two, but a SmolLM2 decode step's lm_head in lanes saved 0.5-0.65 ms of 6.3-6.8 (alternating A/B
-// in one engine).
+// way). Where the crossover lies differs between hosts of one kind, so the loader measures it on the model's own
+// linears and sets it per format (`gguf_amx_lane_defaults`; `engine.models.amx_crossover`): on one AMX host the
+// tiles' time / the lanes' was Q4_1 1.17 / 1.16 / 1.09 / 1.06 / 0.95 at 1 / 2 / 4 / 5 / 8 rows, on another of the
+// same kind 1.15 / 1.13 / 1.15 / 1.22 / 1.12 (tiles ahead only from 16 rows; `benchmarks/bench_gguf_kernel.py
+// --activations int8-tiles,int8-vnni`, one thread). The built-in defaults below (the first host's) hold until
+// then; `gguf_amx_lane_rows` overrides both for tests and A/Bs.
 constexpr int64_t AMX_LANES_MOST = 8;
-inline int amx_lanes_set = -1;  // -1: the defaults below
-template <bool Q41> inline int64_t amx_lane_rows() { return amx_lanes_set >= 0 ? amx_lanes_set : (Q41 ? 4 : 1); }
+inline int amx_lanes_set = -1;                 // -1: the defaults
+inline int amx_lanes_measured[2] = {-1, -1};  // [Q8_0, Q4_1]: the loader's measured crossovers (-1: built-in)
+template <bool Q41> inline int64_t amx_lane_rows() {
+    if (amx_lanes_set >= 0) return amx_lanes_set;
+    return amx_lanes_measured[Q41] >= 0 ? amx_lanes_measured[Q41] : (Q41 ? 4 : 1);
+}
 constexpr int64_t PREFETCH = 2560;  // bytes ahead of the weight reads a software prefetch asks for
 }  // namespace gguf_kernel
 

@@ -314,12 +314,27 @@ int gguf_use_avx512(int on) {
 }
 
 // Calls of at most `rows` rows (0-8) of x take the AMX formats' VNNI lanes, more the tiles (the same bits);
-// -1 restores the measured defaults. Returns the previous setting.
+// -1 restores the defaults (`gguf_amx_lane_defaults`). Returns the previous setting.
 int gguf_amx_lane_rows(int rows) {
     const int was = gguf_kernel::amx_lanes_set;
     const int most = (int)gguf_kernel::AMX_LANES_MOST;
     gguf_kernel::amx_lanes_set = rows < -1 ? -1 : rows > most ? most : rows;
     return was;
+}
+
+// The defaults `gguf_amx_lane_rows(-1)` restores, per format (Q4_1, Q8_0): calls of at most that many rows (0-8)
+// take the VNNI lanes; -1 the built-in default. The loader sets the crossovers it measured. Returns 0.
+int gguf_amx_lane_defaults(int q41_rows, int q80_rows) {
+    const int most = (int)gguf_kernel::AMX_LANES_MOST;
+    auto clamp = [most](int r) { return r < -1 ? -1 : r > most ? most : r; };
+    gguf_kernel::amx_lanes_measured[1] = clamp(q41_rows);
+    gguf_kernel::amx_lanes_measured[0] = clamp(q80_rows);
+    return 0;
+}
+
+// The row count up to which calls of format `fmt` (0: Q4_1, 1: Q8_0) take the VNNI lanes now.
+int gguf_amx_lane_rows_now(int fmt) {
+    return (int)(fmt == 0 ? gguf_kernel::amx_lane_rows<true>() : gguf_kernel::amx_lane_rows<false>());
 }
 
 // Bytes gguf_amx_pack writes for an [N, K] weight of GGML type `fmt` (0: Q4_1, 1: Q8_0).
