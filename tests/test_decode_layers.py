@@ -247,3 +247,21 @@ def test_qwen2_biases_and_a_long_context(tmp_path):
     assert torch.equal(verify, single)
     ref = outs["torch"][0]
     assert (single - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+def test_the_mlp_gates_16_lane_form_gives_the_8_lane_forms_bits():
+    """silu(g) * u in AVX-512 where the CPU has it (the attention kernel's exp in 16 lanes): every lane's
+    operations are the 8-lane form's, so the layers' bits do not depend on which ran. Gates across the exp's range
+    (past -87 it is 0), signed zeros, and a width that leaves an 8-wide tail."""
+    lib = decode_layers._build()[0]
+    rows, width = 7, 1544  # 96 16-lane vectors and one 8-lane tail a row
+    gen = torch.Generator().manual_seed(0)
+    gate = torch.randn(rows, width, generator=gen) * torch.tensor([0.1, 1.0, 8.0, 30.0, 100.0, 1e-3, 60.0])[:, None]
+    gate[0, :4] = torch.tensor([0.0, -0.0, -87.5, -86.5])
+    gu = torch.cat([gate, torch.randn(rows, width, generator=gen)], dim=1).contiguous()
+    out = {lanes: torch.empty(rows, width) for lanes in (8, 16)}
+    for lanes, a in out.items():
+        lib.silu_mul_rows(gu.data_ptr(), a.data_ptr(), rows, width, lanes)
+    assert torch.equal(out[8].view(torch.int32), out[16].view(torch.int32))
+    g, u = gu[:, :width].double(), gu[:, width:].double()
+    torch.testing.assert_close(out[16].double(), torch.nn.functional.silu(g) * u, rtol=1e-6, atol=1e-30)

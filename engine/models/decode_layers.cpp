@@ -73,8 +73,11 @@ constexpr int SPINS = 1 << 12;  // pauses at a barrier before yielding the core 
 // Up to this many rows, every thread computes an RMS norm's rows and the MLP gate's (silu(gate) * up) whole, into
 // rows of its own, and its next linear reads them there: no barrier between the op and the linear (3 of a layer's 9
 // go), for a few microseconds of arithmetic repeated. Calls of more rows, or whose threads' own rows would pass
-// OWN_FLOATS (many threads, a wide model), split those rows and meet at a barrier. Same bits either way.
-constexpr int64_t OWN_ROWS = 64, OWN_FLOATS = 1 << 20;
+// OWN_FLOATS (many threads, a wide model), split those rows and meet at a barrier. Same bits either way. Where
+// they cross (rdtsc marks per phase in SmolLM2's steps, 2 threads, AMX host; thousands of cycles a step for the
+// two norms and the gate, barriers included, own / split): 2 rows 293 / 310, 3 rows 378 / 433, 4 rows 542 / 453,
+// 5 rows 572 / 423, and 3.65 M / 1.93 M at a batch-8 verify step's 40 (a limit of 64 rows repeated all of that).
+constexpr int64_t OWN_ROWS = 3, OWN_FLOATS = 1 << 20;
 
 // Threads meet here between phases: spin (the other thread is mid-phase, microseconds away), then yield.
 class Barrier {
@@ -140,13 +143,14 @@ void rotary(float *x, Range rows, int64_t stride, int64_t heads, int64_t D, cons
 }
 
 // gu [M, 2 * I] (gate then up) -> a [M, I]. silu(g) = g / (1 + e^-g) = g e^g / (1 + e^g): with t = e^-|g| (the
-// attention kernel's exp of a nonpositive argument), g / (1 + t) for g >= 0 and g t / (1 + t) below.
-void silu_mul(const float *gu, float *a, Range rows, int64_t I) {
+// attention kernel's exp of a nonpositive argument), g / (1 + t) for g >= 0 and g t / (1 + t) below. Outputs
+// [i0, I) of each row: the 16-lane form below does the leading multiple of 16 where the CPU has AVX-512.
+void silu_mul8(const float *gu, float *a, Range rows, int64_t I, int64_t i0) {
     const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
     for (int64_t r = rows.a; r < rows.b; r++) {
         const float *g = gu + r * 2 * I, *u = g + I;
         float *ar = a + r * I;
-        for (int64_t i = 0; i < I; i += 8) {
+        for (int64_t i = i0; i < I; i += 8) {  // (I: a multiple of 8, `layer_ok`)
             const __m256 gv = _mm256_loadu_ps(g + i);
             const __m256 neg = _mm256_cmp_ps(gv, zero, _CMP_LT_OQ);
             const __m256 t = cpu_attention_kernel::exp_nonpositive(_mm256_or_ps(gv, _mm256_set1_ps(-0.0f)));
@@ -155,6 +159,37 @@ void silu_mul(const float *gu, float *a, Range rows, int64_t I) {
             _mm256_storeu_ps(ar + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
         }
     }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl")
+// The same operations in 16 lanes (each lane's bits are the 8-lane form's): a verify step's gate is 5-40 rows of
+// SmolLM2's 1,536, where the 8-lane form took ~2.2 cycles an output (rdtsc marks, AMX host).
+void silu_mul16(const float *gu, float *a, Range rows, int64_t I) {
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps(), sign = _mm512_set1_ps(-0.0f);
+    for (int64_t r = rows.a; r < rows.b; r++) {
+        const float *g = gu + r * 2 * I, *u = g + I;
+        float *ar = a + r * I;
+        for (int64_t i = 0; i + 16 <= I; i += 16) {
+            const __m512 gv = _mm512_loadu_ps(g + i);
+            const __mmask16 neg = _mm512_cmp_ps_mask(gv, zero, _CMP_LT_OQ);
+            const __m512 t = cpu_attention_kernel::exp_nonpositive16(_mm512_or_ps(gv, sign));
+            const __m512 num = _mm512_mask_blend_ps(neg, gv, _mm512_mul_ps(gv, t));
+            const __m512 s = _mm512_div_ps(num, _mm512_add_ps(one, t));
+            _mm512_storeu_ps(ar + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+        }
+    }
+}
+#pragma GCC pop_options
+
+// wide = false: the 8-lane form on an AVX-512 CPU too (`silu_mul_rows`: tests compare the forms)
+void silu_mul(const float *gu, float *a, Range rows, int64_t I, bool wide = true) {
+    int64_t done = 0;
+    if (wide && cpu_attention_kernel::avx512_cpu()) {
+        silu_mul16(gu, a, rows, I);
+        done = I / 16 * 16;
+    }
+    if (done < I) silu_mul8(gu, a, rows, I, done);
 }
 
 // The memory a call's buffers take, kept by the calling thread for its next calls, up to KEEP bytes (grown to the
@@ -369,6 +404,11 @@ bool slots_ok(const int64_t *slots, int64_t M, int64_t num_slots) {
 }  // namespace
 
 extern "C" {
+// The MLP gate alone, for tests: gu [M, 2 * I] -> a [M, I]; lanes 8: the 8-lane form, else the CPU's widest.
+void silu_mul_rows(const float *gu, float *a, int64_t M, int64_t I, int lanes) {
+    silu_mul(gu, a, Range(M, 0, 1), I, lanes != 8);
+}
+
 // The library's version: bump it with any change to the arithmetic above.
 int decode_layers_version(void) { return 4; }
 

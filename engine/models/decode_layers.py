@@ -81,6 +81,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         fn.restype = ctypes.c_int
     lib.final_norm.argtypes = [p(_Shape), ptr, ptr, i64]
     lib.final_norm.restype = None
+    lib.silu_mul_rows.argtypes = [ptr, ptr, i64, i64, c_int]
+    lib.silu_mul_rows.restype = None
     return lib, ""
 
 
