@@ -19,13 +19,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from specstep.engine.models.cpu_linear_plans import PLANS
-from specstep.engine.models.gguf_kernel import _build, amx_lane_rows, gguf_linear, set_amx_lane_defaults
+from specstep.engine.models.gguf_kernel import amx_lane_rows, build_id, gguf_linear, set_amx_lane_defaults
 
 PROBE_ROWS = tuple(range(1, 9))  # the row counts the lanes can take (`AMX_LANES_MOST`)
 ROUNDS = 5  # timed passes of each form and row count, alternating
@@ -82,7 +81,7 @@ def lane_rows_for(model: nn.Module) -> dict[str, int]:
     for m in model.modules():
         if isinstance(m, GGUFLinear) and m.kernel_fmt.endswith("/int8-tiles"):
             by_fmt.setdefault(m.fmt, []).append(m)
-    build = Path(_build()[0]._name).stem  # the kernel's build (its sources' hash): a new kernel measures again
+    build = build_id()  # a new kernel measures again
     chosen = {}
     for fmt, linears in sorted(by_fmt.items()):
         shapes = sorted({(m.out_features, m.in_features) for m in linears})

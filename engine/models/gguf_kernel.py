@@ -80,6 +80,12 @@ def unavailable() -> str:
     return _build()[1]
 
 
+def build_id() -> str:
+    """The loaded build's name (its sources' hash): measurements of the kernel are cached under it."""
+    lib = _build()[0]
+    return Path(lib._name).stem if lib is not None else ""
+
+
 def kernel_isa() -> str:
     """Which form fp32 activations run in here: "avx512" (two weight rows a register, where the CPU has AVX-512)
     or "avx2" (the same bits either way)."""
