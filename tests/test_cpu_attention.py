@@ -89,3 +89,36 @@ def test_a_rows_bits_do_not_depend_on_its_step(monkeypatch, heads, kv_heads, d):
     for i in range(5):  # row i of the verify step = a decode step at position 60 + i over the same cache
         one = bb.build_forward_batch([[0]], [60 + i], [tables[0]], PAGE, "cpu")
         assert torch.equal(kernel.cpu_attention(q[i: i + 1], kc, vc, one.attn, heads, 0.125), batch[1][i: i + 1])
+
+
+@pytest.mark.parametrize(("q_lens", "starts"), [([40, 40], [0, 0]), ([37], [50]), ([40, 23], [0, 9])])
+def test_prompts_take_the_kernel_and_their_rows_are_decode_steps_bits(monkeypatch, q_lens, starts):
+    """Forwards of more positions than a verify step's, up to PROMPT_ROWS (fresh prompts, a prompt after cached
+    keys, ragged lanes), attend in the kernel, not SDPA: SDPA's results to fp32 rounding, and each prompt row the
+    bits of a decode step at its position over the same cache. Past PROMPT_ROWS, SDPA."""
+    q, kc, vc, tables = paged(q_lens, starts, seed=3)
+    monkeypatch.setattr(bb, "PAD_LIMIT", float("inf"))  # one forward (split ones attend part by part)
+    fb = bb.build_forward_batch([[0] * n for n in q_lens], starts, tables, PAGE, "cpu")
+    calls = []
+    real = kernel.cpu_attention
+    monkeypatch.setattr(kernel, "cpu_attention", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    attend = TorchAttention(batch_invariant=True)
+    got = attend.forward(q, kc, vc, fb.attn, HEADS, 0.125)
+    assert calls == [fb.attn]
+    torch.testing.assert_close(got, TorchAttention().forward(q, kc, vc, fb.attn, HEADS, 0.125), rtol=1e-5, atol=2e-6)
+    t = 0
+    for lane, (n, s) in enumerate(zip(q_lens, starts)):
+        for i in range(0, n, 7):  # every 7th row of each lane: a decode step at its position
+            one = bb.build_forward_batch([[0]], [s + i], [tables[lane]], PAGE, "cpu")
+            assert torch.equal(real(q[t + i: t + i + 1], kc, vc, one.attn, HEADS, 0.125), got[t + i: t + i + 1])
+        t += n
+    monkeypatch.setattr(kernel, "PROMPT_ROWS", min(q_lens) - 1)
+    calls.clear()
+    sdpa = attend.forward(q, kc, vc, fb.attn, HEADS, 0.125)
+    assert calls == [] and torch.equal(sdpa, TorchAttention().forward(q, kc, vc, fb.attn, HEADS, 0.125))
+
+
+def test_a_prompt_whose_scores_would_pass_the_bound_takes_sdpa():
+    assert kernel.takes_prompt(kernel.PROMPT_ROWS, 1000, 3)
+    assert not kernel.takes_prompt(kernel.PROMPT_ROWS + 1, 1000, 3)
+    assert not kernel.takes_prompt(kernel.PROMPT_ROWS, kernel.PROMPT_SCORES // (3 * kernel.PROMPT_ROWS), 3)

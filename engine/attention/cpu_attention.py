@@ -1,7 +1,7 @@
-"""Call `cpu_attention.cpp`: paged attention for steps of at most MAX_QUERY_ROWS positions on CPU (fp32), one
-call a layer and batch-invariant by construction (a row's bits never depend on what shares its step). Built and
-loaded by `engine.native`; where it cannot run (`unavailable()` says why), `invariant_attention` (torch ops) is
-the batch-invariant path."""
+"""Call `cpu_attention.cpp`: paged attention for steps of at most MAX_QUERY_ROWS positions, and prompts of at most
+PROMPT_ROWS, on CPU (fp32), one call a layer and batch-invariant by construction (a row's bits never depend on what
+shares its step). Built and loaded by `engine.native`; where it cannot run (`unavailable()` says why),
+`invariant_attention` (torch ops) is the batch-invariant path."""
 
 from __future__ import annotations
 
@@ -37,6 +37,23 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                                       ctypes.c_int]
         lib.cpu_attention.restype = ctypes.c_int
     return lib, why
+
+
+# Forwards of more positions a lane (prompts, prompt chunks outside mixed steps) take the kernel too, up to
+# PROMPT_ROWS while a thread's scores (query heads a KV head x rows x keys floats) stay within PROMPT_SCORES; past
+# them, SDPA's blocked GEMMs. The kernel reads the pages where they are, where a prompt's SDPA first gathers every
+# lane's keys and values into contiguous copies and expands them to the query heads, each layer. SmolLM2 prompts to
+# their first token, int8 activations, 2 threads, AMX host (SDPA / kernel, ms): 64 tokens x 8 174 / 149; 128 x 1
+# 68 / 60, x 8 353 / 303; 256 x 1 119 / 105; 512 x 1 253 / 244; 1,024 x 1 592 / 733. With the kernel's AVX2 form
+# forced (what an AVX2 host runs; SDPA still AVX-512 here): 128 x 1 70 / 65, x 8 372 / 325; 256 x 1 120 / 121.
+PROMPT_ROWS = 256
+PROMPT_SCORES = 1 << 22  # 16 MB a thread: 256 rows over ~5,400 keys at 3 query heads a KV head
+
+
+def takes_prompt(rows: int, keys: int, group: int) -> bool:
+    """Whether a forward of `rows` positions a lane over at most `keys` keys, `group` query heads a KV head, takes
+    the kernel (rows past MAX_QUERY_ROWS: a prompt's)."""
+    return rows <= PROMPT_ROWS and group * rows * (keys + 16) <= PROMPT_SCORES
 
 
 def unavailable() -> str:

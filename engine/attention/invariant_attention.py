@@ -21,7 +21,7 @@ ignore (`measure_min_rows`):
 Long contexts attend in fixed key chunks of `key_chunk` keys merged in order (online softmax); a chunk a row
 cannot see is an exact no-op. The chunk is fixed per backend, never per step, or decode and verify would merge
 in different places. Lanes are attended in blocks that fit the workspace (any block size gives the same bits).
-Steps of more than MAX_QUERY_ROWS positions (prompts) take SDPA: see `TorchAttention`.
+Steps of more than MAX_QUERY_ROWS positions (prompts) take the C++ kernel or SDPA: see `TorchAttention`.
 """
 
 from __future__ import annotations

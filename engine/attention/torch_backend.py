@@ -276,7 +276,7 @@ class TorchAttention:
             return "attention: SDPA (batch invariance off)"
         if not kernel.unavailable():
             return (f"attention: batch-invariant C++ kernel for fp32 steps of <= {MAX_QUERY_ROWS} positions "
-                    "(prompts: SDPA)")
+                    f"and prompts of <= {kernel.PROMPT_ROWS} (longer: SDPA)")
         if not self._min_rows:
             return "attention: batch-invariant on CPU"
         found = sorted({r for r in self._min_rows.values() if r is not None})
@@ -323,9 +323,10 @@ class TorchAttention:
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 num_heads: int, scale: float, rows: int | None, use_kernel: bool) -> torch.Tensor:
-        """`use_kernel`: steps of few positions in the C++ kernel (`cpu_attention`: batch-invariant by
-        construction); everything else in `paged_attention`."""
-        if use_kernel and meta.q_index.shape[1] <= MAX_QUERY_ROWS:
+        """`use_kernel`: steps of few positions, and prompts the kernel takes (`cpu_attention.takes_prompt`), in the
+        C++ kernel (`cpu_attention`: batch-invariant by construction); everything else in `paged_attention`."""
+        qn = meta.q_index.shape[1]
+        if use_kernel and (qn <= MAX_QUERY_ROWS or kernel.takes_prompt(qn, meta.keys, num_heads // k_cache.shape[1])):
             return kernel.cpu_attention(q, k_cache, v_cache, meta, num_heads, scale)
         return paged_attention(q, k_cache, v_cache, meta, num_heads, scale, self.workspace, rows)
 
