@@ -40,7 +40,7 @@ def load(model, layers: str, activations: str = "fp32"):
 
 
 def steps(net):
-    """Logits of: a 17-token prompt beside a 40-token one (per-layer calls: prompts attend with SDPA), NEXT decoded
+    """Logits of: a 17-token prompt beside a 40-token one (one call: the kernel attends prompts), NEXT decoded
     one token a step (one call a step), NEXT as one verify step (one call), and again beside another lane's
     decode row (lanes this ragged split their attention: per-layer calls)."""
     pool = KVPool(net.rank_cfg, len(net.layers), 64, PAGE, torch.float32, "cpu")
@@ -70,8 +70,9 @@ def test_native_layers_compute_the_torch_layers_logits(gguf_model):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-def test_one_call_a_step_and_per_layer_calls_give_the_same_bits(gguf_model, monkeypatch):
-    net = load(gguf_model, "auto")
+@pytest.mark.parametrize("acts", ["fp32", "int8"])  # int8: the host's kernel, and its prompt GEMM (AMX-BF16 here)
+def test_one_call_a_step_and_per_layer_calls_give_the_same_bits(gguf_model, monkeypatch, acts):
+    net = load(gguf_model, "auto", acts)
     prompt, single, verify, beside = steps(net)
     # batch-invariant: verify rows are the decode steps' bits, alone or beside another lane
     assert torch.equal(verify, single) and torch.equal(beside[: len(NEXT)], single)
@@ -79,12 +80,12 @@ def test_one_call_a_step_and_per_layer_calls_give_the_same_bits(gguf_model, monk
     stack = decode_layers.NativeLayers.forward
 
     def spy(self, x, batch, kv, rope, attention):
-        calls.append(attention.runs_kernel(x, kv.k[0], batch.attn))
+        calls.append(attention.runs_kernel(x, kv.k[0], batch.attn, self.num_heads))
         return stack(self, x, batch, kv, rope, attention)
 
     monkeypatch.setattr(decode_layers.NativeLayers, "forward", spy)
     steps(net)
-    assert calls == [False] + [True] * len(NEXT) + [True, False]
+    assert calls == [True] + [True] * len(NEXT) + [True, False]
     monkeypatch.setattr(type(net.attention), "runs_kernel", lambda *a: False)  # every step per layer
     again = steps(net)
     assert all(torch.equal(a, b) for a, b in zip(again, (prompt, single, verify, beside), strict=True))

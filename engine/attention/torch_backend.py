@@ -291,11 +291,15 @@ class TorchAttention:
     def plan_padding(self, slot: str, lanes: int, q: int, stream: torch.cuda.Stream | None = None) -> None:
         pass
 
-    def runs_kernel(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata | SplitAttention) -> bool:
+    def runs_kernel(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata | SplitAttention,
+                    num_heads: int) -> bool:
         """Whether `forward` would attend this whole step in the C++ kernel (`cpu_attention`): batch-invariant
-        CPU fp32 steps of at most MAX_QUERY_ROWS positions a lane, not split."""
-        return (self.batch_invariant and isinstance(meta, AttentionMetadata)
-                and meta.q_index.shape[1] <= MAX_QUERY_ROWS and kernel.runs(q, k_cache))
+        CPU fp32 steps of at most MAX_QUERY_ROWS positions a lane, or prompts it takes (`takes_prompt`), not
+        split."""
+        if not (self.batch_invariant and isinstance(meta, AttentionMetadata) and kernel.runs(q, k_cache)):
+            return False
+        qn = meta.q_index.shape[1]
+        return qn <= MAX_QUERY_ROWS or kernel.takes_prompt(qn, meta.keys, num_heads // k_cache.shape[1])
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata | SplitAttention, num_heads: int, scale: float) -> torch.Tensor:

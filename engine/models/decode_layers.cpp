@@ -410,7 +410,7 @@ void silu_mul_rows(const float *gu, float *a, int64_t M, int64_t I, int lanes) {
 }
 
 // The library's version: bump it with any change to the arithmetic above.
-int decode_layers_version(void) { return 4; }
+int decode_layers_version(void) { return 5; }
 
 // x [M, hidden] (the residual stream, read) -> q [M, heads * D] rotated, and the rotated keys and the values
 // written to k_cache / v_cache [num_slots, kv_heads, D] at slots [M]. gemm_rows [M] (uint8) or null: the rows
@@ -458,19 +458,21 @@ void final_norm(const Shape *s, const float *w, float *x, int64_t M) {
     rms_norm(x, w, x, Range(M, 0, 1), s->hidden, s->eps);
 }
 
-// Every layer of a step whose attention runs in the C++ kernel (few positions a lane), in one region: per layer
-// phase_in, attention over the paged caches, phase_out; then the model's final RMS norm (weight norm [hidden]).
-// x [M, hidden] is updated in place: the normed final hidden states.
+// Every layer of a step whose attention runs in the C++ kernel (few positions a lane, or prompts it takes), in one
+// region: per layer phase_in, attention over the paged caches, phase_out; then the model's final RMS norm (weight
+// norm [hidden]). x [M, hidden] is updated in place: the normed final hidden states. gemm_rows as attention_in's.
 int decode_stack(const Shape *s, const Layer *layers, int64_t L, const float *norm, float *x, int64_t M,
                  const float *cos, const float *sin, const int64_t *slots, float *const *k_caches,
-                 float *const *v_caches, int64_t num_slots, const Paging *pg, int threads) {
+                 float *const *v_caches, int64_t num_slots, const Paging *pg, const uint8_t *gemm_rows,
+                 int threads) {
     for (int64_t l = 0; l < L; l++)
         if (!layer_ok(s, layers + l)) return -1;
     const int64_t most_keys = cpu_attention_kernel::longest(pg->kv_len, pg->B);
     if (!slots_ok(slots, M, num_slots) || most_keys > pg->P * pg->page_size || pg->Q > M) return -1;
     for (int64_t i = 0; i < pg->B * pg->Q; i++)  // every query row names one of the call's rows
         if (pg->q_valid[i] && (pg->q_index[i] < 0 || pg->q_index[i] >= M)) return -1;
-    Buffers buf(s, M, threads, most_keys, pg->Q, nullptr);
+    Buffers buf(s, M, threads, most_keys, pg->Q, gemm_rows);
+    if (!buf.gemm_flags_ok()) return -1;
     if (!buf.mem) return -2;
     Barrier bar;
     #pragma omp parallel num_threads(threads)

@@ -76,7 +76,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.attention_in.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, c_int]
     lib.attention_out_mlp.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, ptr, c_int]
     lib.decode_stack.argtypes = [p(_Shape), p(_Layer), i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, p(_Paging),
-                                 c_int]
+                                 ptr, c_int]
     for fn in (lib.attention_in, lib.attention_out_mlp, lib.decode_stack):
         fn.restype = ctypes.c_int
     lib.final_norm.argtypes = [p(_Shape), ptr, ptr, i64]
@@ -128,8 +128,7 @@ def prompt_rows(meta: AttentionMetadata | SplitAttention, tokens: int, kind: int
     """uint8 [tokens]: `kind` for the rows whose lane has more than MAX_QUERY_ROWS positions in this step (prompts
     and prompt chunks: their linears take the prompt GEMM, `gguf_gemm.cpp`, or for `PROMPT_GEMM_BF16_TILES` its
     AMX-BF16 form over the tiles' copy, `gguf_amx_bf16.cpp`), 0 for the others (decode, verify, draft and refill
-    rows keep the kernel, so their bits never depend on a prompt beside them); None if no row is a prompt's. The
-    same rule decides which rows attend with SDPA (`TorchAttention`)."""
+    rows keep the kernel, so their bits never depend on a prompt beside them); None if no row is a prompt's."""
     parts = meta.parts if isinstance(meta, SplitAttention) else [(0, tokens, meta)]
     flags = None
     for t0, _, part in parts:
@@ -220,7 +219,7 @@ class NativeLayers:
         cos, sin = (t.reshape(m, self.head_dim).float().contiguous() for t in rope)
         slots = batch.slot_mapping.long().contiguous()
         step = (ctypes.byref(self._shape), x.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), slots.data_ptr())
-        if attention.runs_kernel(x, kv.k[0], batch.attn):
+        if attention.runs_kernel(x, kv.k[0], batch.attn, self.num_heads):
             self._stack(step, batch.attn, kv)
         else:
             self._per_layer(step, batch.attn, kv, attention)
@@ -233,8 +232,14 @@ class NativeLayers:
         paging = _Paging(q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(), kv_len.data_ptr(),
                          table.data_ptr(), q_index.shape[0], q_index.shape[1], table.shape[1], meta.page_size)
         ks, vs = self._cache_arrays(kv)
-        self._run("decode_stack", m, m, self._lib.decode_stack, shape, self._layers, len(self._layers),
-                  self._norm.data_ptr(), x, m, cos, sin, slots, ks, vs, kv.k[0].shape[0], ctypes.byref(paging))
+        # prompts the kernel attends (`cpu_attention.takes_prompt`) come here too, their linears' rows flagged for
+        # the prompt GEMM; a step of few positions asks nothing of the host (a captured step may not)
+        long = q_index.shape[1] > MAX_QUERY_ROWS
+        gemm = prompt_rows(meta, m, self.prompt_gemm) if long and self.prompt_gemm else None
+        rows = m if m <= 64 else 1 << m.bit_length()  # prompts' row counts in powers of two: fewer keys to time
+        self._run("decode_stack", rows, m, self._lib.decode_stack, shape, self._layers, len(self._layers),
+                  self._norm.data_ptr(), x, m, cos, sin, slots, ks, vs, kv.k[0].shape[0], ctypes.byref(paging),
+                  None if gemm is None else gemm.data_ptr())
 
     def _per_layer(self, step: tuple, meta: AttentionMetadata | SplitAttention, kv: KVPool, attention) -> None:
         shape, x, m, cos, sin, slots = step
