@@ -357,9 +357,9 @@ void phase_in(const Shape *s, const Layer *L, const float *x, int64_t M, const f
     bar.wait();
 }
 
+// units: this thread's share of (item, query row) units, cpu_attention's (`unit_share`)
 void phase_attention(const Shape *s, const Paging *pg, const float *k_cache, const float *v_cache,
-                     int64_t most_keys, Buffers &buf, Barrier &bar, int t, int nt) {
-    const Range units(pg->B * s->kv_heads * pg->Q, t, nt);  // (item, query row): cpu_attention's split
+                     int64_t most_keys, Range units, Buffers &buf, Barrier &bar, int t) {
     cpu_attention_kernel::attend_units(units.a, units.b, buf.q, buf.out, k_cache, v_cache, pg->Q, s->heads,
                                        s->kv_heads, s->head_dim, pg->q_index, pg->q_valid, pg->q_pos, pg->kv_len,
                                        pg->table, pg->P, pg->page_size, s->scale, most_keys,
@@ -479,9 +479,12 @@ int decode_stack(const Shape *s, const Layer *layers, int64_t L, const float *no
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         bar.join(nt);
+        Range units(0, 0, 1);  // the same share every layer
+        cpu_attention_kernel::unit_share(pg->B * s->kv_heads * pg->Q, pg->Q, s->kv_heads, pg->q_valid, pg->q_pos,
+                                         pg->kv_len, t, nt, &units.a, &units.b);
         for (int64_t l = 0; l < L; l++) {
             phase_in(s, layers + l, x, M, cos, sin, slots, k_caches[l], v_caches[l], buf, bar, t, nt);
-            phase_attention(s, pg, k_caches[l], v_caches[l], most_keys, buf, bar, t, nt);
+            phase_attention(s, pg, k_caches[l], v_caches[l], most_keys, units, buf, bar, t);
             phase_out(s, layers + l, x, M, buf.out, buf, bar, t, nt);
         }
         rms_norm(x, norm, x, Range(M, t, nt), s->hidden, s->eps);  // a row at a time: in place is safe
