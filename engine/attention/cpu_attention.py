@@ -42,12 +42,13 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
 # Forwards of more positions a lane (prompts, prompt chunks outside mixed steps) take the kernel too, up to
 # PROMPT_ROWS while a thread's scores (query heads a KV head x rows x keys floats) stay within PROMPT_SCORES; past
 # them, SDPA's blocked GEMMs. The kernel reads the pages where they are, where a prompt's SDPA first gathers every
-# lane's keys and values into contiguous copies and expands them to the query heads, each layer. SmolLM2 prompts to
-# their first token, int8 activations, 2 threads, AMX host (SDPA / kernel, ms): 64 tokens x 8 174 / 149; 128 x 1
-# 68 / 60, x 8 353 / 303; 256 x 1 119 / 105; 512 x 1 253 / 244; 1,024 x 1 592 / 733. With the kernel's AVX2 form
-# forced (what an AVX2 host runs; SDPA still AVX-512 here): 128 x 1 70 / 65, x 8 372 / 325; 256 x 1 120 / 121.
-PROMPT_ROWS = 256
-PROMPT_SCORES = 1 << 22  # 16 MB a thread: 256 rows over ~5,400 keys at 3 query heads a KV head
+# lane's keys and values into contiguous copies and expands them to the query heads, each layer; and with the
+# kernel attending, the C++ layers run the whole prompt in one call (`decode_layers`). SmolLM2 prompts to their
+# first token, int8 activations, 2 threads, AMX host, SDPA (a call a layer) / the kernel (one call), ms: 128 tokens
+# x 1 68 / 41, x 8 353 / 271; 512 x 1 239 / 197, x 4 1,884 / 973; 1,024 x 1 572 / 622. The kernel's AVX2 form
+# (what an AVX2 host runs; SDPA still AVX-512 here): 256 x 1 115 / 100, 512 x 1 244 / 234.
+PROMPT_ROWS = 512
+PROMPT_SCORES = 1 << 22  # 16 MB a thread: 512 rows over ~2,700 keys at 3 query heads a KV head
 
 
 def takes_prompt(rows: int, keys: int, group: int) -> bool:
