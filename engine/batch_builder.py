@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from specstep.engine.attention.invariant_attention import MAX_QUERY_ROWS
 from specstep.engine.forward_batch import BatchLayout, ForwardBatch, SplitAttention
 from specstep.engine.kv_cache import DUMMY_PAGE
 
@@ -64,21 +65,29 @@ def layout_from(tensors: Sequence[torch.Tensor], page_size: int, dense: bool) ->
     return BatchLayout(*tensors, page_size=page_size, dense=dense)
 
 
-PAD_LIMIT = 2.0  # a padded attention part may compute at most this many times its requests' own query x keys
+# A padded attention part may compute at most this many times its requests' own query x keys; inf: one padded batch
+# whatever the requests' sizes (tests compare against it).
+PAD_LIMIT = 2.0
 
 
 def attention_parts(q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int) -> list[tuple[int, int]]:
     """Consecutive request ranges [r0, r1) to attend separately: one batch pads every request to the longest
     query and the longest key range, so a decode row beside a 4,000-token prompt chunk would compute the
-    chunk's whole [q, keys] block; a part grows while its padded work stays within PAD_LIMIT of its own."""
+    chunk's whole [q, keys] block; a part grows while its padded work stays within PAD_LIMIT of its own. And a
+    request of a decode step's size (at most MAX_QUERY_ROWS rows: decode, verify, draft, refill) never shares a
+    part with a longer one: a part attends as its longest request allows (SDPA past the C++ kernel's prompt
+    sizes), and the short one's rows must keep a decode step's bits (batch invariance)."""
     keys = -(-kv_lens // page_size) * page_size
+    few = q_lens <= MAX_QUERY_ROWS
+    one_batch = PAD_LIMIT == float("inf")
     parts, r0 = [], 0
     for r in range(1, len(q_lens) + 1):
         if r == len(q_lens):
             parts.append((r0, r))
             break
         qn, kn = q_lens[r0: r + 1].max(), keys[r0: r + 1].max()
-        if (r + 1 - r0) * qn * kn > PAD_LIMIT * float((q_lens[r0: r + 1] * keys[r0: r + 1]).sum()):
+        if (few[r] != few[r0] and not one_batch) or (
+                (r + 1 - r0) * qn * kn > PAD_LIMIT * float((q_lens[r0: r + 1] * keys[r0: r + 1]).sum())):
             parts.append((r0, r))
             r0 = r
     return parts

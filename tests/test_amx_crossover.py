@@ -83,7 +83,7 @@ def test_loading_on_the_tiles_measures_the_crossover_on_the_models_linears(tmp_p
     linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     assert timed == [sorted((m.out_features, m.in_features) for m in linears)]  # the model's own, all of them
     assert gguf_kernel.amx_lane_rows_now("Q8_0") == 3
-    assert "calls of few rows (Q8_0 up to 3, measured faster here)" in describe_cpu_kernels(model)
+    assert "calls of few rows (Q8_0 up to 3, measured faster here at load)" in describe_cpu_kernels(model)
     layers = decode_layers._build()[0]
     if layers is not None and not decode_layers.why_not(model):  # the C++ layers' own copy of the kernel
         layers.gguf_amx_lane_defaults(-1, -1)
@@ -100,5 +100,11 @@ def test_loading_on_the_tiles_measures_the_crossover_on_the_models_linears(tmp_p
                         lambda linears, rounds=1: ([1.0] * len(PROBE_ROWS), [2.0] * len(PROBE_ROWS)))
     draft = load_model(write_gguf(tmp_path / "d.gguf", small, qtype="Q8_0"), "cpu", "float32",
                        CpuKernels(activations="int8-tiles"))
-    assert "Q8_0 up to 0" in describe_cpu_kernels(draft)
+    assert "Q8_0 up to 3" in describe_cpu_kernels(draft)  # what runs: the target's, which it measured over more
     assert gguf_kernel.amx_lane_rows_now("Q8_0") == 3
+    was = gguf_kernel.amx_lane_rows(2)  # an override in force (an A/B's) outlives a measurement
+    try:
+        measure(linears, rounds=1)
+        assert gguf_kernel.amx_lane_rows_now("Q8_0") == gguf_kernel.amx_lane_rows_now("Q4_1") == 2
+    finally:
+        gguf_kernel.amx_lane_rows(was)

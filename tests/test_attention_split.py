@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import specstep.engine.batch_builder as bb
+from specstep.engine.attention.invariant_attention import MAX_QUERY_ROWS
 from specstep.engine.attention.torch_backend import TorchAttention
 from specstep.engine.forward_batch import SplitAttention
 
@@ -23,6 +24,32 @@ def test_parts_bound_the_padding():
         padded = (r1 - r0) * q[r0:r1].max() * keys[r0:r1].max()
         assert padded <= bb.PAD_LIMIT * (q[r0:r1] * keys[r0:r1]).sum()
     assert bb.attention_parts(np.full(8, 5), np.full(8, 100), 16) == [(0, 8)]  # alike: one batch
+    for r0, r1 in parts:  # no part mixes requests of a decode step's size with longer ones
+        assert len({bool(n <= MAX_QUERY_ROWS) for n in q[r0:r1]}) == 1
+
+
+def test_a_decode_row_beside_a_chunk_past_the_kernel_keeps_a_decode_steps_bits():
+    """A decode row whose keys make padding it to a long chunk cheap (300 keys beside a fresh 600-token chunk) would
+    share the chunk's part, which attends with SDPA past the kernel's prompt sizes: its row must still be a decode
+    step's, bitwise."""
+    import specstep.engine.attention.torch_backend as tb
+
+    heads, kv_heads, d, page_size = 6, 2, 64, 16
+    if not tb.kernel.runs(torch.zeros(1), torch.zeros(1, 1, d)):
+        pytest.skip(f"the CPU attention kernel does not run here: {tb.kernel.unavailable()}")
+    g = torch.Generator().manual_seed(2)
+    q_lens, starts = [1, 600], [299, 0]
+    pages_per = [-(-(s + n) // page_size) for s, n in zip(starts, q_lens)]
+    k_cache = torch.randn((sum(pages_per) + 1) * page_size, kv_heads, d, generator=g)
+    v_cache = torch.randn_like(k_cache)
+    tables = [list(range(1, 1 + pages_per[0])), list(range(1 + pages_per[0], 1 + sum(pages_per)))]
+    q = torch.randn(sum(q_lens), heads * d, generator=g)
+    assert not tb.kernel.takes_prompt(600, 608, heads // kv_heads)  # the chunk's part takes SDPA
+    mixed = bb.build_forward_batch([[0] * n for n in q_lens], starts, tables, page_size, "cpu", slot=tb.PROMPT_SLOT)
+    attn = TorchAttention(batch_invariant=True)
+    out = attn.forward(q, k_cache, v_cache, mixed.attn, heads, 0.125)
+    alone = bb.build_forward_batch([[0]], starts[:1], tables[:1], page_size, "cpu")
+    assert torch.equal(out[:1], attn.forward(q[:1], k_cache, v_cache, alone.attn, heads, 0.125))
 
 
 @pytest.mark.parametrize("page_size", [4, 16])

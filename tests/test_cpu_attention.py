@@ -105,6 +105,8 @@ def test_prompts_take_the_kernel_and_their_rows_are_decode_steps_bits(monkeypatc
     attend = TorchAttention(batch_invariant=True)
     got = attend.forward(q, kc, vc, fb.attn, HEADS, 0.125)
     assert calls == [fb.attn]
+    for threads in (1, 2, 3):  # the threads' shares of the causal rows (split by their keys) change no bits
+        assert torch.equal(real(q, kc, vc, fb.attn, HEADS, 0.125, threads=threads), got)
     torch.testing.assert_close(got, TorchAttention().forward(q, kc, vc, fb.attn, HEADS, 0.125), rtol=1e-5, atol=2e-6)
     t = 0
     for lane, (n, s) in enumerate(zip(q_lens, starts)):
@@ -118,7 +120,16 @@ def test_prompts_take_the_kernel_and_their_rows_are_decode_steps_bits(monkeypatc
     assert calls == [] and torch.equal(sdpa, TorchAttention().forward(q, kc, vc, fb.attn, HEADS, 0.125))
 
 
-def test_a_prompt_whose_scores_would_pass_the_bound_takes_sdpa():
+def test_a_prompt_whose_scores_would_pass_the_bound_takes_sdpa(monkeypatch):
     assert kernel.takes_prompt(kernel.PROMPT_ROWS, 1000, 3)
     assert not kernel.takes_prompt(kernel.PROMPT_ROWS + 1, 1000, 3)
     assert not kernel.takes_prompt(kernel.PROMPT_ROWS, kernel.PROMPT_SCORES // (3 * kernel.PROMPT_ROWS), 3)
+    q, kc, vc, tables = paged([40], [0], seed=4)
+    fb = bb.build_forward_batch([[0] * 40], [0], tables, PAGE, "cpu")
+    attend = TorchAttention(batch_invariant=True)
+    assert attend.runs_kernel(q, kc, fb.attn, HEADS)
+    monkeypatch.setattr(kernel, "PROMPT_SCORES", (HEADS // KV_HEADS) * 40 * (fb.attn.keys + kernel.SCORE_PAD) - 1)
+    assert not attend.runs_kernel(q, kc, fb.attn, HEADS)
+    monkeypatch.setattr(kernel, "cpu_attention", lambda *a, **kw: pytest.fail("the kernel ran past its bound"))
+    assert torch.equal(attend.forward(q, kc, vc, fb.attn, HEADS, 0.125),
+                       TorchAttention().forward(q, kc, vc, fb.attn, HEADS, 0.125))

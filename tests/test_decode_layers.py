@@ -16,6 +16,7 @@ from specstep.engine.kv_cache import KVPool
 from specstep.engine.model_loader import describe_cpu_kernels, load_model
 from specstep.engine.models import decode_layers
 from specstep.engine.models.gguf_kernel import bf16_tiles_unavailable, tiles_unavailable, vnni_unavailable
+from specstep.engine.native import cpu_flags
 from specstep.engine.sampling_params import SamplingParams
 from specstep.engine.thread_choice import ThreadChoice
 from tests.fixtures_gguf import write_gguf
@@ -40,7 +41,8 @@ def load(model, layers: str, activations: str = "fp32"):
 
 
 def steps(net):
-    """Logits of: a 17-token prompt beside a 40-token one (one call: the kernel attends prompts), NEXT decoded
+    """Logits of: a 17-token prompt beside a 40-token one (per-layer calls: a decode-sized lane and a longer one
+    attend in separate parts), NEXT decoded
     one token a step (one call a step), NEXT as one verify step (one call), and again beside another lane's
     decode row (lanes this ragged split their attention: per-layer calls)."""
     pool = KVPool(net.rank_cfg, len(net.layers), 64, PAGE, torch.float32, "cpu")
@@ -58,6 +60,15 @@ def steps(net):
     verify = step([(NEXT, n, pages)])
     beside = step([(NEXT, n, pages), ([9], 140, other)])
     return prompt, single, verify, beside
+
+
+def long_prompts(net):
+    """Logits of fresh prompts of 40 and 23 tokens: one forward the attention kernel takes whole (one call)."""
+    pool = KVPool(net.rank_cfg, len(net.layers), 64, PAGE, torch.float32, "cpu")
+    fb = build_forward_batch([list(range(100, 140)), list(range(200, 223))], [0, 0],
+                             [list(range(1, 11)), list(range(11, 17))], PAGE, "cpu")
+    with torch.inference_mode():
+        return net.compute_logits(net(fb, pool))
 
 
 def test_native_layers_compute_the_torch_layers_logits(gguf_model):
@@ -85,10 +96,13 @@ def test_one_call_a_step_and_per_layer_calls_give_the_same_bits(gguf_model, monk
 
     monkeypatch.setattr(decode_layers.NativeLayers, "forward", spy)
     steps(net)
-    assert calls == [True] + [True] * len(NEXT) + [True, False]
+    assert calls == [False] + [True] * len(NEXT) + [True, False]
+    prompts = long_prompts(net)
+    assert calls[-1]  # the prompts' forward: one call, their rows flagged for the prompt GEMM
     monkeypatch.setattr(type(net.attention), "runs_kernel", lambda *a: False)  # every step per layer
     again = steps(net)
     assert all(torch.equal(a, b) for a, b in zip(again, (prompt, single, verify, beside), strict=True))
+    assert torch.equal(long_prompts(net), prompts)
 
 
 @pytest.mark.parametrize("acts", [
@@ -250,19 +264,24 @@ def test_qwen2_biases_and_a_long_context(tmp_path):
     assert (single - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
+@pytest.mark.skipif(not cpu_flags() >= {"avx512f", "avx512dq", "avx512bw", "avx512vl"},
+                    reason="no AVX-512: both calls would run the 8-lane form")
 def test_the_mlp_gates_16_lane_form_gives_the_8_lane_forms_bits():
     """silu(g) * u in AVX-512 where the CPU has it (the attention kernel's exp in 16 lanes): every lane's
     operations are the 8-lane form's, so the layers' bits do not depend on which ran. Gates across the exp's range
-    (past -87 it is 0), signed zeros, and a width that leaves an 8-wide tail."""
+    (past -87 it is 0), signed zeros, infinities and NaN, and a width that leaves an 8-wide tail."""
     lib = decode_layers._build()[0]
     rows, width = 7, 1544  # 96 16-lane vectors and one 8-lane tail a row
     gen = torch.Generator().manual_seed(0)
     gate = torch.randn(rows, width, generator=gen) * torch.tensor([0.1, 1.0, 8.0, 30.0, 100.0, 1e-3, 60.0])[:, None]
-    gate[0, :4] = torch.tensor([0.0, -0.0, -87.5, -86.5])
+    gate[0, :8] = torch.tensor([0.0, -0.0, -87.5, -86.5, float("inf"), -float("inf"), float("nan"), 1e-40])
     gu = torch.cat([gate, torch.randn(rows, width, generator=gen)], dim=1).contiguous()
     out = {lanes: torch.empty(rows, width) for lanes in (8, 16)}
     for lanes, a in out.items():
         lib.silu_mul_rows(gu.data_ptr(), a.data_ptr(), rows, width, lanes)
     assert torch.equal(out[8].view(torch.int32), out[16].view(torch.int32))
     g, u = gu[:, :width].double(), gu[:, width:].double()
-    torch.testing.assert_close(out[16].double(), torch.nn.functional.silu(g) * u, rtol=1e-6, atol=1e-30)
+    finite = torch.isfinite(gate)
+    finite[0, :8] = False  # the special values: bits compared above
+    torch.testing.assert_close(out[16].double()[finite], (torch.nn.functional.silu(g) * u)[finite], rtol=1e-6,
+                               atol=1e-30)

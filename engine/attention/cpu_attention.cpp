@@ -1,5 +1,6 @@
-// Paged attention for steps of few query positions (decode, verify, draft, refill) on x86 AVX2 + FMA, fp32:
-// one call a layer where the torch path runs a dozen small ops, and batch-invariant by construction.
+// Paged attention for steps of few query positions (decode, verify, draft, refill), and prompts of up to a few
+// hundred (`cpu_attention.takes_prompt`), on x86 AVX2 + FMA, fp32: one call a layer where the torch path runs a
+// dozen small ops, and batch-invariant by construction.
 //
 // Every query row (lane b, position i, head h) is computed on its own, in the same order whatever shares its
 // step, so its bits never depend on the other rows, lanes, the page table's width or the threads:
@@ -125,7 +126,8 @@ inline void attend_heads(const float *const *qr, float *const *s, float *const *
 
 #include "cpu_attention_avx512.cpp"
 
-constexpr int64_t SCORE_PAD = 16;  // a row of scores: most_keys + this (whole 8- and 16-key vectors)
+constexpr int64_t SCORE_PAD = 16;  // a row of scores: most_keys + this (whole 8- and 16-key vectors; and in
+                                   // cpu_attention.py, which bounds a prompt's scores)
 
 // The attention of one item (lane b = it / Hkv, KV head it % Hkv): its valid query rows in [i0, i1) and every
 // query head of the KV head. slots: most_keys + 1 int64; scores: scores_floats(G, Q, most_keys), 32-byte aligned.

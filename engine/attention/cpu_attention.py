@@ -48,13 +48,14 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
 # x 1 68 / 41, x 8 353 / 271; 512 x 1 239 / 197, x 4 1,884 / 973; 1,024 x 1 572 / 622. The kernel's AVX2 form
 # (what an AVX2 host runs; SDPA still AVX-512 here): 256 x 1 115 / 100, 512 x 1 244 / 234.
 PROMPT_ROWS = 512
+SCORE_PAD = 16  # keys a row's scores are padded by (`cpu_attention.cpp`'s SCORE_PAD)
 PROMPT_SCORES = 1 << 22  # 16 MB a thread: 512 rows over ~2,700 keys at 3 query heads a KV head
 
 
 def takes_prompt(rows: int, keys: int, group: int) -> bool:
     """Whether a forward of `rows` positions a lane over at most `keys` keys, `group` query heads a KV head, takes
     the kernel (rows past MAX_QUERY_ROWS: a prompt's)."""
-    return rows <= PROMPT_ROWS and group * rows * (keys + 16) <= PROMPT_SCORES
+    return rows <= PROMPT_ROWS and group * rows * (keys + SCORE_PAD) <= PROMPT_SCORES
 
 
 def unavailable() -> str:

@@ -5,7 +5,7 @@
 // the AVX2 form's bits (a host runs one form, chosen by its flags):
 //     s_j = (q . k_j) * scale    the dot product lane-wise over D in 16-float chunks (chunk order), then the 16
 //                                lanes summed by a fixed tree: (i, i + 8), then (i, i + 4), (i, i + 2), (i, i + 1)
-//     m = max_j s_j;  p_j = exp(s_j - m) (the AVX2 form's exp_nonpositive, a half at a time);
+//     m = max_j s_j;  p_j = exp(s_j - m) (exp_nonpositive16: the AVX2 form's exp, lane for lane);
 //     l = sum_j p_j              lane-wise over 16-key vectors in key order, then the same tree
 //     o = (sum_j p_j v_j) / l    sequential in key order, lane-wise over D
 // Why: the AVX2 form sums each key's dot product horizontally on its own and walks D in 8s; here 16 keys' sums
@@ -23,7 +23,7 @@ constexpr int KV16 = 16;  // keys a score vector holds
 constexpr int64_t FETCH_AHEAD = 1;
 
 // exp_nonpositive in 16 lanes: the AVX2 form's operations lane for lane (the same polynomial, rounding and
-// exponent bits), so its bits; 1.5-2x the two 8-lane halves it replaced in the MLP gate (`decode_layers.cpp`).
+// exponent bits), so its bits. The MLP gate (`decode_layers.cpp`) takes it for its 16-lane form.
 inline __m512 exp_nonpositive16(__m512 x) {
     const __m512 lo = _mm512_set1_ps(EXP_FLOOR);
     const __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);

@@ -3,9 +3,10 @@
 One code path serves prefill (q = prompt), decode (q = 1) and verify (q = k + 1): they differ only in the
 metadata (see `AttentionMetadata`). It is the numerical reference every other backend is checked against.
 With `batch_invariant`, CPU steps of at most MAX_QUERY_ROWS positions (decode, verify, draft, refill) attend
-batch-invariantly instead (`invariant_attention`: a row's bits do not depend on what shares its step, so
-speculative greedy output is plain greedy output bitwise); prompts and prompt chunks always take SDPA (a
-mixed step's decode rows stay invariant: `has_decode_rows`).
+batch-invariantly instead (the C++ kernel `cpu_attention`, else `invariant_attention`: a row's bits do not depend
+on what shares its step, so speculative greedy output is plain greedy output bitwise). Prompts take the C++ kernel
+too up to its prompt sizes (`cpu_attention.takes_prompt`), SDPA past them; a mixed step's prompt chunks take SDPA
+and its decode rows stay invariant (`has_decode_rows`; `attention_parts` never puts them in one part).
 
 Every backend has the shape of `TorchAttention`: `plan(...)` takes a forward's host-known lengths before the
 forward runs (this one needs none: its mask is derived on the device from the starts), and `forward(...)`

@@ -24,7 +24,13 @@ import torch
 from torch import nn
 
 from specstep.engine.models.cpu_linear_plans import PLANS
-from specstep.engine.models.gguf_kernel import amx_lane_rows, build_id, gguf_linear, set_amx_lane_defaults
+from specstep.engine.models.gguf_kernel import (
+    AMX_LANE_DEFAULTS,
+    amx_lane_rows,
+    build_id,
+    gguf_linear,
+    set_amx_lane_defaults,
+)
 
 PROBE_ROWS = tuple(range(1, 9))  # the row counts the lanes can take (`AMX_LANES_MOST`)
 ROUNDS = 5  # timed passes of each form and row count, alternating
@@ -45,7 +51,8 @@ def choose_lane_rows(tiles_ms: Sequence[float], lanes_ms: Sequence[float]) -> in
 def measure_lane_rows(linears: Sequence[nn.Module], rounds: int = ROUNDS) -> tuple[list[float], list[float]]:
     """ms of one pass over `linears` (`GGUFLinear`s of one AMX format) at each of PROBE_ROWS, in the tiles and in the
     lanes."""
-    xs = {(r, k): torch.randn(r, k) for r in PROBE_ROWS for k in {m.in_features for m in linears}}
+    g = torch.Generator().manual_seed(0)  # (the global generator's state must not depend on the cache)
+    xs = {(r, k): torch.randn(r, k, generator=g) for r in PROBE_ROWS for k in sorted({m.in_features for m in linears})}
 
     def one_pass(rows: int, lanes: bool) -> float:
         amx_lane_rows(8 if lanes else 0)
@@ -55,6 +62,7 @@ def measure_lane_rows(linears: Sequence[nn.Module], rounds: int = ROUNDS) -> tup
         return time.perf_counter() - t0
 
     times: dict[tuple[int, bool], list[float]] = {(r, f): [] for r in PROBE_ROWS for f in (False, True)}
+    was = amx_lane_rows(-1)  # an override in force (a test's, an A/B's) is restored after
     try:
         with torch.inference_mode():
             one_pass(1, True), one_pass(1, False)  # first touches
@@ -62,7 +70,7 @@ def measure_lane_rows(linears: Sequence[nn.Module], rounds: int = ROUNDS) -> tup
                 for key in times:
                     times[key].append(one_pass(*key))
     finally:
-        amx_lane_rows(-1)
+        amx_lane_rows(was)
     return ([statistics.median(times[r, False]) * 1e3 for r in PROBE_ROWS],
             [statistics.median(times[r, True]) * 1e3 for r in PROBE_ROWS])
 
@@ -74,7 +82,8 @@ _MEASURED_BYTES: dict[str, int] = {}
 
 def lane_rows_for(model: nn.Module) -> dict[str, int]:
     """Measure (or read from the per-machine cache) each AMX format's crossover over `model`'s linears of it, and
-    set them as the kernel's defaults unless a larger model of that format set them. Returns {GGML type: rows}."""
+    set them as the kernel's defaults unless a larger model of that format set them. Returns {GGML type: rows}
+    in force after (a larger model's, where one set them)."""
     from specstep.engine.models.gguf_linear import GGUFLinear
 
     by_fmt: dict[str, list[nn.Module]] = {}
@@ -92,4 +101,4 @@ def lane_rows_for(model: nn.Module) -> dict[str, int]:
     set_amx_lane_defaults({fmt: rows for fmt, rows in chosen.items() if nbytes[fmt] >= _MEASURED_BYTES.get(fmt, 0)})
     for fmt, n in nbytes.items():
         _MEASURED_BYTES[fmt] = max(n, _MEASURED_BYTES.get(fmt, 0))
-    return chosen
+    return {fmt: AMX_LANE_DEFAULTS.get(fmt, rows) for fmt, rows in chosen.items()}

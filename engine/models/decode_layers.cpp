@@ -2,8 +2,8 @@
 // CPU's counterpart of a captured graph. Eager torch runs ~40 small ops a layer (norms, rotary, the KV write,
 // residuals, the MLP gate, views and casts), each a dispatch from Python; at batch 1 on a 2-core host they cost
 // as much as the weights' reads (~18 ms of a 42 ms SmolLM2 step, measured). Here a layer is two calls
-// (`attention_in`, `attention_out_mlp`) around any attention, and a step of few positions is one call for the
-// whole stack (`decode_stack`: the same phases and the attention kernel).
+// (`attention_in`, `attention_out_mlp`) around any attention, and a step the attention kernel takes (few positions
+// a lane, or prompts of its sizes) is one call for the whole stack (`decode_stack`: the same phases and the kernel).
 //
 // Threads: one OpenMP region a call, its threads splitting every phase (a linear's weight rows, attention's
 // items, the elementwise ops' rows) and meeting at a barrier between phases that spins briefly before it yields.

@@ -5,7 +5,8 @@ Eager torch runs ~40 small ops a layer around the four linears (norms, rotary, t
 gate, views and casts), each dispatched from Python: at batch 1 on a 2-core host that was ~18 ms of a 42 ms
 SmolLM2 step, as much as the weights. With every linear of every layer in the GGUF kernel, a layer becomes two
 C++ calls around its attention (`attention_in`, `attention_out_mlp`), and a step of few positions a lane whose
-attention takes the C++ kernel (decode, verify, draft, refill) one call for the whole stack (`decode_stack`).
+attention takes the C++ kernel (decode, verify, draft, refill, and prompts it takes) one call for the whole stack
+(`decode_stack`).
 Each call is one OpenMP region whose threads split every phase and meet at spinning barriers, so a step wakes a
 passive thread once rather than once a linear. Both ways run the same C++ functions, so a row's bits are the
 same whichever way its step went, whatever shares it and whatever the threads (tested). Its arithmetic differs
@@ -270,5 +271,6 @@ def use_native_layers(model: nn.Module, mode: str) -> str:
     model.native = NativeLayers(model)
     prompts = ("; prompt rows in AMX-BF16 tiles (weights and rows rounded to bf16, products summed in fp32)"
                if model.native.prompt_gemm == PROMPT_GEMM_BF16_TILES else "")
-    return f"decoder layers in specstep's C++ (one call a step for decode, verify, draft and refill{prompts})"
+    return (f"decoder layers in specstep's C++ (one call a step for decode, verify, draft, refill and prompts the "
+            f"attention kernel takes{prompts})")
 

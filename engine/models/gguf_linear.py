@@ -188,7 +188,7 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         lanes = ", ".join(f"{fmt} up to {n}" for fmt, n in lane_rows_for(model).items())
         return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB, and a {nbytes / 2**20:.0f} MB copy "
                 "repacked for AMX tiles) times int8 activations in AMX tiles (each block's products summed in "
-                f"integers, llama.cpp's order: not exact; calls of few rows ({lanes}, measured faster here) in "
+                f"integers, llama.cpp's order: not exact; calls of few rows ({lanes}, measured faster here at load) in "
                 "AVX-512 VNNI lanes over the same copy, the same bits), batch-invariant; --activations fp32 for exact")
     if activations == "int8-vnni":
         return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB, and a {nbytes / 2**20:.0f} MB copy "
