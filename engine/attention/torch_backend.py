@@ -232,6 +232,13 @@ def _causal_prompts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 PROMPT_SLOT = "prefill"  # the plan of whole prefills and mixed steps (`StepEngine.prefill`)
 
 
+def _kernel_takes(meta: AttentionMetadata, num_heads: int, k_cache: torch.Tensor) -> bool:
+    """Whether the C++ kernel takes this forward's shape: a step of few positions a lane, or a prompt of its sizes
+    (`cpu_attention.takes_prompt`). Shapes only: no host read."""
+    qn = meta.q_index.shape[1]
+    return qn <= MAX_QUERY_ROWS or kernel.takes_prompt(qn, meta.keys, num_heads // k_cache.shape[1])
+
+
 def has_decode_rows(meta: AttentionMetadata) -> bool:
     """Whether a part of a split prompt forward (a mixed step) holds a lane with one query row: a running request
     decoding beside prompt chunks, whose bits must be a decode step's (batch invariance). Parts of prompt chunks
@@ -297,10 +304,8 @@ class TorchAttention:
         """Whether `forward` would attend this whole step in the C++ kernel (`cpu_attention`): batch-invariant
         CPU fp32 steps of at most MAX_QUERY_ROWS positions a lane, or prompts it takes (`takes_prompt`), not
         split."""
-        if not (self.batch_invariant and isinstance(meta, AttentionMetadata) and kernel.runs(q, k_cache)):
-            return False
-        qn = meta.q_index.shape[1]
-        return qn <= MAX_QUERY_ROWS or kernel.takes_prompt(qn, meta.keys, num_heads // k_cache.shape[1])
+        return (self.batch_invariant and isinstance(meta, AttentionMetadata) and kernel.runs(q, k_cache)
+                and _kernel_takes(meta, num_heads, k_cache))
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata | SplitAttention, num_heads: int, scale: float) -> torch.Tensor:
@@ -330,8 +335,7 @@ class TorchAttention:
                 num_heads: int, scale: float, rows: int | None, use_kernel: bool) -> torch.Tensor:
         """`use_kernel`: steps of few positions, and prompts the kernel takes (`cpu_attention.takes_prompt`), in the
         C++ kernel (`cpu_attention`: batch-invariant by construction); everything else in `paged_attention`."""
-        qn = meta.q_index.shape[1]
-        if use_kernel and (qn <= MAX_QUERY_ROWS or kernel.takes_prompt(qn, meta.keys, num_heads // k_cache.shape[1])):
+        if use_kernel and _kernel_takes(meta, num_heads, k_cache):
             return kernel.cpu_attention(q, k_cache, v_cache, meta, num_heads, scale)
         return paged_attention(q, k_cache, v_cache, meta, num_heads, scale, self.workspace, rows)
 

@@ -33,7 +33,7 @@ from specstep.engine.models import gguf_kernel
 from specstep.engine.models.gguf_kernel import apply_amx_lane_defaults, bf16_tiles_unavailable, fmt_code
 from specstep.engine.models.gguf_linear import GGUFLinear
 from specstep.engine.native import load_kernel
-from specstep.engine.thread_choice import ThreadChoice
+from specstep.engine.thread_choice import ThreadChoice, size_of
 
 SOURCE = Path(__file__).with_name("decode_layers.cpp")
 INCLUDES = (gguf_kernel.SOURCE, *gguf_kernel.INCLUDES, cpu_attention.SOURCE, *cpu_attention.INCLUDES)  # #included
@@ -237,14 +237,14 @@ class NativeLayers:
         # the prompt GEMM; a step of few positions asks nothing of the host (a captured step may not)
         long = q_index.shape[1] > MAX_QUERY_ROWS
         gemm = prompt_rows(meta, m, self.prompt_gemm) if long and self.prompt_gemm else None
-        rows = m if m <= 64 else 1 << m.bit_length()  # prompts' row counts in powers of two: fewer keys to time
+        rows = size_of(m)
         self._run("decode_stack", rows, m, self._lib.decode_stack, shape, self._layers, len(self._layers),
                   self._norm.data_ptr(), x, m, cos, sin, slots, ks, vs, kv.k[0].shape[0], ctypes.byref(paging),
                   None if gemm is None else gemm.data_ptr())
 
     def _per_layer(self, step: tuple, meta: AttentionMetadata | SplitAttention, kv: KVPool, attention) -> None:
         shape, x, m, cos, sin, slots = step
-        rows = m if m <= 64 else 1 << m.bit_length()  # prompts' row counts in powers of two: fewer keys to time
+        rows = size_of(m)
         q = torch.empty(m, self.num_heads * self.head_dim)
         gemm = prompt_rows(meta, m, self.prompt_gemm) if self.prompt_gemm else None
         gemm_ptr = None if gemm is None else gemm.data_ptr()

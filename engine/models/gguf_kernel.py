@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from specstep.engine.native import cpu_flags, load_kernel
-from specstep.engine.thread_choice import ThreadChoice
+from specstep.engine.thread_choice import ThreadChoice, size_of
 
 SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
 GEMM_SOURCE = Path(__file__).with_name("gguf_gemm.cpp")  # the prompt GEMM, #included by SOURCE
@@ -225,7 +225,7 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, fmt: s
     def call(n: int) -> int:
         return lib.gguf_linear(xp, m, k, wp, out_features, code, bp, yp, n)
 
-    rows = m if m <= 64 else 1 << m.bit_length()  # prompts' row counts in powers of two: fewer keys to time
+    rows = size_of(m)
     rc = call(threads) if threads else THREADS.run((fmt, out_features, k), rows, m * out_features * k,
                                                    torch.get_num_threads(), call)
     if rc != 0:
