@@ -15,9 +15,10 @@ forward, logits, sampling / rejection sampling and the host sync, exactly what `
 Verify steps get k random draft tokens (their acceptance does not change the cost). Also prints the plain step
 against the memory-bandwidth floor (weight bytes / this host's read bandwidth, measured at the start unless
 --bandwidth is given: hosts of this kind read 17-31 GB/s with 2 threads, so a fixed figure misplaces it), the
-lowest verify/decode fp32 arithmetic allows at the measured decode step (the verify step's extra rows x the
-target's multiply-adds a row, at one 8-lane FMA per 8 of them and this host's peak FMA rate, `fma_rate.cpp`:
-a step of several rows cannot cost less than that more than a decode step) and,
+lowest verify/decode the arithmetic allows at the measured decode step (`arithmetic_floor`: the verify step's extra
+rows x the target's multiply-adds a row, at the fewest vector instructions the activations can take them in and
+this host's peak rate of those, `fma_rate.cpp`: a step of several rows cannot cost less than that more than a
+decode step) and,
 with the target's shipped MTP head, one draft-loop iteration of it (head forward + logits + draw, per draft
 token) against the plain step.
 """
@@ -43,8 +44,9 @@ from specstep.engine.engine_config import EngineConfig
 from specstep.engine.model_loader import describe_cpu_kernels
 from specstep.engine.model_source import default_draft, default_target, resolve_model
 from specstep.engine.models.cpu_linear import CpuLinear
+from specstep.engine.models.gguf_kernel import amx_lane_rows_now
 from specstep.engine.models.gguf_linear import GGUFLinear
-from specstep.engine.native import load_kernel
+from specstep.engine.native import cpu_flags, load_kernel
 from specstep.engine.sampling_params import SamplingParams
 from specstep.scheduler.build import build_engine
 from specstep.scheduler.core.request import Request
@@ -64,21 +66,77 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 FMA_SEEDS = tuple(1.0 + 0.01 * i for i in range(10))  # ten distinct chains (`fma_rate.cpp`)
+VNNI_SEEDS = tuple(1000 * i - 4321 for i in range(10))
+VNNI_BYTES = (0x0F03_7F01, 0x7F_81_02_FF)  # x's 4 unsigned bytes, y's 4 signed ones, in every lane
 
 
-def fma_rate(threads: int, repeats: int = 5, iters: int = 20_000_000) -> tuple[float, list[float]] | None:
-    """This host's peak 8-lane fp32 FMA instructions a second over `threads` threads (`fma_rate.cpp`), the best
-    of `repeats` (a peak: the other runs lost time to the host), and the first thread's ten chains' final values
-    (each its own computation); None where the C++ kernels cannot run."""
+def _rate_lib() -> ctypes.CDLL | None:
     lib, _ = load_kernel(Path(__file__).with_name("fma_rate.cpp"))
     if lib is None:
         return None
-    f32p = ctypes.POINTER(ctypes.c_float)
-    lib.fma_rate.argtypes = [ctypes.c_long, ctypes.c_int, f32p, f32p]
-    lib.fma_rate.restype = ctypes.c_double
+    f32p, i32p = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int)
+    for fn in (lib.fma_rate, lib.fma_rate512):
+        fn.argtypes = [ctypes.c_long, ctypes.c_int, f32p, f32p]
+        fn.restype = ctypes.c_double
+    lib.vnni_rate.argtypes = [ctypes.c_long, ctypes.c_int, i32p, ctypes.c_int, ctypes.c_int, i32p]
+    lib.vnni_rate.restype = ctypes.c_double
+    return lib
+
+
+def fma_rate(threads: int, repeats: int = 5, iters: int = 20_000_000, lanes: int = 8
+             ) -> tuple[float, list[float]] | None:
+    """This host's peak fp32 FMA instructions a second over `threads` threads, 8-lane or (where the CPU has AVX-512)
+    16-lane ones (`fma_rate.cpp`), the best of `repeats` (a peak: the other runs lost time to the host), and the
+    first thread's ten chains' final values (each its own computation); None where the C++ kernels (or 16 lanes)
+    cannot run."""
+    lib = _rate_lib()
+    if lib is None or (lanes == 16 and "avx512f" not in cpu_flags()):
+        return None
+    fn = lib.fma_rate512 if lanes == 16 else lib.fma_rate
     seeds, out = (ctypes.c_float * 10)(*FMA_SEEDS), (ctypes.c_float * (10 * threads))()
-    rate = max(lib.fma_rate(iters, threads, seeds, out) for _ in range(repeats))
+    rate = max(fn(iters, threads, seeds, out) for _ in range(repeats))
     return rate, list(out)[:10]
+
+
+def vnni_rate(threads: int, repeats: int = 5, iters: int = 20_000_000) -> tuple[float, list[int]] | None:
+    """This host's peak 512-bit vpdpbusd instructions a second (64 int8 multiply-adds each) over `threads` threads,
+    the best of `repeats`, and the first thread's ten chains' final lane-0 values; None without AVX-512 VNNI."""
+    lib = _rate_lib()
+    if lib is None or not {"avx512f", "avx512_vnni"} <= cpu_flags():
+        return None
+    seeds, out = (ctypes.c_int * 10)(*VNNI_SEEDS), (ctypes.c_int * (10 * threads))()
+    rate = max(lib.vnni_rate(iters, threads, seeds, *VNNI_BYTES, out) for _ in range(repeats))
+    return rate, list(out)[:10]
+
+
+def peak_rates(threads: int) -> dict[str, float]:
+    """The instruction rates `arithmetic_floor` takes, those this host has: "fma8", "fma16", "vnni" (a second)."""
+    got = {"fma8": fma_rate(threads), "fma16": fma_rate(threads, lanes=16), "vnni": vnni_rate(threads)}
+    return {name: r[0] for name, r in got.items() if r is not None}
+
+
+def arithmetic_floor(rows: int, extra_rows: int, model: torch.nn.Module, activations: str,
+                     rates: dict[str, float]) -> tuple[float, str] | None:
+    """The least time `extra_rows` more rows can add to a step's linears (`rows` in all: a verify step's), and the
+    instructions it counts (a `peak_rates` name): the multiply-adds at the fewest vector instructions they take
+    (fp32: one FMA per 8, or per 16 where the CPU has AVX-512; int8 in AVX-512 VNNI lanes: one vpdpbusd per 64) at
+    this host's peak rate of those, with every load, conversion, scale, attention and sampling free. None where no
+    such bound holds: int8 rows that run in AMX tiles (a tile multiply takes up to 16 rows at once: the extra rows'
+    cost is their readout, not multiply-adds) and int8 in AVX2 lanes (three instructions per 32, whose rate this
+    does not measure)."""
+    macs = extra_rows * multiply_adds(model)
+    if activations == "fp32":
+        lanes = 16 if "fma16" in rates else 8
+        rate = rates.get(f"fma{lanes}")
+        return (macs / lanes / rate, f"fma{lanes}") if rate else None
+    kinds = {m.activations for m in model.modules() if isinstance(m, GGUFLinear)}
+    if "vnni" not in rates or not kinds or not kinds <= {"int8-tiles", "int8-vnni"}:
+        return None
+    if "int8-tiles" in kinds:  # the rows must all run in the lanes: at most the crossovers' rows a call
+        fmts = {m.fmt for m in model.modules() if isinstance(m, GGUFLinear)}
+        if rows > min(amx_lane_rows_now(f) for f in fmts):
+            return None
+    return macs / 64 / rates["vnni"], "vnni"
 
 
 def multiply_adds(model: torch.nn.Module) -> int:
@@ -192,12 +250,12 @@ def main() -> None:
             rows += _measure_batch(args, model, head is not None, prompts, b, max(batches), results)
     results["load_average"]["after"] = os.getloadavg()
     load = ", ".join(f"{k} {v[0]:.1f}" for k, v in results["load_average"].items())
-    fma = results["fma_per_s"]
+    peaks = ", ".join(f"{name} {rate / 1e9:.2f} G/s" for name, rate in results["peak_rates"].items())
     table(f"step costs, k={args.k} (verify = k + 1 tokens per request), medians of {args.reps} ({machine()}; "
           f"load average {load}; floor at {results['bandwidth_gb_s']:.1f} GB/s"
-          f"{f', FMA peak {fma / 1e9:.2f} G/s' if fma else ''}"
+          f"{f'; peaks {peaks}' if peaks else ''}"
           f"{'; a busy loop on another core' if args.busy_core else ''})",
-          ["kernels", "batch", "decode ms", "verify ms", "verify/decode", "fp32 floor of it", "% of floor",
+          ["kernels", "batch", "decode ms", "verify ms", "verify/decode", "arithmetic floor of it", "% of floor",
            "MTP draft/decode"],
           rows)
     for m, text in results["kernels"].items():
@@ -233,13 +291,11 @@ def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts
     mtp = timer(modes[-1], "mtp") if with_mtp else None
     if "bandwidth_gb_s" not in results:  # once the engines set torch's threads
         results["bandwidth_gb_s"] = args.bandwidth or read_bandwidth()
-        peak = fma_rate(torch.get_num_threads())
-        results["fma_per_s"] = peak[0] if peak else None
+        results["peak_rates"] = peak_rates(torch.get_num_threads())
     floors = {m: weight_bytes(t.engine.target) / (results["bandwidth_gb_s"] * 1e9) for m, t in timers.items()}
     # what each mode's engine chose (dtype and why, kernels): the ready line's words, so a figure names its plan
     results.setdefault("kernels", {}).update({m: describe_cpu_kernels(t.engine.target) for m, t in timers.items()})
     samples = _sample(timers, mtp, modes[-1], args.reps, args.k)
-    fma = results["fma_per_s"]
     rows = []
     for m, t in timers.items():
         floor_s = floors[m]
@@ -247,18 +303,18 @@ def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts
         spread = {kind: (min(v), max(v)) for kind, v in samples[m].items() if v}
         ratio = med["verify"] / med["decode"]
         draft = med.get("draft")
-        # the extra rows' arithmetic at the host's peak: b * k rows x multiply-adds / 8 a FMA
-        # (an fp32 bound: int8 activations multiply 32 values an instruction, so it does not bound them)
-        fp32 = not (m.split("/")[4:] or ["fp32"])[0].startswith("int8")  # int8, int8-tiles, int8-lanes
-        extra_s = b * args.k * multiply_adds(t.engine.target) / 8 / fma if fma and fp32 else None
-        ratio_floor = 1 + extra_s / med["decode"] if extra_s else None
+        # the extra rows' arithmetic at the host's peak (`arithmetic_floor`)
+        activations = "fp32" if (m.split("/")[4:] or ["fp32"])[0] == "fp32" else "int8"
+        bound = arithmetic_floor(b * (args.k + 1), b * args.k, t.engine.target, activations, results["peak_rates"])
+        ratio_floor = 1 + bound[0] / med["decode"] if bound else None
         rows.append([m, b, med["decode"] * 1e3, med["verify"] * 1e3, ratio,
-                     f"{ratio_floor:.2f}" if ratio_floor else "-",
+                     f"{ratio_floor:.2f} ({bound[1]})" if bound else "-",
                      f"{100 * floor_s / med['decode']:.0f}%" if b == 1 else "",
                      f"{draft / med['decode']:.3f}" if draft else "-"])
         results["rows"][f"{m}_b{b}"] = {"decode_ms": med["decode"] * 1e3, "verify_ms": med["verify"] * 1e3,
                                          "verify_over_decode": ratio, "floor_ms": floor_s * 1e3,
-                                         "verify_over_decode_fp32_floor": ratio_floor,
+                                         "verify_over_decode_floor": ratio_floor,
+                                         "floor_counts": bound[1] if bound else None,
                                          "draft_over_decode": draft / med["decode"] if draft else None,
                                          "spread_ms": {k: [x * 1e3 for x in v] for k, v in spread.items()}}
         t.close()

@@ -1,13 +1,14 @@
-"""`benchmarks/fma_rate.cpp`, the FMA peak under `bench_steps`' arithmetic floor: its ten chains are ten
+"""`benchmarks/fma_rate.cpp`, the instruction peaks under `bench_steps`' arithmetic floor: its ten chains are ten
 computations, each from its own start (chains that start equal are one computation to the compiler, which then
-runs one latency-bound chain and the rate reads 10/8 of the real peak)."""
+runs one latency-bound chain and the rate reads 10/8 of the real peak), in every width the host runs."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from benchmarks.bench_steps import FMA_SEEDS, fma_rate
+from benchmarks.bench_steps import FMA_SEEDS, VNNI_BYTES, VNNI_SEEDS, arithmetic_floor, fma_rate, vnni_rate
+from specstep.engine.native import cpu_flags
 
 
 def chain(seed: float, iters: int) -> float:
@@ -19,11 +20,48 @@ def chain(seed: float, iters: int) -> float:
     return float(a)
 
 
-def test_each_chain_runs_from_its_own_start():
-    measured = fma_rate(threads=1, repeats=1, iters=300)
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_each_chain_runs_from_its_own_start(lanes):
+    if lanes == 16 and "avx512f" not in cpu_flags():
+        pytest.skip("this CPU has no AVX-512")
+    measured = fma_rate(threads=1, repeats=1, iters=300, lanes=lanes)
     if measured is None:
         pytest.skip("the C++ kernels cannot run here")
     rate, finals = measured
     assert rate > 0
     assert len(set(finals)) == 10, finals
     np.testing.assert_allclose(finals, [chain(s, 300) for s in FMA_SEEDS], rtol=2e-7)
+
+
+def dot4(x_bytes: int, y_bytes: int) -> int:
+    """One lane's vpdpbusd sum: 4 unsigned bytes of x times 4 signed bytes of y."""
+    xs = np.frombuffer(np.uint32(x_bytes).tobytes(), dtype=np.uint8).astype(np.int64)
+    ys = np.frombuffer(np.int32(np.uint32(y_bytes).view(np.int32)).tobytes(), dtype=np.int8).astype(np.int64)
+    return int((xs * ys).sum())
+
+
+def test_vnni_chains_each_add_their_products():
+    if not {"avx512f", "avx512_vnni"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    measured = vnni_rate(threads=2, repeats=1, iters=1000)
+    if measured is None:
+        pytest.skip("the C++ kernels cannot run here")
+    rate, finals = measured
+    assert rate > 0
+    step = dot4(*VNNI_BYTES)
+    assert step != 0
+    # int32 wrapping arithmetic: seed + iters x the lane's dot product
+    expect = [int(np.int64(s + 1000 * step).astype(np.int32)) for s in VNNI_SEEDS]
+    assert finals == expect
+
+
+def test_floor_counts_the_widest_instructions_the_activations_take():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))  # 2,048 multiply-adds a row
+    rates = {"fma8": 1e9, "fma16": 1e9, "vnni": 1e9}
+    assert arithmetic_floor(5, 4, model, "fp32", rates) == (4 * 2048 / 16 / 1e9, "fma16")
+    assert arithmetic_floor(5, 4, model, "fp32", {"fma8": 1e9}) == (4 * 2048 / 8 / 1e9, "fma8")
+    assert arithmetic_floor(5, 4, model, "fp32", {}) is None
+    # int8 needs GGUF linears whose rows run in VNNI lanes: a torch model has none, so no bound
+    assert arithmetic_floor(5, 4, model, "int8", rates) is None
