@@ -1,9 +1,10 @@
-"""The C++ attention kernel alone, its AVX2 form against its AVX-512 form: a step's 30 layers of paged attention
-over SmolLM2-135M's heads (9 query heads, 3 KV heads of 64), every lane at --keys keys in pages scattered over the
-cache, per batch and query rows a lane (1: decode, 5: a verify step of k = 4), side by side in one run (the forms
-alternate every repetition).
+"""The C++ attention kernel alone, its AVX2 form against its AVX-512 form, over fp32 and bf16 caches
+(`--kv-cache-dtype`): a step's 30 layers of paged attention over SmolLM2-135M's heads (9 query heads, 3 KV heads of
+64), every lane at --keys keys in pages scattered over the cache, per batch and query rows a lane (1: decode, 5: a
+verify step of k = 4), side by side in one run (the settings alternate every repetition).
 
     python -m benchmarks.bench_attention [--batches 1,8] [--rows 1,5] [--keys 150] [--reps 15] [--threads 2]
+                                         [--kv-dtypes float32,bfloat16]
 
 Between two layers' calls a pass over 2.3 MB (a layer's Q4_1 weights) pushes the caches out as a step's linears
 do; it is not timed. Each call is a ctypes call from Python (~20-30 us of it a call, 30 a step, in both forms), so
@@ -41,6 +42,12 @@ def paged_step(batch: int, rows: int, keys: int, seed: int = 0) -> tuple:
     return q, k, v, meta
 
 
+def as_dtype(step: tuple, dtype: torch.dtype) -> tuple:
+    """The step with its caches in `dtype`."""
+    q, k, v, meta = step
+    return q, [c.to(dtype) for c in k], [c.to(dtype) for c in v], meta
+
+
 def step_seconds(step: tuple, threads: int, flush: torch.Tensor) -> float:
     q, k, v, meta = step
     total = 0.0
@@ -59,32 +66,37 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=150)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-dtypes", default="float32", help="cache dtypes to compare: float32, bfloat16")
     args = ap.parse_args()
+    dtypes = {name: getattr(torch, name) for name in args.kv_dtypes.split(",")}
+    if not set(dtypes.values()) <= set(cpu_attention.KV_DTYPES):
+        raise SystemExit(f"--kv-dtypes: the kernel reads float32 and bfloat16, got {args.kv_dtypes}")
     if cpu_attention.unavailable():
         raise SystemExit(f"the attention kernel cannot run here: {cpu_attention.unavailable()}")
     lib = cpu_attention._build()[0]
     forms = ["avx2"] + (["avx512"] if lib.cpu_attention_use_avx512(1) else [])
     cases = [(b, r) for b in map(int, args.batches.split(",")) for r in map(int, args.rows.split(","))]
-    steps = {c: paged_step(*c, args.keys) for c in cases}
+    steps = {(c, d): as_dtype(paged_step(*c, args.keys), dtype) for c in cases for d, dtype in dtypes.items()}
+    settings = [(f, d) for f in forms for d in dtypes]
     flush = torch.ones(LAYER_WEIGHTS // 4)
-    seconds: dict = {(c, f): [] for c in cases for f in forms}
+    seconds: dict = {(c, f, d): [] for c in cases for f, d in settings}
     for _ in range(args.reps):
         for c in cases:
-            for f in forms:
+            for f, d in settings:
                 lib.cpu_attention_use_avx512(int(f == "avx512"))
-                seconds[c, f].append(step_seconds(steps[c], args.threads, flush))
+                seconds[c, f, d].append(step_seconds(steps[c, d], args.threads, flush))
     lib.cpu_attention_use_avx512(1)
     rows = []
     for c in cases:
-        base = statistics.median(seconds[c, "avx2"])
-        for f in forms:
-            s = seconds[c, f]
+        base = statistics.median(seconds[(c, *settings[0])])
+        for f, d in settings:
+            s = seconds[c, f, d]
             med = statistics.median(s)
-            rows.append([f, c[0], c[1], f"{med * 1e3:.2f} [{min(s) * 1e3:.2f}-{max(s) * 1e3:.2f}]",
+            rows.append([f, d, c[0], c[1], f"{med * 1e3:.2f} [{min(s) * 1e3:.2f}-{max(s) * 1e3:.2f}]",
                          f"{base / med:.2f}"])
     table(f"attention kernel, {LAYERS} layers a step, {args.keys} keys a lane, medians of {args.reps} "
-          f"({machine()}; {args.threads} threads)", ["form", "batch", "rows a lane", "ms a step", "speed vs avx2"],
-          rows)
+          f"({machine()}; {args.threads} threads)",
+          ["form", "cache", "batch", "rows a lane", "ms a step", f"speed vs {' '.join(settings[0])}"], rows)
 
 
 if __name__ == "__main__":

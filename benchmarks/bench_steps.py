@@ -3,12 +3,13 @@ decode step, per batch size and CPU kernel setting, side by side in one run (set
 
     python -m benchmarks.bench_steps [--model M] [--batches 1,8] [--k 4] [--reps 30] [--modes auto/off,auto/on]
 
-A mode is `--cpu-linear[/--batch-invariant[/--quantization[/--cpu-layers[/--activations]]]]`: auto/off is the
+A mode is `--cpu-linear[/--batch-invariant[/--quantization[/--cpu-layers[/--activations[/--kv-cache-dtype]]]]]`:
+auto/off is the
 per-row kernel plan with SDPA attention, auto/on (the default) one oneDNN kernel for every row count with the
 batch-invariant attention, and on a GGUF model the file's quantised blocks in the GGUF kernel (`--quantization
 auto`) with the decoder layers in C++ (`--cpu-layers auto`); auto/on/none keeps the dequantised fp32 weights,
 auto/on/auto/torch the GGUF kernel inside eager torch layers, auto/on/auto/auto/int8 the C++ layers with int8
-activations.
+activations, auto/on/auto/auto/int8/bfloat16 those over a bf16 KV cache.
 
 A step here is `StepEngine.decode_context` + `run_decode` + reading the outputs back: batch building, the target
 forward, logits, sampling / rejection sampling and the host sync, exactly what `EngineCore` runs per step.
@@ -208,8 +209,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--modes", default="auto/off,auto/on",
-                    help="--cpu-linear[/--batch-invariant on|off[/--quantization auto|none[/--cpu-layers auto|torch]]] "
-                         "settings to compare")
+                    help="--cpu-linear[/--batch-invariant on|off[/--quantization auto|none[/--cpu-layers auto|torch"
+                         "[/--activations[/--kv-cache-dtype]]]]] settings to compare")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bandwidth", type=float, default=None,
                     help="GB/s for the floor (default: measured here, `read_bandwidth`)")
@@ -266,14 +267,14 @@ def main() -> None:
 
 
 def mode_config(mode: str, model: str, spec: str, k: int, threads: int, max_batch: int) -> EngineConfig:
-    """The engine a mode names (`--cpu-linear[/--batch-invariant[/--quantization[/--cpu-layers[/--activations]]]]`),
-    inline, greedy-ready, for batches up to `max_batch`."""
+    """The engine a mode names (`--cpu-linear[/--batch-invariant[/--quantization[/--cpu-layers[/--activations
+    [/--kv-cache-dtype]]]]]`), inline, greedy-ready, for batches up to `max_batch`."""
     parts = mode.split("/")
-    defaults = ["on", "auto", "auto", "fp32"][len(parts) - 1:]
-    linear, invariant, quantization, layers, activations = (parts + defaults)[:5]
+    defaults = ["on", "auto", "auto", "fp32", "auto"][len(parts) - 1:]
+    linear, invariant, quantization, layers, activations, kv = (parts + defaults)[:6]
     return EngineConfig(model=model, spec=spec, num_spec_tokens=k, overlap=False, threads=threads,
                         cpu_linear=linear, batch_invariant=invariant != "off", quantization=quantization,
-                        cpu_layers=layers, activations=activations, max_batch_size=max_batch)
+                        cpu_layers=layers, activations=activations, kv_cache_dtype=kv, max_batch_size=max_batch)
 
 
 def _measure_batch(args: argparse.Namespace, model: str, with_mtp: bool, prompts: list[list[int]], b: int,

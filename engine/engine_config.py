@@ -253,6 +253,12 @@ class EngineConfig:
                 "integers, verify rows nearly free), else in AVX-512 VNNI lanes where it has those (the same "
                 "arithmetic), else in AVX2 lanes; int8-tiles / int8-vnni / int8-lanes choose one",
         choices=ACTIVATION_CHOICES)
+    kv_cache_dtype: str = option(
+        "auto", "the KV cache's dtype: auto is the model's (float32 on CPU: exact); bfloat16 on CPU holds keys and "
+                "values rounded to bf16 (half the bytes a token: twice the tokens in the same memory, and half "
+                "the bytes a step's attention reads, which long contexts and large batches are bound by; numerics "
+                "change, speculative output still equals plain output under it, bitwise). On CUDA: auto",
+        choices=("auto", "float32", "bfloat16"))
 
     def __post_init__(self) -> None:
         for f in fields(self):

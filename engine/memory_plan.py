@@ -79,6 +79,7 @@ class MemoryPlan:
     source: str  # "planned" | "--kv-cache-tokens" | "--num-pages"
     figures: MemoryFigures | None = None  # None: an explicit size, nothing measured
     limit: str = ""  # what capped a planned size below what memory allows ("" = nothing)
+    kv_dtype: str = ""  # the pools' dtype where it is not the model's (`--kv-cache-dtype`), for the ready line
 
     @property
     def kv_tokens(self) -> int:
@@ -91,7 +92,8 @@ class MemoryPlan:
     def describe(self) -> str:
         """e.g. `kv cache 123,456 tokens (7.5 GiB: 90% of 139.7 GiB minus 0.3 GiB weights, 1.2 GiB activations,
         0.4 GiB graphs, 0.6 GiB other)`."""
-        head = f"kv cache {self.kv_tokens:,} tokens ({fmt_bytes(self.kv_bytes)}"
+        dtype = f" in {self.kv_dtype}" if self.kv_dtype else ""
+        head = f"kv cache {self.kv_tokens:,} tokens{dtype} ({fmt_bytes(self.kv_bytes)}"
         f = self.figures
         if f is None:
             return f"{head}, {self.source})"
@@ -106,7 +108,8 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         d = {"num_pages": self.num_pages, "kv_tokens": self.kv_tokens, "kv_bytes": self.kv_bytes,
-             "bytes_per_page": self.bytes_per_page, "source": self.source, "limit": self.limit}
+             "bytes_per_page": self.bytes_per_page, "source": self.source, "limit": self.limit,
+             "kv_dtype": self.kv_dtype}
         if self.figures is not None:
             f = self.figures
             d.update(capacity=f.capacity, utilization=f.utilization, budget=f.budget, in_use=f.in_use,

@@ -155,11 +155,12 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
         raise ConfigError(f"--activations {cfg.activations} runs in the GGUF kernel: {cfg.model} is not a GGUF "
                           f"checkpoint it reads ({target.gguf_note or 'no GGUF blocks'})")
     dtype = target.embed_tokens.weight.dtype
+    kv_dtype = cache_dtype(cfg, dtype, device)
     max_len = min(cfg.max_model_len or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)
     # Pools of the dummy page only until memory is planned: the proposer's state, the attention backends and a
     # warm-up exist (and are measured) before the KV cache takes what is left.
-    pool = KVPool(target.rank_cfg, target.cfg.num_layers, 1, cfg.page_size, dtype, device)
-    proposer = build_proposer(cfg, target, 1, dtype, device, tp)
+    pool = KVPool(target.rank_cfg, target.cfg.num_layers, 1, cfg.page_size, kv_dtype, device)
+    proposer = build_proposer(cfg, target, 1, dtype, device, tp, kv_dtype)
     if device.type == "cuda":  # device-track ranges timed by CUDA events, not by the launching thread
         tracer.use_cuda_events(torch.cuda)
     step_engine = StepEngine(target, pool, proposer, device, tracer, tp)
@@ -169,6 +170,8 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
     use_graphs = wants_graphs(cfg, device, tp)
     pools = [pool] + ([proposer.pool] if proposer is not None and proposer.pool is not None else [])
     memory, max_len = plan_memory_within(cfg, step_engine, pools, max_len, k_max, ram, ks if use_graphs else None)
+    if kv_dtype != dtype:
+        memory = dataclasses.replace(memory, kv_dtype=str(kv_dtype).replace("torch.", ""))
     pages = tp.min(memory.num_pages)  # every rank addresses the same pages: the smallest plan wins
     if pages != memory.num_pages:
         memory = dataclasses.replace(memory, num_pages=pages, limit="the smallest tensor-parallel rank's plan")
@@ -300,8 +303,23 @@ def graph_ks(k_max: int) -> tuple[int, ...]:
     return tuple(sorted({0, k_max, *(2**i for i in range(5) if 2**i < k_max)}))
 
 
+def cache_dtype(cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pools' dtype (`--kv-cache-dtype`): the model's (`dtype`) unless a CPU engine asks for another."""
+    if cfg.kv_cache_dtype == "auto":
+        return dtype
+    chosen = getattr(torch, cfg.kv_cache_dtype)
+    if device.type != "cpu" and chosen != dtype:
+        raise ConfigError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: on {device.type} the KV cache holds the model's "
+                          f"dtype ({str(dtype).replace('torch.', '')}); give auto")
+    return chosen
+
+
 def build_proposer(cfg: EngineConfig, target, num_pages: int, dtype: torch.dtype,
-                   device: torch.device, tp: TPGroup = SINGLE) -> Proposer | None:
+                   device: torch.device, tp: TPGroup = SINGLE, kv_dtype: torch.dtype | None = None
+                   ) -> Proposer | None:
+    """The proposer `cfg.spec` names; a model proposer's weights in `dtype`, its KV pool in `kv_dtype` (the
+    target's: `--kv-cache-dtype` covers every pool; default `dtype`)."""
+    kv_dtype = kv_dtype or dtype
     if cfg.spec == "none":
         return None
     if cfg.spec == "ngram":
@@ -311,12 +329,12 @@ def build_proposer(cfg: EngineConfig, target, num_pages: int, dtype: torch.dtype
         if tp.rank != 0:  # the draft runs on the leader only; followers receive its drafts
             return LeaderDraft(DraftModelProposer.kv_lookahead, device)
         draft = load_model(path, device, str(dtype).replace("torch.", ""), cfg.cpu_kernels)
-        pool = KVPool(draft.cfg, draft.cfg.num_layers, num_pages, cfg.page_size, dtype, device)
+        pool = KVPool(draft.cfg, draft.cfg.num_layers, num_pages, cfg.page_size, kv_dtype, device)
         reduced = build_reduced_head(draft.lm_head.weight, path, draft.cfg.vocab_size, cfg.draft_vocab,
                                      cfg.cpu_kernels)
         return DraftModelProposer(draft, target.cfg.vocab_size, pool, cfg.max_batch_size + 1, device, reduced)
     head = load_mtp_head(path, target.cfg, device, dtype, cfg.cpu_kernels, tp=tp)
-    pool = KVPool(head.rank_cfg, 1, num_pages, cfg.page_size, dtype, device)
+    pool = KVPool(head.rank_cfg, 1, num_pages, cfg.page_size, kv_dtype, device)
     # A reduced draft vocabulary takes rows of the full lm_head, which a tensor-parallel rank does not hold: the
     # head drafts over the full (gathered) vocabulary there.
     reduced = None if tp.world_size > 1 else build_reduced_head(target.lm_head.weight, path, target.cfg.vocab_size,

@@ -133,16 +133,22 @@ VNNI = pytest.mark.skipif(bool(vnni_unavailable()), reason=f"AVX-512 VNNI: {vnni
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft_model", "mtp", "ngram_gguf_q4_1", "ngram_gguf_q4_1_int8-lanes",
                                       pytest.param("ngram_gguf_q4_1_int8-tiles", marks=TILES),
-                                      pytest.param("ngram_gguf_q4_1_int8-vnni", marks=VNNI)])
+                                      pytest.param("ngram_gguf_q4_1_int8-vnni", marks=VNNI),
+                                      "draft_model_kv-bf16", "mtp_kv-bf16", "ngram_gguf_q4_1_kv-bf16"])
 def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, request, tiny_target):
     """Each verify row whose inputs are plain decoding's (every earlier draft of its step accepted) has plain
     decoding's logits at that position, bitwise: the target's own draft accepts all (draft_model), n-gram
     drafts from a repetitive prompt, the random MTP head mostly only the first row; and n-gram on a Q4_1 GGUF
     target whose linears read its blocks, with fp32 or int8 activations (in AVX2 lanes; in AMX tiles; in AVX-512
-    VNNI lanes)."""
+    VNNI lanes); and with every KV pool in bf16 (`--kv-cache-dtype bfloat16`: the torch layers' attention, and the
+    C++ layers' on the GGUF target)."""
+    kernels = {}
+    if proposer.endswith("_kv-bf16"):
+        proposer, kernels["kv_cache_dtype"] = proposer.removesuffix("_kv-bf16"), "bfloat16"
     gguf = proposer.startswith("ngram_gguf_q4_1")
     acts = proposer.rpartition("_")[2] if "_int8" in proposer else ""
-    kernels = dict(activations=acts) if acts else {}
+    if acts:
+        kernels["activations"] = acts
     if gguf:
         tiny_target, proposer = request.getfixturevalue("tiny_gguf"), "ngram"
     prompt = [7, 8, 9, 10] * 3
@@ -152,7 +158,9 @@ def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, reque
     (plain,) = run_to_completion(plain_core, [prompt], params)
     core = make_core(tiny_target, page_size=PAGE, num_spec_tokens=4, spec_policy="fixed", **proposers[proposer],
                      **kernels)
-    if kernels:
+    pools = [core.engine.pool] + ([core.engine.proposer.pool] if getattr(core.engine.proposer, "pool", None) else [])
+    assert {p.k[0].dtype for p in pools} == {torch.bfloat16 if "kv_cache_dtype" in kernels else torch.float32}
+    if acts:
         kind = {"int8-lanes": "int8", "int8-tiles": "int8-tiles", "int8-vnni": "int8-vnni"}[acts]
         assert {m.activations for m in core.engine.target.modules() if isinstance(m, GGUFLinear)} == {kind}
     spec_logits = record_target_logits(core)
@@ -172,17 +180,21 @@ def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, reque
 
 
 @pytest.mark.parametrize("acts", ["fp32", "int8-lanes", pytest.param("int8-tiles", marks=TILES),
-                                  pytest.param("int8-vnni", marks=VNNI)])
+                                  pytest.param("int8-vnni", marks=VNNI), "fp32_kv-bf16"])
 def test_gguf_speculation_on_the_overlap_path_is_plain_decoding(acts, tiny_gguf):
     """The GGUF kernels on the overlap stream path (steps on the worker thread, the next batch built beside them):
     adaptive n-gram speculation over a batch of lanes that draft and lanes that do not gives inline plain
     decoding's tokens, with fp32 and each int8 kernel the host has (the C++ layers keep their scratch per calling
     thread, the thread choice is per call: nothing may depend on which thread runs the step). One prompt is long
-    enough (over 17 tokens) for the prompt GEMM (with AMX tiles its AMX-BF16 form, where the host has it)."""
+    enough (over 17 tokens) for the prompt GEMM (with AMX tiles its AMX-BF16 form, where the host has it). And with
+    a bf16 KV cache."""
     prompts = [[7, 8, 9, 10] * 3, [40 + i for i in range(9)], [3, 5] * 5, [60, 61, 62, 60, 61, 62, 63],
                [11, 12, 13, 14, 15, 16] * 6]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     kernels = dict(activations=acts)
+    if acts.endswith("_kv-bf16"):
+        acts = acts.removesuffix("_kv-bf16")
+        kernels = dict(activations=acts, kv_cache_dtype="bfloat16")
     plain = run_to_completion(make_core(tiny_gguf, page_size=PAGE, **kernels), prompts, params)
     core = make_core(tiny_gguf, page_size=PAGE, num_spec_tokens=4, spec="ngram", spec_policy="adaptive",
                      overlap=True, **kernels)

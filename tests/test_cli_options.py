@@ -41,7 +41,8 @@ GIVEN = {"model": ("m", "m"), "spec": ("ngram", "ngram"), "draft": ("d", "d"), "
          "spec_itl_budget": ("1.5", 1.5), "spec_delta": ("0.05", 0.05), "spec_epsilon": ("0.1", 0.1),
          "overlap": ("on", True), "graphs": ("on", "on"), "attention": ("torch", "torch"),
          "cpu_linear": ("matmul", "matmul"), "batch_invariant": ("off", False), "quantization": ("gguf", "gguf"),
-         "cpu_layers": ("torch", "torch"), "activations": ("int8", "int8")}
+         "cpu_layers": ("torch", "torch"), "activations": ("int8", "int8"),
+         "kv_cache_dtype": ("bfloat16", "bfloat16")}
 # A value every field with a rule rejects.
 INVALID = {"spec": "eagle", "num_spec_tokens": 17, "ngram_match_ratio": -1.0, "draft_vocab": -1, "page_size": 0,
            "kv_cache_tokens": 0,
@@ -50,7 +51,7 @@ INVALID = {"spec": "eagle", "num_spec_tokens": 17, "ngram_match_ratio": -1.0, "d
            "dtype": "int8", "device": "tpu", "threads": 0, "spec_policy": "greedy", "spec_objective": "cost",
            "spec_itl_budget": 0.5, "spec_delta": 1.0, "spec_epsilon": 0.0, "graphs": "yes", "attention": "sdpa",
            "cpu_linear": "mkl", "overlap": "auto", "batch_invariant": "on", "quantization": "q4",
-           "cpu_layers": "compiled", "activations": "bf16"}
+           "cpu_layers": "compiled", "activations": "bf16", "kv_cache_dtype": "fp8"}
 
 
 def parser(command: str) -> argparse.ArgumentParser:

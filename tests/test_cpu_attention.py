@@ -133,3 +133,38 @@ def test_a_prompt_whose_scores_would_pass_the_bound_takes_sdpa(monkeypatch):
     monkeypatch.setattr(kernel, "cpu_attention", lambda *a, **kw: pytest.fail("the kernel ran past its bound"))
     assert torch.equal(attend.forward(q, kc, vc, fb.attn, HEADS, 0.125),
                        TorchAttention().forward(q, kc, vc, fb.attn, HEADS, 0.125))
+
+
+@pytest.mark.parametrize("heads, kv_heads, d", SHAPES)
+def test_a_bf16_cache_gives_the_bits_of_its_values_in_fp32(monkeypatch, heads, kv_heads, d):
+    """`--kv-cache-dtype bfloat16`: the kernel widens each cached bf16 to fp32 (exact) and runs the fp32 cache's
+    arithmetic, so its output is bitwise the fp32 cache's holding the same values; decode and prompt rows alike."""
+    monkeypatch.setattr(bb, "PAD_LIMIT", float("inf"))  # one call for the ragged lanes
+    q_lens, starts = [5, 1, 17, 40], [60, 17, 300, 0]
+    q, kc, vc, tables = paged(q_lens, starts, seed=4, kv_heads=kv_heads, heads=heads, d=d)
+    kb, vb = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    for lens, st in ((q_lens[:3], starts[:3]), (q_lens[3:], starts[3:])):  # steps of few rows; a prompt
+        lanes = tables[:3] if len(lens) == 3 else tables[3:]
+        first = 0 if len(lens) == 3 else sum(q_lens[:3])
+        rows = q[first:first + sum(lens)]
+        fb = bb.build_forward_batch([[0] * n for n in lens], st, lanes, PAGE, "cpu")
+        got = kernel.cpu_attention(rows, kb, vb, fb.attn, heads, d ** -0.5)
+        assert torch.equal(got, kernel.cpu_attention(rows, kb.float(), vb.float(), fb.attn, heads, d ** -0.5))
+        # and it read the bf16 values, not fp32 ones
+        assert not torch.equal(got, kernel.cpu_attention(rows, kc, vc, fb.attn, heads, d ** -0.5))
+
+
+def test_a_bf16_cache_takes_the_kernel_through_the_backend(monkeypatch):
+    q_lens, starts = [5, 1], [60, 17]
+    q, kc, vc, tables = paged(q_lens, starts, seed=5)
+    kb, vb = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    fb = bb.build_forward_batch([[0] * n for n in q_lens], starts, tables, PAGE, "cpu")
+    attend = TorchAttention(batch_invariant=True)
+    assert attend.runs_kernel(q, kb, fb.attn, HEADS)
+    got = attend.forward(q, kb, vb, fb.attn, HEADS, 0.125)
+    assert torch.equal(got, attend.forward(q, kb.float(), vb.float(), fb.attn, HEADS, 0.125))
+    # SDPA over the same bf16 cache (gathered to fp32) agrees to fp32 rounding
+    torch.testing.assert_close(got, TorchAttention().forward(q, kb, vb, fb.attn, HEADS, 0.125), rtol=1e-5,
+                               atol=2e-6)
+    with pytest.raises(kernel.AttentionKernelError, match="one dtype"):
+        kernel.cpu_attention(q, kb, vc, fb.attn, HEADS, 0.125)

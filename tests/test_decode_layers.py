@@ -40,12 +40,15 @@ def load(model, layers: str, activations: str = "fp32"):
     return load_model(model, "cpu", "float32", CpuKernels(layers=layers, activations=activations))
 
 
-def steps(net):
+def steps(net, kv_dtype=torch.float32, pool_out=None):
     """Logits of: a 17-token prompt beside a 40-token one (per-layer calls: a decode-sized lane and a longer one
     attend in separate parts), NEXT decoded
     one token a step (one call a step), NEXT as one verify step (one call), and again beside another lane's
-    decode row (lanes this ragged split their attention: per-layer calls)."""
-    pool = KVPool(net.rank_cfg, len(net.layers), 64, PAGE, torch.float32, "cpu")
+    decode row (lanes this ragged split their attention: per-layer calls). The KV pool in `kv_dtype`, appended
+    to `pool_out` if given."""
+    pool = KVPool(net.rank_cfg, len(net.layers), 64, PAGE, kv_dtype, "cpu")
+    if pool_out is not None:
+        pool_out.append(pool)
     pages, other = list(range(1, 21)), list(range(21, 60))
     n = len(PROMPT)
 
@@ -62,9 +65,9 @@ def steps(net):
     return prompt, single, verify, beside
 
 
-def long_prompts(net):
+def long_prompts(net, kv_dtype=torch.float32):
     """Logits of fresh prompts of 40 and 23 tokens: one forward the attention kernel takes whole (one call)."""
-    pool = KVPool(net.rank_cfg, len(net.layers), 64, PAGE, torch.float32, "cpu")
+    pool = KVPool(net.rank_cfg, len(net.layers), 64, PAGE, kv_dtype, "cpu")
     fb = build_forward_batch([list(range(100, 140)), list(range(200, 223))], [0, 0],
                              [list(range(1, 11)), list(range(11, 17))], PAGE, "cpu")
     with torch.inference_mode():
@@ -81,10 +84,11 @@ def test_native_layers_compute_the_torch_layers_logits(gguf_model):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("acts", ["fp32", "int8"])  # int8: the host's kernel, and its prompt GEMM (AMX-BF16 here)
-def test_one_call_a_step_and_per_layer_calls_give_the_same_bits(gguf_model, monkeypatch, acts):
+def test_one_call_a_step_and_per_layer_calls_give_the_same_bits(gguf_model, monkeypatch, acts, kv_dtype):
     net = load(gguf_model, "auto", acts)
-    prompt, single, verify, beside = steps(net)
+    prompt, single, verify, beside = steps(net, kv_dtype)
     # batch-invariant: verify rows are the decode steps' bits, alone or beside another lane
     assert torch.equal(verify, single) and torch.equal(beside[: len(NEXT)], single)
     calls = []
@@ -95,14 +99,14 @@ def test_one_call_a_step_and_per_layer_calls_give_the_same_bits(gguf_model, monk
         return stack(self, x, batch, kv, rope, attention)
 
     monkeypatch.setattr(decode_layers.NativeLayers, "forward", spy)
-    steps(net)
+    steps(net, kv_dtype)
     assert calls == [False] + [True] * len(NEXT) + [True, False]
-    prompts = long_prompts(net)
+    prompts = long_prompts(net, kv_dtype)
     assert calls[-1]  # the prompts' forward: one call, their rows flagged for the prompt GEMM
     monkeypatch.setattr(type(net.attention), "runs_kernel", lambda *a: False)  # every step per layer
-    again = steps(net)
+    again = steps(net, kv_dtype)
     assert all(torch.equal(a, b) for a, b in zip(again, (prompt, single, verify, beside), strict=True))
-    assert torch.equal(long_prompts(net), prompts)
+    assert torch.equal(long_prompts(net, kv_dtype), prompts)
 
 
 @pytest.mark.parametrize("acts", [
@@ -190,6 +194,44 @@ def test_prompt_gemm_flags_a_call_cannot_run_are_a_typed_error(gguf_model, monke
     monkeypatch.setattr(decode_layers, "prompt_rows", one_row_of_the_other_kind)
     with pytest.raises(decode_layers.LayerKernelError, match="returned -1"):
         steps(net)
+
+
+def test_a_bf16_cache_holds_torchs_rounding_of_the_fp32_caches_values(gguf_model):
+    """`--kv-cache-dtype bfloat16` in the C++ layers: layer 0's keys and values (which no attention precedes) are
+    bitwise torch's `.to(torch.bfloat16)` of what an fp32 cache holds, and the logits stay near the torch layers'
+    over a bf16 cache and near the fp32 cache's (a bf16 rounding of K and V apart)."""
+    net, eager = load(gguf_model, "auto"), load(gguf_model, "torch")
+    wide, narrow, torch_narrow = [], [], []
+    exact = steps(net, torch.float32, wide)
+    got = steps(net, torch.bfloat16, narrow)
+    ref = steps(eager, torch.bfloat16, torch_narrow)
+    assert narrow[0].k[0].dtype == torch.bfloat16
+    written = wide[0].k[0].abs().sum((1, 2)) > 0
+    assert written.sum() > 40
+    for cache in ("k", "v"):
+        got_cache, fp32_cache = getattr(narrow[0], cache)[0], getattr(wide[0], cache)[0]
+        assert torch.equal(got_cache[written], fp32_cache[written].to(torch.bfloat16))
+    for a, b, c in zip(got, ref, exact, strict=True):
+        scale = c.abs().max()
+        assert (a - b).abs().max() < 1e-3 * scale
+        assert 0 < (a - c).abs().max() < 2e-2 * scale
+
+
+def test_the_caches_bf16_rounding_is_torchs():
+    """`to_bf16` against torch's conversion: ties to even both ways, the largest finite values rounding to inf,
+    infinities, signed zeros and subnormals bitwise; NaNs (any payload) NaNs (c10's 0x7FC0, where torch's vector
+    path writes 0xFFFF)."""
+    lib = decode_layers._build()[0]
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x7F7FFFFF, 0x7F7F8000, 0xFF7FFFFF,
+                         0x7F800000, 0xFF800000, 0x7FC00001, 0xFFFFFFFF, 0x7F800001, 0x80000000, 0x00000000,
+                         0x00000001, 0x80008000, 0x00018000, 0x3EAAAAAB], dtype=torch.int64).to(torch.int32)
+    x = torch.cat([bits.view(torch.float32), torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 1e3])
+    out = torch.empty(x.numel(), dtype=torch.int16)
+    lib.bf16_round_rows(x.data_ptr(), out.data_ptr(), x.numel())
+    ref = x.to(torch.bfloat16).view(torch.int16)
+    nan = x.isnan()
+    assert nan.sum() == 3 and torch.equal(out[~nan], ref[~nan])
+    assert (out[nan] == 0x7FC0).all() and out.view(torch.bfloat16)[nan].isnan().all()
 
 
 def test_results_do_not_depend_on_the_threads(gguf_model, monkeypatch):

@@ -14,6 +14,10 @@
 // key's load (in the AVX-512 form its query rows too).
 // That is the AVX2 form. Where the CPU has AVX-512, heads of 64 and 128 take `cpu_attention_avx512.cpp`'s form:
 // its own fixed order (other bits than this form's), as independent of the rest of the step. A host runs one form.
+//
+// The caches hold fp32 or bf16 (`--kv-cache-dtype bfloat16`: half the bytes a key, which a long context's or a
+// large batch's attention reads once a step). A bf16 value widens to fp32 exactly (its bits in the high half), so
+// both caches run the same arithmetic on the values they hold.
 
 #include <immintrin.h>
 #include <math.h>
@@ -29,6 +33,20 @@ constexpr int64_t GB = 4;  // query heads of a row that share a key's loads
 // keys, 3 KV heads) the attention phase (a thread's work and wait) went from 1.40 M to 0.93 M cycles a step, 5 rows
 // from 3.2 M to 2.65 M (4 and 16 keys ahead measured no better).
 constexpr int64_t KV_AHEAD = 8;
+
+using bf16_t = uint16_t;  // a bfloat16's bits
+
+// 8 cache values as fp32 (a bf16's bits are an fp32's high half: exact)
+inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+// Ask the cache for one key's row of D values (every 64 bytes of it).
+template <class KV>
+inline void prefetch_row(const KV *row, int64_t D) {
+    for (int64_t b = 0; b < D * (int64_t)sizeof(KV); b += 64) _mm_prefetch((const char *)row + b, _MM_HINT_T0);
+}
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -68,23 +86,21 @@ inline float dot(const float *a, const float *b, int64_t d) {
 // One query row's heads [g0, g0 + GN) of KV head kvh over its `seen` keys (slots): scores into s[g], the output
 // into o[g]. Every head's operations are the header's, in its order: interleaving independent heads, which share
 // each key's loads, changes no head's bits.
-template <int GN>
-inline void attend_heads(const float *const *qr, float *const *s, float *const *o, const float *k_cache,
-                         const float *v_cache, const int64_t *slots, int64_t seen, int64_t Hkv, int64_t kvh, int64_t D,
+template <int GN, class KV>
+inline void attend_heads(const float *const *qr, float *const *s, float *const *o, const KV *k_cache,
+                         const KV *v_cache, const int64_t *slots, int64_t seen, int64_t Hkv, int64_t kvh, int64_t D,
                          float scale) {
     for (int64_t j = 0; j < seen; j++) {
-        const float *kr = k_cache + (slots[j] * Hkv + kvh) * D;
+        const KV *kr = k_cache + (slots[j] * Hkv + kvh) * D;
         if (j + KV_AHEAD < seen) {
             const int64_t at = (slots[j + KV_AHEAD] * Hkv + kvh) * D;
-            for (int64_t c = 0; c < D; c += 16) {
-                _mm_prefetch((const char *)(k_cache + at + c), _MM_HINT_T0);
-                _mm_prefetch((const char *)(v_cache + at + c), _MM_HINT_T0);
-            }
+            prefetch_row(k_cache + at, D);
+            prefetch_row(v_cache + at, D);
         }
         __m256 acc[GN];
         for (int g = 0; g < GN; g++) acc[g] = _mm256_setzero_ps();
         for (int64_t c = 0; c < D; c += 8) {
-            const __m256 kv = _mm256_loadu_ps(kr + c);
+            const __m256 kv = load8(kr + c);
             for (int g = 0; g < GN; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[g] + c), kv, acc[g]);
         }
         for (int g = 0; g < GN; g++) s[g][j] = hsum(acc[g]) * scale;
@@ -108,8 +124,8 @@ inline void attend_heads(const float *const *qr, float *const *s, float *const *
         __m256 a0[GN], a1[GN];
         for (int g = 0; g < GN; g++) a0[g] = a1[g] = _mm256_setzero_ps();
         for (int64_t j = 0; j < seen; j++) {
-            const float *vr = v_cache + (slots[j] * Hkv + kvh) * D + c0;
-            const __m256 v0 = _mm256_loadu_ps(vr), v1 = two ? _mm256_loadu_ps(vr + 8) : v0;
+            const KV *vr = v_cache + (slots[j] * Hkv + kvh) * D + c0;
+            const __m256 v0 = load8(vr), v1 = two ? load8(vr + 8) : v0;
             for (int g = 0; g < GN; g++) {
                 const __m256 p = _mm256_set1_ps(s[g][j]);
                 a0[g] = _mm256_fmadd_ps(p, v0, a0[g]);
@@ -131,8 +147,9 @@ constexpr int64_t SCORE_PAD = 16;  // a row of scores: most_keys + this (whole 8
 
 // The attention of one item (lane b = it / Hkv, KV head it % Hkv): its valid query rows in [i0, i1) and every
 // query head of the KV head. slots: most_keys + 1 int64; scores: scores_floats(G, Q, most_keys), 32-byte aligned.
-inline void attend_item(int64_t it, int64_t i0, int64_t i1, const float *q, float *out, const float *k_cache,
-                        const float *v_cache, int64_t Q, int64_t H, int64_t Hkv, int64_t D, const int64_t *q_index,
+template <class KV>
+inline void attend_item(int64_t it, int64_t i0, int64_t i1, const float *q, float *out, const KV *k_cache,
+                        const KV *v_cache, int64_t Q, int64_t H, int64_t Hkv, int64_t D, const int64_t *q_index,
                         const uint8_t *q_valid, const int64_t *q_pos, const int64_t *kv_len,
                         const int64_t *page_table, int64_t P, int64_t page_size, float scale, int64_t most_keys,
                         int64_t *slots, float *scores) {
@@ -194,8 +211,9 @@ inline void attend_item(int64_t it, int64_t i0, int64_t i1, const float *q, floa
 // not items, are the unit because a batch-1 step has as few items as KV heads (3 for SmolLM2), which split
 // unevenly over 2 threads; its verify rows (5 an item) split evenly. A row's arithmetic does not depend on the
 // split.
-inline void attend_units(int64_t u0, int64_t u1, const float *q, float *out, const float *k_cache,
-                         const float *v_cache, int64_t Q, int64_t H, int64_t Hkv, int64_t D, const int64_t *q_index,
+template <class KV>
+inline void attend_units(int64_t u0, int64_t u1, const float *q, float *out, const KV *k_cache,
+                         const KV *v_cache, int64_t Q, int64_t H, int64_t Hkv, int64_t D, const int64_t *q_index,
                          const uint8_t *q_valid, const int64_t *q_pos, const int64_t *kv_len,
                          const int64_t *page_table, int64_t P, int64_t page_size, float scale, int64_t most_keys,
                          int64_t *slots, float *scores) {
@@ -248,7 +266,7 @@ inline int64_t scores_floats(int64_t G, int64_t Q, int64_t most_keys) { return G
 }  // namespace cpu_attention_kernel
 
 extern "C" {
-int cpu_attention_version(void) { return 3; }
+int cpu_attention_version(void) { return 4; }
 
 // 0: the AVX2 form on an AVX-512 host too (tests compare the two forms); 1: by the CPU. Returns whether the
 // AVX-512 form now runs for heads of 64.
@@ -257,11 +275,11 @@ int cpu_attention_use_avx512(int on) {
     return cpu_attention_kernel::avx512_ok(64, 1);
 }
 
-// q [T, H, D] (flat tokens), out [T, H, D]; caches [slots, Hkv, D]; per lane b: q_index [B, Q] (flat token of
-// each query row), q_valid [B, Q] (uint8), q_pos [B, Q], kv_len [B], page_table [B, P] (int64 all). D must be
-// a multiple of 8. Returns 0, -1 for a bad shape, -2 if scratch cannot be allocated.
-int cpu_attention(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t B, int64_t Q,
-                  int64_t H, int64_t Hkv, int64_t D, const int64_t *q_index, const uint8_t *q_valid,
+// q [T, H, D] (flat tokens), out [T, H, D]; caches [slots, Hkv, D] of fp32, or of bf16 with kv_bf16; per lane b:
+// q_index [B, Q] (flat token of each query row), q_valid [B, Q] (uint8), q_pos [B, Q], kv_len [B], page_table
+// [B, P] (int64 all). D must be a multiple of 8. Returns 0, -1 for a bad shape, -2 if scratch cannot be allocated.
+int cpu_attention(const float *q, float *out, const void *k_cache, const void *v_cache, int kv_bf16, int64_t B,
+                  int64_t Q, int64_t H, int64_t Hkv, int64_t D, const int64_t *q_index, const uint8_t *q_valid,
                   const int64_t *q_pos, const int64_t *kv_len, const int64_t *page_table, int64_t P,
                   int64_t page_size, float scale, int threads) {
     if (D % 8 != 0 || H % Hkv != 0 || D > 256) return -1;
@@ -281,9 +299,14 @@ int cpu_attention(const float *q, float *out, const float *k_cache, const float 
             const int t = omp_get_thread_num(), nt = omp_get_num_threads();
             int64_t u0, u1;
             ak::unit_share(items * Q, Q, Hkv, q_valid, q_pos, kv_len, t, nt, &u0, &u1);
-            ak::attend_units(u0, u1, q, out, k_cache, v_cache, Q, H, Hkv, D,
-                             q_index, q_valid, q_pos, kv_len, page_table, P, page_size, scale, most_keys, slots,
-                             scores);
+            if (kv_bf16)
+                ak::attend_units(u0, u1, q, out, (const ak::bf16_t *)k_cache, (const ak::bf16_t *)v_cache, Q, H, Hkv,
+                                 D, q_index, q_valid, q_pos, kv_len, page_table, P, page_size, scale, most_keys, slots,
+                                 scores);
+            else
+                ak::attend_units(u0, u1, q, out, (const float *)k_cache, (const float *)v_cache, Q, H, Hkv, D,
+                                 q_index, q_valid, q_pos, kv_len, page_table, P, page_size, scale, most_keys, slots,
+                                 scores);
         }
         free(slots);
         free(scores);

@@ -1,7 +1,7 @@
 """Call `cpu_attention.cpp`: paged attention for steps of at most MAX_QUERY_ROWS positions, and prompts of at most
-PROMPT_ROWS, on CPU (fp32), one call a layer and batch-invariant by construction (a row's bits never depend on what
-shares its step). Built and loaded by `engine.native`; where it cannot run (`unavailable()` says why),
-`invariant_attention` (torch ops) is the batch-invariant path."""
+PROMPT_ROWS, on CPU (fp32 queries, fp32 or bf16 caches), one call a layer and batch-invariant by construction (a
+row's bits never depend on what shares its step). Built and loaded by `engine.native`; where it cannot run
+(`unavailable()` says why), `invariant_attention` (torch ops) is the batch-invariant path."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib, why = load_kernel(SOURCE, INCLUDES)
     if lib is not None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.cpu_attention.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, p, p, p, p, p, i64, i64, ctypes.c_float,
-                                      ctypes.c_int]
+        lib.cpu_attention.argtypes = [p, p, p, p, ctypes.c_int, i64, i64, i64, i64, i64, p, p, p, p, p, i64, i64,
+                                      ctypes.c_float, ctypes.c_int]
         lib.cpu_attention.restype = ctypes.c_int
     return lib, why
 
@@ -48,6 +48,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
 # x 1 68 / 41, x 8 353 / 271; 512 x 1 239 / 197, x 4 1,884 / 973; 1,024 x 1 572 / 622. The kernel's AVX2 form
 # (what an AVX2 host runs; SDPA still AVX-512 here): 256 x 1 115 / 100, 512 x 1 244 / 234.
 PROMPT_ROWS = 512
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the caches the kernel reads (bf16 widened to fp32 exactly)
 SCORE_PAD = 16  # keys a row's scores are padded by (`cpu_attention.cpp`'s SCORE_PAD)
 PROMPT_SCORES = 1 << 22  # 16 MB a thread: 512 rows over ~2,700 keys at 3 query heads a KV head
 
@@ -64,11 +65,11 @@ def unavailable() -> str:
 
 
 def runs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether this forward can take the kernel: CPU, fp32 queries and cache, a head size it takes, and not
-    inside a compiled step (which traces the torch path: a trace can follow neither the library's loading nor a
-    ctypes call)."""
+    """Whether this forward can take the kernel: CPU, fp32 queries, an fp32 or bf16 cache, a head size it takes,
+    and not inside a compiled step (which traces the torch path: a trace can follow neither the library's loading
+    nor a ctypes call)."""
     return (not torch.compiler.is_compiling() and q.device.type == "cpu" and q.dtype == torch.float32
-            and k_cache.dtype == torch.float32 and k_cache.shape[-1] % 8 == 0 and k_cache.shape[-1] <= 256
+            and k_cache.dtype in KV_DTYPES and k_cache.shape[-1] % 8 == 0 and k_cache.shape[-1] <= 256
             and not unavailable())
 
 
@@ -94,10 +95,13 @@ def cpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = q.new_zeros(q.shape)  # rows no valid query row writes (a graph's padding lanes) stay 0
     q_index, q_valid, q_pos, kv_len, table = _indices(meta)
     b, qn = q_index.shape
+    if v_cache.dtype != k_cache.dtype:
+        raise AttentionKernelError(f"K and V caches of one dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    bf16 = int(k_cache.dtype == torch.bfloat16)
     work = 2 * b * qn * num_heads * meta.keys * d
 
     def call(n: int) -> int:
-        return lib.cpu_attention(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), b, qn,
+        return lib.cpu_attention(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bf16, b, qn,
                                  num_heads, hkv, d, q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(),
                                  kv_len.data_ptr(), table.data_ptr(), table.shape[1], meta.page_size, scale, n)
 

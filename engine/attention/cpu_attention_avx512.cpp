@@ -65,9 +65,15 @@ inline float tree_sum16(__m512 v) {  // tree_sums16's tree over one vector's lan
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
+// 16 cache values as fp32 (`load8`'s widening)
+inline __m512 load16(const float *p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
 // s[j0, j0 + 16) = (q . k_j) * scale for one query head and the n <= 16 keys from j0 it sees, -inf past them.
-template <int DC>
-inline void score_vector16(const float *qr, float *s, const float *k_cache, const int64_t *slots, int64_t j0,
+template <int DC, class KV>
+inline void score_vector16(const float *qr, float *s, const KV *k_cache, const int64_t *slots, int64_t j0,
                            int64_t n, int64_t Hkv, int64_t kvh, __m512 vscale) {
     constexpr int64_t D = DC * 16;
     __m512 qv[DC];
@@ -78,9 +84,9 @@ inline void score_vector16(const float *qr, float *s, const float *k_cache, cons
             acc[j] = _mm512_setzero_ps();
             continue;
         }
-        const float *kr = k_cache + (slots[j0 + j] * Hkv + kvh) * D;
-        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-        for (int c = 1; c < DC; c++) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a);
+        const KV *kr = k_cache + (slots[j0 + j] * Hkv + kvh) * D;
+        __m512 a = _mm512_mul_ps(qv[0], load16(kr));
+        for (int c = 1; c < DC; c++) a = _mm512_fmadd_ps(qv[c], load16(kr + 16 * c), a);
         acc[j] = a;
     }
     const __m512 sv = _mm512_mul_ps(tree_sums16(acc), vscale);
@@ -110,17 +116,17 @@ inline float softmax16(float *s, int64_t seen) {
 // took 4.99 ms a thread, 3.94 ms this way.
 constexpr int64_t VB = 64;  // keys a values block takes (64 V rows of 128 floats: 32 KB, within L1)
 
-template <int DC, int GN>
-inline void values_block16(const float *const *p, float *const *o, const float *v_cache, const int64_t *slots,
+template <int DC, int GN, class KV>
+inline void values_block16(const float *const *p, float *const *o, const KV *v_cache, const int64_t *slots,
                            int64_t j0, int64_t j1, int64_t Hkv, int64_t kvh) {
     constexpr int64_t D = DC * 16;
     __m512 acc[GN][DC];
     for (int g = 0; g < GN; g++)
         for (int c = 0; c < DC; c++) acc[g][c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o[g] + 16 * c);
     for (int64_t j = j0; j < j1; j++) {
-        const float *vr = v_cache + (slots[j] * Hkv + kvh) * D;
+        const KV *vr = v_cache + (slots[j] * Hkv + kvh) * D;
         __m512 v[DC];
-        for (int c = 0; c < DC; c++) v[c] = _mm512_loadu_ps(vr + 16 * c);
+        for (int c = 0; c < DC; c++) v[c] = load16(vr + 16 * c);
         for (int g = 0; g < GN; g++) {
             const __m512 pj = _mm512_set1_ps(p[g][j]);
             for (int c = 0; c < DC; c++) acc[g][c] = _mm512_fmadd_ps(pj, v[c], acc[g][c]);
@@ -133,9 +139,9 @@ inline void values_block16(const float *const *p, float *const *o, const float *
 // R rows: q_rows[r] / o_rows[r] a row's [H, D], s_rows[r] its G score rows (`stride` floats apart), seen[r] its
 // keys; l: R * G floats. The rows' outputs must be distinct (each is accumulated in place between values blocks);
 // a step's rows of one item are distinct tokens.
-template <int DC>
+template <int DC, class KV>
 inline void attend_rows16(int64_t R, const float *const *q_rows, float *const *o_rows, float *const *s_rows,
-                          const int64_t *seen, int64_t stride, float *l, const float *k_cache, const float *v_cache,
+                          const int64_t *seen, int64_t stride, float *l, const KV *k_cache, const KV *v_cache,
                           const int64_t *slots, int64_t G, int64_t Hkv, int64_t kvh, float scale) {
     constexpr int64_t D = DC * 16, GV = DC == 4 ? 5 : 2;
     int64_t most = 0;
@@ -146,16 +152,14 @@ inline void attend_rows16(int64_t R, const float *const *q_rows, float *const *o
         const int64_t ask_end = j0 + (FETCH_AHEAD + 1) * KV16 < most ? j0 + (FETCH_AHEAD + 1) * KV16 : most;
         for (int64_t j = j0 == 0 ? 0 : j0 + FETCH_AHEAD * KV16; j < ask_end; j++) {
             const int64_t at = (slots[j] * Hkv + kvh) * D;
-            for (int c = 0; c < DC; c++) {
-                _mm_prefetch((const char *)(k_cache + at + 16 * c), _MM_HINT_T0);
-                _mm_prefetch((const char *)(v_cache + at + 16 * c), _MM_HINT_T0);
-            }
+            prefetch_row(k_cache + at, D);
+            prefetch_row(v_cache + at, D);
         }
         for (int64_t r = 0; r < R; r++) {
             if (seen[r] <= j0) continue;
             const int64_t n = seen[r] - j0 < KV16 ? seen[r] - j0 : KV16;
             for (int64_t g = 0; g < G; g++)
-                score_vector16<DC>(q_rows[r] + (kvh * G + g) * D, s_rows[r] + g * stride, k_cache, slots, j0, n,
+                score_vector16<DC, KV>(q_rows[r] + (kvh * G + g) * D, s_rows[r] + g * stride, k_cache, slots, j0, n,
                                    Hkv, kvh, vscale);
         }
     }
@@ -172,11 +176,11 @@ inline void attend_rows16(int64_t R, const float *const *q_rows, float *const *o
                 for (int64_t g = 0; g < gn; g++)
                     p[g] = s_rows[r] + (g0 + g) * stride, o[g] = o_rows[r] + (kvh * G + g0 + g) * D;
                 switch (gn) {  // GV is at most 5
-                    case 5: values_block16<DC, 5>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
-                    case 4: values_block16<DC, 4>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
-                    case 3: values_block16<DC, 3>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
-                    case 2: values_block16<DC, 2>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
-                    default: values_block16<DC, 1>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
+                    case 5: values_block16<DC, 5, KV>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
+                    case 4: values_block16<DC, 4, KV>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
+                    case 3: values_block16<DC, 3, KV>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
+                    case 2: values_block16<DC, 2, KV>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
+                    default: values_block16<DC, 1, KV>(p, o, v_cache, slots, j0, j1, Hkv, kvh); break;
                 }
             }
         }

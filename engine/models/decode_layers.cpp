@@ -334,9 +334,35 @@ void linear(const Linear &l, const float *in, int64_t M, float *y, float *residu
             for (int64_t n = cols.a; n < cols.b; n++) residual[r * l.n + n] += y[r * l.n + n];
 }
 
+// One layer's K and V caches, [num_slots, kv_heads, D]: fp32, or bf16 (`--kv-cache-dtype bfloat16`).
+struct Caches {
+    void *k, *v;
+    bool bf16;
+};
+
+// fp32 -> bf16 as torch's `.to(torch.bfloat16)` rounds (to nearest, ties to even), so a cache the C++ layers write
+// holds the bits the torch layers' index_copy_ writes; a NaN becomes c10::BFloat16's 0x7FC0 (torch's vector path
+// writes 0xFFFF: a NaN either way).
+inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// n values of src into slot `slot`'s row of a cache (rows of n values)
+inline void store_row(void *cache, bool bf16, int64_t slot, const float *src, int64_t n) {
+    if (!bf16) {
+        memcpy((float *)cache + slot * n, src, sizeof(float) * n);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + slot * n;
+    for (int64_t i = 0; i < n; i++) dst[i] = to_bf16(src[i]);
+}
+
 // x -> norm -> qkv -> rotary; keys and values into the caches at `slots`, queries into buf.q; buf.out zeroed.
 void phase_in(const Shape *s, const Layer *L, const float *x, int64_t M, const float *cos, const float *sin,
-              const int64_t *slots, float *k_cache, float *v_cache, Buffers &buf, Barrier &bar, int t, int nt) {
+              const int64_t *slots, Caches c, Buffers &buf, Barrier &bar, int t, int nt) {
     const int64_t D = s->head_dim, qn = s->heads * D, kvn = s->kv_heads * D, width = qn + 2 * kvn;
     const Range rows(M, t, nt);
     float *h = buf.own ? buf.own_h + t * buf.own_h_n : buf.h;
@@ -350,20 +376,30 @@ void phase_in(const Shape *s, const Layer *L, const float *x, int64_t M, const f
         memcpy(buf.q + r * qn, row, sizeof(float) * qn);
         // lanes that keep no K/V all write the dummy page's slot (never read as a key): the same bytes' last
         // writer wins, as with torch's index_copy_
-        memcpy(k_cache + slots[r] * kvn, row + qn, sizeof(float) * kvn);
-        memcpy(v_cache + slots[r] * kvn, row + qn + kvn, sizeof(float) * kvn);
+        store_row(c.k, c.bf16, slots[r], row + qn, kvn);
+        store_row(c.v, c.bf16, slots[r], row + qn + kvn, kvn);
         memset(buf.out + r * qn, 0, sizeof(float) * qn);  // rows no valid query writes (padding lanes) stay 0
     }
     bar.wait();
 }
 
 // units: this thread's share of (item, query row) units, cpu_attention's (`unit_share`)
-void phase_attention(const Shape *s, const Paging *pg, const float *k_cache, const float *v_cache,
-                     int64_t most_keys, Range units, Buffers &buf, Barrier &bar, int t) {
+template <class KV>
+void attend_share(const Shape *s, const Paging *pg, const KV *k_cache, const KV *v_cache, int64_t most_keys,
+                  Range units, Buffers &buf, int t) {
     cpu_attention_kernel::attend_units(units.a, units.b, buf.q, buf.out, k_cache, v_cache, pg->Q, s->heads,
                                        s->kv_heads, s->head_dim, pg->q_index, pg->q_valid, pg->q_pos, pg->kv_len,
                                        pg->table, pg->P, pg->page_size, s->scale, most_keys,
                                        buf.slots + t * buf.slots_n, buf.scores + t * buf.scores_n);
+}
+
+void phase_attention(const Shape *s, const Paging *pg, Caches c, int64_t most_keys, Range units, Buffers &buf,
+                     Barrier &bar, int t) {
+    if (c.bf16)
+        attend_share(s, pg, (const cpu_attention_kernel::bf16_t *)c.k, (const cpu_attention_kernel::bf16_t *)c.v,
+                     most_keys, units, buf, t);
+    else
+        attend_share(s, pg, (const float *)c.k, (const float *)c.v, most_keys, units, buf, t);
     bar.wait();
 }
 
@@ -409,17 +445,22 @@ void silu_mul_rows(const float *gu, float *a, int64_t M, int64_t I, int lanes) {
     silu_mul(gu, a, Range(M, 0, 1), I, lanes != 8);
 }
 
+// fp32 -> bf16 as the caches are written (`to_bf16`), for tests: x [n] -> out [n] (bf16 bits).
+void bf16_round_rows(const float *x, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = to_bf16(x[i]);
+}
+
 // The library's version: bump it with any change to the arithmetic above.
-int decode_layers_version(void) { return 5; }
+int decode_layers_version(void) { return 6; }
 
 // x [M, hidden] (the residual stream, read) -> q [M, heads * D] rotated, and the rotated keys and the values
-// written to k_cache / v_cache [num_slots, kv_heads, D] at slots [M]. gemm_rows [M] (uint8) or null: the rows
-// whose linears take the prompt GEMM (1), or for AMX-format linears its AMX-BF16 form (2; one kind a call). Returns
-// 0, -1 for a bad shape, slot or flags (both kinds, or AMX-BF16 where it cannot run), -2 if scratch cannot be
-// allocated.
+// written to k_cache / v_cache [num_slots, kv_heads, D] (fp32, or bf16 with kv_bf16) at slots [M]. gemm_rows [M]
+// (uint8) or null: the rows whose linears take the prompt GEMM (1), or for AMX-format linears its AMX-BF16 form (2;
+// one kind a call). Returns 0, -1 for a bad shape, slot or flags (both kinds, or AMX-BF16 where it cannot run), -2
+// if scratch cannot be allocated.
 int attention_in(const Shape *s, const Layer *layer, const float *x, int64_t M, const float *cos, const float *sin,
-                 const int64_t *slots, float *k_cache, float *v_cache, int64_t num_slots, float *q,
-                 const uint8_t *gemm_rows, int threads) {
+                 const int64_t *slots, void *k_cache, void *v_cache, int64_t num_slots, float *q,
+                 const uint8_t *gemm_rows, int kv_bf16, int threads) {
     if (!layer_ok(s, layer) || !slots_ok(slots, M, num_slots)) return -1;
     Buffers buf(s, M, threads, 0, 0, gemm_rows);
     if (!buf.gemm_flags_ok()) return -1;
@@ -428,8 +469,8 @@ int attention_in(const Shape *s, const Layer *layer, const float *x, int64_t M, 
     #pragma omp parallel num_threads(threads)
     {
         bar.join(omp_get_num_threads());
-        phase_in(s, layer, x, M, cos, sin, slots, k_cache, v_cache, buf, bar, omp_get_thread_num(),
-                 omp_get_num_threads());
+        phase_in(s, layer, x, M, cos, sin, slots, Caches{k_cache, v_cache, kv_bf16 != 0}, buf, bar,
+                 omp_get_thread_num(), omp_get_num_threads());
     }
     memcpy(q, buf.q, sizeof(float) * M * s->heads * s->head_dim);
     return 0;
@@ -460,10 +501,11 @@ void final_norm(const Shape *s, const float *w, float *x, int64_t M) {
 
 // Every layer of a step whose attention runs in the C++ kernel (few positions a lane, or prompts it takes), in one
 // region: per layer phase_in, attention over the paged caches, phase_out; then the model's final RMS norm (weight
-// norm [hidden]). x [M, hidden] is updated in place: the normed final hidden states. gemm_rows as attention_in's.
+// norm [hidden]). x [M, hidden] is updated in place: the normed final hidden states. gemm_rows and kv_bf16 as
+// attention_in's (every layer's caches of the one dtype).
 int decode_stack(const Shape *s, const Layer *layers, int64_t L, const float *norm, float *x, int64_t M,
-                 const float *cos, const float *sin, const int64_t *slots, float *const *k_caches,
-                 float *const *v_caches, int64_t num_slots, const Paging *pg, const uint8_t *gemm_rows,
+                 const float *cos, const float *sin, const int64_t *slots, void *const *k_caches,
+                 void *const *v_caches, int64_t num_slots, const Paging *pg, const uint8_t *gemm_rows, int kv_bf16,
                  int threads) {
     for (int64_t l = 0; l < L; l++)
         if (!layer_ok(s, layers + l)) return -1;
@@ -483,8 +525,9 @@ int decode_stack(const Shape *s, const Layer *layers, int64_t L, const float *no
         cpu_attention_kernel::unit_share(pg->B * s->kv_heads * pg->Q, pg->Q, s->kv_heads, pg->q_valid, pg->q_pos,
                                          pg->kv_len, t, nt, &units.a, &units.b);
         for (int64_t l = 0; l < L; l++) {
-            phase_in(s, layers + l, x, M, cos, sin, slots, k_caches[l], v_caches[l], buf, bar, t, nt);
-            phase_attention(s, pg, k_caches[l], v_caches[l], most_keys, units, buf, bar, t);
+            const Caches c{k_caches[l], v_caches[l], kv_bf16 != 0};
+            phase_in(s, layers + l, x, M, cos, sin, slots, c, buf, bar, t, nt);
+            phase_attention(s, pg, c, most_keys, units, buf, bar, t);
             phase_out(s, layers + l, x, M, buf.out, buf, bar, t, nt);
         }
         rms_norm(x, norm, x, Range(M, t, nt), s->hidden, s->eps);  // a row at a time: in place is safe

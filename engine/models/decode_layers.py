@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from specstep.engine.attention import cpu_attention
+from specstep.engine.attention.cpu_attention import KV_DTYPES
 from specstep.engine.attention.invariant_attention import MAX_QUERY_ROWS
 from specstep.engine.forward_batch import AttentionMetadata, ForwardBatch, SplitAttention
 from specstep.engine.kv_cache import KVPool
@@ -74,16 +75,19 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     if lib is None:
         return None, why
     p, c_int = ctypes.POINTER, ctypes.c_int
-    lib.attention_in.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, c_int]
+    lib.attention_in.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, c_int,
+                                 c_int]
     lib.attention_out_mlp.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, ptr, c_int]
     lib.decode_stack.argtypes = [p(_Shape), p(_Layer), i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, p(_Paging),
-                                 ptr, c_int]
+                                 ptr, c_int, c_int]
     for fn in (lib.attention_in, lib.attention_out_mlp, lib.decode_stack):
         fn.restype = ctypes.c_int
     lib.final_norm.argtypes = [p(_Shape), ptr, ptr, i64]
     lib.final_norm.restype = None
     lib.silu_mul_rows.argtypes = [ptr, ptr, i64, i64, c_int]
     lib.silu_mul_rows.restype = None
+    lib.bf16_round_rows.argtypes = [ptr, ptr, i64]
+    lib.bf16_round_rows.restype = None
     return lib, ""
 
 
@@ -197,9 +201,10 @@ class NativeLayers:
 
     @staticmethod
     def runs(kv: KVPool) -> bool:
-        """Whether this pool is one the C++ layers write (fp32 on CPU, [slots, kv_heads, head_dim] contiguous)."""
+        """Whether this pool is one the C++ layers write (fp32 or bf16 on CPU, [slots, kv_heads, head_dim]
+        contiguous)."""
         k = kv.k[0]
-        return k.dtype == torch.float32 and k.device.type == "cpu" and k.is_contiguous()
+        return k.dtype in KV_DTYPES and k.device.type == "cpu" and k.is_contiguous()
 
     def _run(self, kind: str, size: int, rows: int, fn, *args) -> None:
         """fn(*args, threads) with the thread count this kind of call over `size` rows (`rows`, or the power of
@@ -240,7 +245,7 @@ class NativeLayers:
         rows = size_of(m)
         self._run("decode_stack", rows, m, self._lib.decode_stack, shape, self._layers, len(self._layers),
                   self._norm.data_ptr(), x, m, cos, sin, slots, ks, vs, kv.k[0].shape[0], ctypes.byref(paging),
-                  None if gemm is None else gemm.data_ptr())
+                  None if gemm is None else gemm.data_ptr(), kv_bf16(kv))
 
     def _per_layer(self, step: tuple, meta: AttentionMetadata | SplitAttention, kv: KVPool, attention) -> None:
         shape, x, m, cos, sin, slots = step
@@ -251,10 +256,15 @@ class NativeLayers:
         for i in range(len(self._layers)):
             layer = ctypes.byref(self._layers[i])  # an element shares the array's memory
             self._run("attention_in", rows, m, self._lib.attention_in, shape, layer, x, m, cos, sin, slots,
-                      kv.k[i].data_ptr(), kv.v[i].data_ptr(), kv.k[i].shape[0], q.data_ptr(), gemm_ptr)
+                      kv.k[i].data_ptr(), kv.v[i].data_ptr(), kv.k[i].shape[0], q.data_ptr(), gemm_ptr, kv_bf16(kv))
             o = attention.forward(q, kv.k[i], kv.v[i], meta, self.num_heads, self.scale).contiguous()
             self._run("attention_out_mlp", rows, m, self._lib.attention_out_mlp, shape, layer, x, m, o.data_ptr(),
                       gemm_ptr)
+
+
+def kv_bf16(kv: KVPool) -> int:
+    """The C++ layers' cache flag: 1 for a bf16 pool, 0 for fp32."""
+    return int(kv.k[0].dtype == torch.bfloat16)
 
 
 def use_native_layers(model: nn.Module, mode: str) -> str:
