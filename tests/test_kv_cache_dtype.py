@@ -12,7 +12,7 @@ from specstep.engine.engine_config import EngineConfig
 from specstep.engine.errors import ConfigError
 from specstep.engine.sampling_params import SamplingParams
 from specstep.scheduler.build import build_engine, cache_dtype
-from tests.helpers import run_to_completion
+from tests.helpers import make_core, run_to_completion
 
 
 def test_auto_is_the_models_dtype_and_cuda_keeps_it():
@@ -49,3 +49,23 @@ def test_a_bf16_cache_holds_twice_the_tokens_and_speculation_is_plain_decoding(s
     plain = run_to_completion(plain_core, prompts, params)
     spec_out = run_to_completion(narrow, prompts, params)
     assert [r.output_token_ids for r in spec_out] == [r.output_token_ids for r in plain]
+
+
+def test_chunked_prefill_over_a_bf16_cache_keeps_speculation_plain(tiny_target):
+    """Mixed steps (prompt chunks beside decode rows: the chunks' attention in torch's SDPA over the bf16 pages,
+    cast to fp32; the decode rows' in the kernel) under `--kv-cache-dtype bfloat16`: n-gram speculation gives plain
+    decoding's tokens, and the pages all come back."""
+    import tests.test_chunked_prefill as chunked
+
+    def core(spec):
+        return make_core(tiny_target, spec=spec, page_size=4, max_batch_size=4, max_num_batched_tokens=7,
+                         kv_cache_dtype="bfloat16")
+
+    plain = chunked.run_staggered(core("none"), chunked.prompts(), chunked.GREEDY)
+    spec_core = core("ngram")
+    log = chunked.StepLog(spec_core)
+    spec = chunked.run_staggered(spec_core, chunked.prompts(), chunked.GREEDY)
+    assert spec_core.engine.pool.k[0].dtype == torch.bfloat16
+    assert log.mixed > 0 and log.partial_chunks > 0
+    assert sum(r.stats.drafted for r in spec) > 0
+    assert [r.output_token_ids for r in spec] == [r.output_token_ids for r in plain]
