@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-dtypes", default="float32", help="cache dtypes to compare: float32, bfloat16")
     args = ap.parse_args()
-    dtypes = {name: getattr(torch, name) for name in args.kv_dtypes.split(",")}
+    dtypes = {name: getattr(torch, name, None) for name in args.kv_dtypes.split(",")}
     if not set(dtypes.values()) <= set(cpu_attention.KV_DTYPES):
         raise SystemExit(f"--kv-dtypes: the kernel reads float32 and bfloat16, got {args.kv_dtypes}")
     if cpu_attention.unavailable():

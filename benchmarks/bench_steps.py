@@ -127,9 +127,11 @@ def arithmetic_floor(rows: int, extra_rows: int, model: torch.nn.Module, activat
     does not measure)."""
     macs = extra_rows * multiply_adds(model)
     if activations == "fp32":
-        lanes = 16 if "fma16" in rates else 8
-        rate = rates.get(f"fma{lanes}")
-        return (macs / lanes / rate, f"fma{lanes}") if rate else None
+        if any(m.plan.dtype != "float32" for m in model.modules() if isinstance(m, CpuLinear)):
+            return None  # bf16 linears (`--dtype auto` chose them): bf16 dot products, which this does not count
+        # the fewer seconds of the widths the host has (a lower bound whichever the kernel runs)
+        bounds = [(macs / lanes / rates[f"fma{lanes}"], f"fma{lanes}") for lanes in (8, 16) if f"fma{lanes}" in rates]
+        return min(bounds) if bounds else None
     kinds = {m.activations for m in model.modules() if isinstance(m, GGUFLinear)}
     if "vnni" not in rates or not kinds or not kinds <= {"int8-tiles", "int8-vnni"}:
         return None

@@ -257,7 +257,8 @@ class EngineConfig:
         "auto", "the KV cache's dtype: auto is the model's (float32 on CPU: exact); bfloat16 on CPU holds keys and "
                 "values rounded to bf16 (half the bytes a token: twice the tokens in the same memory, and half "
                 "the bytes a step's attention reads, which long contexts and large batches are bound by; numerics "
-                "change, speculative output still equals plain output under it, bitwise). On CUDA: auto",
+                "change, speculative output still equals plain output under it, bitwise). On CUDA: the model's own "
+                "dtype only",
         choices=("auto", "float32", "bfloat16"))
 
     def __post_init__(self) -> None:

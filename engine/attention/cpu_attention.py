@@ -95,8 +95,9 @@ def cpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = q.new_zeros(q.shape)  # rows no valid query row writes (a graph's padding lanes) stay 0
     q_index, q_valid, q_pos, kv_len, table = _indices(meta)
     b, qn = q_index.shape
-    if v_cache.dtype != k_cache.dtype:
-        raise AttentionKernelError(f"K and V caches of one dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in KV_DTYPES:
+        raise AttentionKernelError(f"K and V caches of one dtype, float32 or bfloat16, got {k_cache.dtype} and "
+                                   f"{v_cache.dtype}")
     bf16 = int(k_cache.dtype == torch.bfloat16)
     work = 2 * b * qn * num_heads * meta.keys * d
 
@@ -105,8 +106,8 @@ def cpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  num_heads, hkv, d, q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(),
                                  kv_len.data_ptr(), table.data_ptr(), table.shape[1], meta.page_size, scale, n)
 
-    rc = call(threads) if threads else THREADS.run("attention", work.bit_length(), work, torch.get_num_threads(),
-                                                   call)
+    rc = call(threads) if threads else THREADS.run(("attention", bf16), work.bit_length(), work,
+                                                   torch.get_num_threads(), call)
     if rc != 0:
         raise AttentionKernelError(f"cpu_attention(B={b}, Q={qn}, H={num_heads}, Hkv={hkv}, D={d}) returned {rc}")
     return out

@@ -206,13 +206,13 @@ class NativeLayers:
         k = kv.k[0]
         return k.dtype in KV_DTYPES and k.device.type == "cpu" and k.is_contiguous()
 
-    def _run(self, kind: str, size: int, rows: int, fn, *args) -> None:
-        """fn(*args, threads) with the thread count this kind of call over `size` rows (`rows`, or the power of
-        two a prompt's rows are timed as) takes (`THREADS`)."""
-        rc = THREADS.run((kind, self._model_key), size, rows * self._max_work, torch.get_num_threads(),
+    def _run(self, kind: tuple, size: int, rows: int, fn, *args) -> None:
+        """fn(*args, threads) with the thread count this kind of call (its name and the cache dtype it reads)
+        over `size` rows (`rows`, or the power of two a prompt's rows are timed as) takes (`THREADS`)."""
+        rc = THREADS.run((*kind, self._model_key), size, rows * self._max_work, torch.get_num_threads(),
                          partial(fn, *args))
         if rc != 0:
-            raise LayerKernelError(f"{kind} over {rows} rows returned {rc}")
+            raise LayerKernelError(f"{kind[0]} over {rows} rows returned {rc}")
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: tuple[torch.Tensor, torch.Tensor],
                 attention) -> torch.Tensor:
@@ -243,9 +243,10 @@ class NativeLayers:
         long = q_index.shape[1] > MAX_QUERY_ROWS
         gemm = prompt_rows(meta, m, self.prompt_gemm) if long and self.prompt_gemm else None
         rows = size_of(m)
-        self._run("decode_stack", rows, m, self._lib.decode_stack, shape, self._layers, len(self._layers),
+        bf16 = kv_bf16(kv)
+        self._run(("decode_stack", bf16), rows, m, self._lib.decode_stack, shape, self._layers, len(self._layers),
                   self._norm.data_ptr(), x, m, cos, sin, slots, ks, vs, kv.k[0].shape[0], ctypes.byref(paging),
-                  None if gemm is None else gemm.data_ptr(), kv_bf16(kv))
+                  None if gemm is None else gemm.data_ptr(), bf16)
 
     def _per_layer(self, step: tuple, meta: AttentionMetadata | SplitAttention, kv: KVPool, attention) -> None:
         shape, x, m, cos, sin, slots = step
@@ -253,12 +254,13 @@ class NativeLayers:
         q = torch.empty(m, self.num_heads * self.head_dim)
         gemm = prompt_rows(meta, m, self.prompt_gemm) if self.prompt_gemm else None
         gemm_ptr = None if gemm is None else gemm.data_ptr()
+        bf16 = kv_bf16(kv)
         for i in range(len(self._layers)):
             layer = ctypes.byref(self._layers[i])  # an element shares the array's memory
-            self._run("attention_in", rows, m, self._lib.attention_in, shape, layer, x, m, cos, sin, slots,
-                      kv.k[i].data_ptr(), kv.v[i].data_ptr(), kv.k[i].shape[0], q.data_ptr(), gemm_ptr, kv_bf16(kv))
+            self._run(("attention_in", bf16), rows, m, self._lib.attention_in, shape, layer, x, m, cos, sin, slots,
+                      kv.k[i].data_ptr(), kv.v[i].data_ptr(), kv.k[i].shape[0], q.data_ptr(), gemm_ptr, bf16)
             o = attention.forward(q, kv.k[i], kv.v[i], meta, self.num_heads, self.scale).contiguous()
-            self._run("attention_out_mlp", rows, m, self._lib.attention_out_mlp, shape, layer, x, m, o.data_ptr(),
+            self._run(("attention_out_mlp",), rows, m, self._lib.attention_out_mlp, shape, layer, x, m, o.data_ptr(),
                       gemm_ptr)
 
 
