@@ -219,9 +219,9 @@ thread_local Scratch scratch;
 // those kernel rows, in one allocation.
 struct Buffers {
     float *h, *qkv, *q, *out, *gu, *a;
-    float *xsum, *panel, *scores, *xk, *yk, *own_h, *own_a, *xb;
+    float *xsum, *panel, *scores, *xk, *yk, *own_h, *own_a, *xb, *xq;
     int64_t *slots, *kernel_rows;
-    int64_t xsum_n, panel_n, scores_n, slots_n, xk_n, yk_n, own_h_n, own_a_n, xb_n;
+    int64_t xsum_n, panel_n, scores_n, slots_n, xk_n, yk_n, own_h_n, own_a_n, xb_n, xq_n;
     bool own;  // every thread computes a norm's and the MLP gate's rows whole, into its own rows (OWN_ROWS)
     int64_t gemm_rows = 0, n_kernel = 0;  // rows the GEMM computes (0: none), rows the kernel computes
     // the call's flags: 1 (the fp32 prompt GEMM) and 2 (for AMX-format linears its AMX-BF16 form: per call, a
@@ -255,11 +255,13 @@ struct Buffers {
         own = M <= OWN_ROWS && threads * M * (s->hidden + s->inter) <= OWN_FLOATS;
         own_h_n = own ? up(M * s->hidden) : 0;
         own_a_n = own ? up(M * s->inter) : 0;
+        // split rows (not own), no prompt GEMM: an int8 linear's input rows quantised once, a share a thread
+        xq_n = !own && !gemm_rows ? up(gguf_kernel::xsum_floats(M, s->hidden > s->inter ? s->hidden : s->inter)) : 0;
         const int64_t shared = up(M * s->hidden) + up(M * width) + 2 * up(M * qn) + up(M * 2 * s->inter) +
                                up(M * s->inter) + 2 * up(mixed ? n_kernel : 0);  // kernel_rows: int64
         // an int64 is 2 floats
         const int64_t floats =
-            shared + xb_n + threads * (xsum_n + panel_n + scores_n + slots_n * 2 + xk_n + yk_n + own_h_n + own_a_n);
+            shared + xb_n + xq_n + threads * (xsum_n + panel_n + scores_n + slots_n * 2 + xk_n + yk_n + own_h_n + own_a_n);
         const size_t bytes = sizeof(float) * (size_t)floats;
         owned = bytes > Scratch::KEEP;
         mem = owned ? aligned_alloc(64, (bytes + 63) / 64 * 64) : scratch.get(bytes);
@@ -280,6 +282,7 @@ struct Buffers {
         own_h = p, p += threads * own_h_n;
         own_a = p, p += threads * own_a_n;
         xb = p, p += xb_n;
+        xq = p, p += xq_n;
         slots = (int64_t *)p;
         if (mixed)
             for (int64_t r = 0, i = 0; r < M; r++)
@@ -296,9 +299,10 @@ struct Buffers {
 
 // Thread t's weight rows of `l` times in [M, l.k] -> y [M, l.n]; with `residual`, then x += y on those columns.
 // Rows the call marked for the prompt GEMM take it; the others the kernel (gathered, when a call has both: the
-// GEMM runs over every row, then the kernel's rows overwrite theirs).
+// GEMM runs over every row, then the kernel's rows overwrite theirs). `xq`: in's rows quantised already (an int8
+// format, `quantized_share`), where each thread would quantise every row itself.
 void linear(const Linear &l, const float *in, int64_t M, float *y, float *residual, Buffers &buf, Barrier &bar, int t,
-            int nt) {
+            int nt, const gguf_kernel::XQ8 *xq = nullptr) {
     Range cols(l.n, t, nt);
     const bool amx = l.fmt & gguf_kernel::FMT_AMX;
     if (amx) {  // whole 16-row groups: the tiles' unit
@@ -318,7 +322,9 @@ void linear(const Linear &l, const float *in, int64_t M, float *y, float *residu
     } else if (buf.gemm_rows)
         gguf_kernel::gemm_range(in, M, l.k, l.blocks, l.n, (int)l.fmt, l.bias, y, cols.a, cols.b,
                                 buf.panel + t * buf.panel_n);
-    if (!buf.gemm_rows) {
+    if (!buf.gemm_rows && xq) {
+        gguf_kernel::linear_range_xq(*xq, M, l.k, w, l.n, (int)l.fmt, l.bias, y, cols.a, cols.b);
+    } else if (!buf.gemm_rows) {
         gguf_kernel::linear_range(in, M, l.k, w, l.n, (int)l.fmt, l.bias, y, cols.a, cols.b, xsum);
     } else if (buf.n_kernel) {
         float *xk = buf.xk + t * buf.xk_n, *yk = buf.yk + t * buf.yk_n;
@@ -360,6 +366,19 @@ inline void store_row(void *cache, bool bf16, int64_t slot, const float *src, in
     for (int64_t i = 0; i < n; i++) dst[i] = to_bf16(src[i]);
 }
 
+// Where a linear of an int8 format takes rows the threads split (buf.xq: split rows, no prompt GEMM), thread t
+// quantises its share of them (`rows`) into buf.xq as the linear would each of them, and returns the view every
+// thread's linear then reads, once the barrier after the rows' own phase has passed (the rows are the phase's
+// output: a norm's, the MLP gate's). Without it each thread quantised every row for each of these linears: at a
+// batch-8 verify step's 40 rows about 8% of a step's thread time (perf). Null where it does not apply.
+const gguf_kernel::XQ8 *quantized_share(const Linear &l, const float *in, int64_t M, Range rows, Buffers &buf,
+                                        gguf_kernel::XQ8 &view) {
+    if (!buf.xq || !buf.xq_n || !(l.fmt & gguf_kernel::FMT_INT8)) return nullptr;
+    view = gguf_kernel::xq8_view(buf.xq, M, l.k);
+    for (int64_t r = rows.a; r < rows.b; r++) gguf_kernel::quantize_row(in, view, r);
+    return &view;
+}
+
 // x -> norm -> qkv -> rotary; keys and values into the caches at `slots`, queries into buf.q; buf.out zeroed.
 void phase_in(const Shape *s, const Layer *L, const float *x, int64_t M, const float *cos, const float *sin,
               const int64_t *slots, Caches c, Buffers &buf, Barrier &bar, int t, int nt) {
@@ -367,8 +386,10 @@ void phase_in(const Shape *s, const Layer *L, const float *x, int64_t M, const f
     const Range rows(M, t, nt);
     float *h = buf.own ? buf.own_h + t * buf.own_h_n : buf.h;
     rms_norm(x, L->norm_in, h, buf.own ? Range(M, 0, 1) : rows, s->hidden, s->eps);
+    gguf_kernel::XQ8 view;
+    const gguf_kernel::XQ8 *xq = quantized_share(L->qkv, h, M, rows, buf, view);  // (never with own rows)
     if (!buf.own) bar.wait();
-    linear(L->qkv, h, M, buf.qkv, nullptr, buf, bar, t, nt);
+    linear(L->qkv, h, M, buf.qkv, nullptr, buf, bar, t, nt, xq);
     bar.wait();
     rotary(buf.qkv, rows, width, s->heads + s->kv_heads, D, cos, sin);
     for (int64_t r = rows.a; r < rows.b; r++) {
@@ -412,12 +433,15 @@ void phase_out(const Shape *s, const Layer *L, float *x, int64_t M, const float 
     const Range mine = buf.own ? Range(M, 0, 1) : rows;
     float *h = buf.own ? buf.own_h + t * buf.own_h_n : buf.h, *a = buf.own ? buf.own_a + t * buf.own_a_n : buf.a;
     rms_norm(x, L->norm_post, h, mine, s->hidden, s->eps);
+    gguf_kernel::XQ8 view;
+    const gguf_kernel::XQ8 *xq = quantized_share(L->gate_up, h, M, rows, buf, view);
     if (!buf.own) bar.wait();
-    linear(L->gate_up, h, M, buf.gu, nullptr, buf, bar, t, nt);
+    linear(L->gate_up, h, M, buf.gu, nullptr, buf, bar, t, nt, xq);
     bar.wait();
     silu_mul(buf.gu, a, mine, s->inter);
+    xq = quantized_share(L->down, a, M, rows, buf, view);  // buf.xq's gate_up rows: read by all, a barrier ago
     if (!buf.own) bar.wait();
-    linear(L->down, a, M, buf.h, x, buf, bar, t, nt);
+    linear(L->down, a, M, buf.h, x, buf, bar, t, nt, xq);
     bar.wait();
 }
 

@@ -320,13 +320,12 @@ void amx_lanes(XQ8 xq, int64_t M, int64_t K, const uint8_t *packed, int64_t N, c
 // sizes of at most AMX_LANES_MOST (a group's weights, 6-16 KB on SmolLM2's shapes, stay in L1 across the passes).
 // Why not the AVX2 lanes' layout on such hosts: vpdpbusd sums 4 products into each of 16 int32 lanes in one
 // instruction, where AVX2's maddubs / madd / add take three for 8; a verify step's extra rows cost that much less.
+// x's M rows quantised already (xq).
 template <bool Q41>
-void vnni_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8_t *packed, int64_t N,
-                const float *bias, float *y, int64_t n0, int64_t n1) {
+void vnni_range_xq(XQ8 xq, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
+                   int64_t n0, int64_t n1) {
     const int64_t g0 = amx_groups(n0), g1 = amx_groups(n1);
     if (g0 >= g1) return;
-    const XQ8 xq = xq8_view(scratch, M, K);
-    for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
     // Q8_0's corrections on the stack, for as many rows at a time as it holds (any step; prompts in chunks)
     int32_t corr[AMX_LANES_MOST * MAX_BLOCKS_I8];
     const int64_t chunk = Q41 ? M : (int64_t)(sizeof corr / sizeof *corr) / xq.nblk / AMX_LANES_MOST * AMX_LANES_MOST;
@@ -343,14 +342,12 @@ void vnni_range(const float *x, float *scratch, int64_t M, int64_t K, const uint
 }
 
 // The weight groups that start in weight rows [n0, n1), on the calling thread (ranges that split [0, N) split
-// its groups), every row of x quantised first (into scratch: xsum_floats).
+// its groups), x's M rows quantised already (xq).
 template <bool Q41>
-void amx_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8_t *packed, int64_t N,
-               const float *bias, float *y, int64_t n0, int64_t n1) {
+void amx_range_xq(XQ8 xq, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
+                  int64_t n0, int64_t n1) {
     const int64_t g0 = amx_groups(n0), g1 = amx_groups(n1);
     if (g0 >= g1) return;
-    const XQ8 xq = xq8_view(scratch, M, K);
-    for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
     if (M <= amx_lane_rows<Q41>()) return amx_lanes<Q41>(xq, M, K, packed, N, bias, y, g0, g1);
     // Group by group, every pass of rows over the group (its weights stay in L1 across the passes); passes of
     // near-equal sizes, at most two, so the tile configuration changes at most twice a group.
@@ -370,6 +367,25 @@ void amx_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8
             }
         });
     _tile_release();  // no tile state left for the next context switch to save
+}
+
+// vnni_range_xq / amx_range_xq with every row of x quantised first (into scratch: xsum_floats).
+template <bool Q41>
+void vnni_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8_t *packed, int64_t N,
+                const float *bias, float *y, int64_t n0, int64_t n1) {
+    if (amx_groups(n0) >= amx_groups(n1)) return;
+    const XQ8 xq = xq8_view(scratch, M, K);
+    for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
+    vnni_range_xq<Q41>(xq, M, K, packed, N, bias, y, n0, n1);
+}
+
+template <bool Q41>
+void amx_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8_t *packed, int64_t N,
+               const float *bias, float *y, int64_t n0, int64_t n1) {
+    if (amx_groups(n0) >= amx_groups(n1)) return;
+    const XQ8 xq = xq8_view(scratch, M, K);
+    for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
+    amx_range_xq<Q41>(xq, M, K, packed, N, bias, y, n0, n1);
 }
 
 }  // namespace gguf_kernel

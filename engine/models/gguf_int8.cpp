@@ -280,15 +280,13 @@ inline int64_t rows_a_block_i8(int64_t K) {
     return fit > MAX_TILE_I8 ? fit : MAX_TILE_I8;
 }
 
-// Int8 activations: weight rows [n0, n1) on the calling thread; every row of x quantised first (into scratch).
+// Int8 activations: weight rows [n0, n1) on the calling thread, x's M rows quantised already (xq).
 // LANES: w is lanes_pack's copy (F Q4_1).
 template <class F, bool LANES = false>
-void run_range_i8(const float *x, float *scratch, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                  const float *bias, float *y, int64_t n0, int64_t n1) {
+void run_range_i8_xq(XQ8 xq, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias, float *y,
+                     int64_t n0, int64_t n1) {
     static_assert(!LANES || F::has_min, "lanes_pack holds Q4_1");
     const int64_t row_bytes = LANES ? lanes_row_bytes(K) : K / QK * F::bytes, rb = rows_a_block_i8(K);
-    const XQ8 xq = xq8_view(scratch, M, K);
-    for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
     for (int64_t m0 = 0; m0 < M; m0 += rb) {
         const int64_t m1 = m0 + rb < M ? m0 + rb : M, rows = m1 - m0;
         const XQ8 xm = xq.rows_from(m0, K);
@@ -302,5 +300,14 @@ void run_range_i8(const float *x, float *scratch, int64_t M, int64_t K, const ui
             for (; n + 2 <= n1; n += 2) rows_times_weights_i8<F, 2, LANES>(xm, rows, K, w, row_bytes, ym, N, n, bias);
         for (; n < n1; n++) rows_times_weights_i8<F, 1, LANES>(xm, rows, K, w, row_bytes, ym, N, n, bias);
     }
+}
+
+// run_range_i8_xq with every row of x quantised first (into scratch).
+template <class F, bool LANES = false>
+void run_range_i8(const float *x, float *scratch, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                  const float *bias, float *y, int64_t n0, int64_t n1) {
+    const XQ8 xq = xq8_view(scratch, M, K);
+    for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
+    run_range_i8_xq<F, LANES>(xq, M, K, w, N, bias, y, n0, n1);
 }
 }  // namespace gguf_kernel

@@ -262,6 +262,21 @@ inline void linear_range(const float *x, int64_t M, int64_t K, const uint8_t *w,
         default: amx_range<false>(x, xsum, M, K, w, N, bias, y, n0, n1); break;
     }
 }
+
+// linear_range for an int8 format (`fmt` & FMT_INT8) over x's M rows quantised already (xq: quantize_row's), so
+// that the threads of a call can each quantise a share of the rows once for all of them. The same bits.
+inline void linear_range_xq(XQ8 xq, int64_t M, int64_t K, const uint8_t *w, int64_t N, int fmt, const float *bias,
+                            float *y, int64_t n0, int64_t n1) {
+    switch (fmt) {
+        case 2: run_range_i8_xq<Q41i8>(xq, M, K, w, N, bias, y, n0, n1); break;
+        case 3: run_range_i8_xq<Q80i8>(xq, M, K, w, N, bias, y, n0, n1); break;
+        case 10: run_range_i8_xq<Q41i8, true>(xq, M, K, w, N, bias, y, n0, n1); break;
+        case 6: amx_range_xq<true>(xq, M, K, w, N, bias, y, n0, n1); break;
+        case 14: vnni_range_xq<true>(xq, M, K, w, N, bias, y, n0, n1); break;
+        case 15: vnni_range_xq<false>(xq, M, K, w, N, bias, y, n0, n1); break;
+        default: amx_range_xq<false>(xq, M, K, w, N, bias, y, n0, n1); break;  // 7
+    }
+}
 }  // namespace gguf_kernel
 
 #include "gguf_gemm.cpp"
