@@ -373,19 +373,15 @@ void amx_range_xq(XQ8 xq, int64_t M, int64_t K, const uint8_t *packed, int64_t N
 template <bool Q41>
 void vnni_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8_t *packed, int64_t N,
                 const float *bias, float *y, int64_t n0, int64_t n1) {
-    if (amx_groups(n0) >= amx_groups(n1)) return;
-    const XQ8 xq = xq8_view(scratch, M, K);
-    for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
-    vnni_range_xq<Q41>(xq, M, K, packed, N, bias, y, n0, n1);
+    if (amx_groups(n0) < amx_groups(n1))
+        vnni_range_xq<Q41>(quantize_rows(x, scratch, M, K), M, K, packed, N, bias, y, n0, n1);
 }
 
 template <bool Q41>
 void amx_range(const float *x, float *scratch, int64_t M, int64_t K, const uint8_t *packed, int64_t N,
                const float *bias, float *y, int64_t n0, int64_t n1) {
-    if (amx_groups(n0) >= amx_groups(n1)) return;
-    const XQ8 xq = xq8_view(scratch, M, K);
-    for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
-    amx_range_xq<Q41>(xq, M, K, packed, N, bias, y, n0, n1);
+    if (amx_groups(n0) < amx_groups(n1))
+        amx_range_xq<Q41>(quantize_rows(x, scratch, M, K), M, K, packed, N, bias, y, n0, n1);
 }
 
 }  // namespace gguf_kernel

@@ -53,6 +53,13 @@ inline void quantize_row(const float *x, XQ8 xq, int64_t r) {
     for (int64_t b = xq.nblk; b < xq.sblk; b++) xq.s[r * xq.sblk + b] = 0.0f;
 }
 
+// Every row of x [M, K] quantised into scratch (xsum_floats(M, K) floats): the int8 ranges' input.
+inline XQ8 quantize_rows(const float *x, float *scratch, int64_t M, int64_t K) {
+    const XQ8 xq = xq8_view(scratch, M, K);
+    for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
+    return xq;
+}
+
 // Q4_1 x int8: the block's 32 weights as unsigned bytes (0..15) in index order, d and m.
 struct Q41i8 {
     static constexpr int bytes = 20;
@@ -306,8 +313,6 @@ void run_range_i8_xq(XQ8 xq, int64_t M, int64_t K, const uint8_t *w, int64_t N, 
 template <class F, bool LANES = false>
 void run_range_i8(const float *x, float *scratch, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                   const float *bias, float *y, int64_t n0, int64_t n1) {
-    const XQ8 xq = xq8_view(scratch, M, K);
-    for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
-    run_range_i8_xq<F, LANES>(xq, M, K, w, N, bias, y, n0, n1);
+    run_range_i8_xq<F, LANES>(quantize_rows(x, scratch, M, K), M, K, w, N, bias, y, n0, n1);
 }
 }  // namespace gguf_kernel
