@@ -256,12 +256,14 @@ struct Buffers {
         own_h_n = own ? up(M * s->hidden) : 0;
         own_a_n = own ? up(M * s->inter) : 0;
         // split rows (not own), no prompt GEMM: an int8 linear's input rows quantised once, a share a thread
-        xq_n = !own && !gemm_rows ? up(gguf_kernel::xsum_floats(M, s->hidden > s->inter ? s->hidden : s->inter)) : 0;
+        const int64_t quantized = s->hidden > s->inter ? s->hidden : s->inter;  // the norms' rows, the gate's
+        xq_n = !own && !gemm_rows ? up(gguf_kernel::xsum_floats(M, quantized)) : 0;
         const int64_t shared = up(M * s->hidden) + up(M * width) + 2 * up(M * qn) + up(M * 2 * s->inter) +
                                up(M * s->inter) + 2 * up(mixed ? n_kernel : 0);  // kernel_rows: int64
         // an int64 is 2 floats
         const int64_t floats =
-            shared + xb_n + xq_n + threads * (xsum_n + panel_n + scores_n + slots_n * 2 + xk_n + yk_n + own_h_n + own_a_n);
+            shared + xb_n + xq_n +
+            threads * (xsum_n + panel_n + scores_n + slots_n * 2 + xk_n + yk_n + own_h_n + own_a_n);
         const size_t bytes = sizeof(float) * (size_t)floats;
         owned = bytes > Scratch::KEEP;
         mem = owned ? aligned_alloc(64, (bytes + 63) / 64 * 64) : scratch.get(bytes);
