@@ -87,7 +87,8 @@ double vnni_rate(long iters, int threads, const int *seeds, int x_bytes, int y_b
             __asm__ volatile("" : "+v"(a5), "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9));
         }
         const __m512i chains[10] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9};
-        for (int j = 0; j < 10; j++) out[10 * omp_get_thread_num() + j] = _mm_cvtsi128_si32(_mm512_castsi512_si128(chains[j]));
+        for (int j = 0; j < 10; j++)
+            out[10 * omp_get_thread_num() + j] = _mm_cvtsi128_si32(_mm512_castsi512_si128(chains[j]));
     }
     return 10.0 * (double)iters * threads / (omp_get_wtime() - t0);
 }
