@@ -315,11 +315,9 @@ def cache_dtype(cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> 
 
 
 def build_proposer(cfg: EngineConfig, target, num_pages: int, dtype: torch.dtype,
-                   device: torch.device, tp: TPGroup = SINGLE, kv_dtype: torch.dtype | None = None
-                   ) -> Proposer | None:
+                   device: torch.device, tp: TPGroup, kv_dtype: torch.dtype) -> Proposer | None:
     """The proposer `cfg.spec` names; a model proposer's weights in `dtype`, its KV pool in `kv_dtype` (the
-    target's: `--kv-cache-dtype` covers every pool; default `dtype`)."""
-    kv_dtype = kv_dtype or dtype
+    target's: `--kv-cache-dtype` covers every pool)."""
     if cfg.spec == "none":
         return None
     if cfg.spec == "ngram":

@@ -1,13 +1,14 @@
-"""`benchmarks/fma_rate.cpp`, the instruction peaks under `bench_steps`' arithmetic floor: its ten chains are ten
-computations, each from its own start (chains that start equal are one computation to the compiler, which then
-runs one latency-bound chain and the rate reads 10/8 of the real peak), in every width the host runs."""
+"""`benchmarks/fma_rate.cpp` and `benchmarks/peak_rates.py`, the instruction peaks under `bench_steps`' arithmetic
+floor: its ten chains are ten computations, each from its own start (chains that start equal are one computation to
+the compiler, which then runs one latency-bound chain and the rate reads 10/8 of the real peak), in every width the
+host runs; and the floor's rule."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from benchmarks.bench_steps import FMA_SEEDS, VNNI_BYTES, VNNI_SEEDS, arithmetic_floor, fma_rate, vnni_rate
+from benchmarks.peak_rates import FMA_SEEDS, VNNI_BYTES, VNNI_SEEDS, arithmetic_floor, fma_rate, vnni_rate
 from specstep.engine.native import cpu_flags
 
 
