@@ -3,13 +3,16 @@ up to k, and either way speculative greedy output is plain greedy output."""
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from specstep.engine.engine_config import EngineConfig
 from specstep.engine.errors import ConfigError
-from specstep.engine.proposers.ngram import NgramProposer, match_length, ngram_lookup
+from specstep.engine.proposers.ngram import HostTokens, NgramProposer, match_length, ngram_lookup
 from specstep.engine.sampling_params import SamplingParams
 from tests.helpers import make_core, run_to_completion
 
@@ -103,4 +106,67 @@ def test_a_lookup_at_fewer_drafts_is_a_prefix_of_one_at_more(ratio):
     prop = NgramProposer(torch.device("cpu"), match_ratio=ratio)
     lanes = [rng.integers(0, 6, 30).tolist() for _ in range(4)]
     prop.draft_limits(lanes, 8)
-    assert [prop._lookup(t, 3) for t in lanes] == [lookup(t, 3, ratio) for t in lanes]
+    assert prop._lookups(lanes, 3) == [lookup(t, 3, ratio) for t in lanes]
+
+
+def windowed_lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int, ratio: float) -> list[int]:
+    """The lookup by its definition: every earlier window of n tokens (n = max_n down to min_n) against the
+    suffix, the most recent match's continuation."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+        if hits.size:
+            hit = int(hits[-1])
+            draft = tokens[hit + n:hit + n + k]
+            if ratio > 0:
+                draft = draft[:math.ceil(ratio * match_length(tokens, hit, n, math.ceil(k / ratio)))]
+            return draft.tolist()
+    return []
+
+
+def test_the_one_pass_lookup_is_the_windowed_scan():
+    """ngram_lookup filters n-gram matches out of (n - 1)-gram ones in one pass; it finds what scanning every
+    window for every n finds, on random sequences with many repeats, for any n range, k and ratio."""
+    rng = np.random.default_rng(3)
+    for _ in range(1500):
+        tokens = rng.integers(0, int(rng.integers(2, 8)), int(rng.integers(1, 50)))
+        k = int(rng.integers(1, 9))
+        for min_n, max_n in ((1, 4), (2, 3), (1, 1), (3, 5), (2, 8)):
+            for ratio in (0.0, 0.5, 1.0):
+                want = windowed_lookup(tokens, k, min_n, max_n, ratio)
+                assert ngram_lookup(tokens, k, min_n, max_n, ratio) == want, (tokens.tolist(), k, min_n, max_n)
+
+
+def test_host_tokens_follow_growing_lists_and_drop_the_oldest():
+    """The lookup's int64 copies: each list's copy is the list after every growth (by one token or many, past
+    the buffer's room), a list written over is copied afresh, and copies of lists no longer asked for go."""
+    rng = np.random.default_rng(4)
+    host = HostTokens(least=8)
+    lists = [rng.integers(0, 50, int(rng.integers(0, 5))).tolist() for _ in range(3)]
+    for _ in range(60):
+        for t in lists:
+            t += rng.integers(0, 50, int(rng.integers(0, 6))).tolist()
+        assert [a.tolist() for a in host.batch(lists)] == lists
+    lists[0][-1] += 1  # written over: not the list the copy was made from
+    assert host.array(lists[0]).tolist() == lists[0]
+    others = [[i] for i in range(20)]
+    for t in others:
+        host.array(t)
+    assert len(host) == max(8, 4 * 3)  # the most one call asked for was 3 lists
+    assert host.array(lists[1]).tolist() == lists[1]
+
+
+def test_the_proposer_drafts_what_the_lookup_finds_as_lists_grow():
+    """Across steps of a growing batch (the proposer's copies extended, its draft_limits lookups reused), every
+    draft is the lookup's on the list as it is now."""
+    rng = np.random.default_rng(5)
+    prop = NgramProposer(torch.device("cpu"), match_ratio=1.0)
+    lanes = [rng.integers(0, 5, 12).tolist() for _ in range(4)]
+    for step in range(80):
+        for t in lanes:
+            t += rng.integers(0, 5, int(rng.integers(1, 6))).tolist()
+        if step % 2:
+            prop.draft_limits(lanes, 4)
+        seqs = [SimpleNamespace(token_ids=t) for t in lanes]
+        assert prop.propose_host(seqs, 4) == [lookup(t, 4, 1.0) for t in lanes]
