@@ -225,3 +225,9 @@ def test_limits_cap_drafts_and_acceptance_is_measured_per_limit():
     sure = requests_with_alpha([0.97, 0.97], steps=30, k=4)
     assert pol.choose(sure, [None, None], np.full(2, 100), limits=np.array([2, 4])).num_draft.tolist() == [2, 4]
     assert pol.choose(sure, [None, None], np.full(2, 100), limits=np.array([0, 4])).num_draft.tolist() == [0, 4]
+
+
+def test_a_batch_falls_in_the_smallest_bucket_holding_it():
+    from specstep.scheduler.spec.costs import BUCKETS, bucket
+    for batch in range(0, 300):
+        assert bucket(batch) == next((b for b in BUCKETS if b >= batch), BUCKETS[-1]), batch

@@ -26,7 +26,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def bucket(batch: int) -> int:
-    return next((b for b in BUCKETS if b >= batch), BUCKETS[-1])
+    """The smallest of BUCKETS (the powers of two to 256) holding `batch`."""
+    return BUCKETS[-1] if batch > BUCKETS[-1] else 1 << max(batch - 1, 0).bit_length()
 
 
 @dataclass(slots=True)
@@ -94,18 +95,21 @@ class StepCosts:
 
     def observe(self, batch: int, num_draft: np.ndarray, refill: bool, seconds: float, step: int = -1) -> None:
         """One step's device seconds, under the k its widest lane drafted."""
-        b, k = bucket(batch), int(np.max(num_draft, initial=0))
-        seen = self.seen.setdefault((b, k, refill), Seen())
+        b, k = bucket(batch), int(num_draft.max(initial=0))
+        key = (b, k, refill)
+        seen = self.seen.get(key) or self.seen.setdefault(key, Seen())
         seen.count += 1
         seen.last_step = step
         if self.shape == "lanes" or k == 0:
-            self.lanes.setdefault((b, k, refill), Ema(self.decay)).add(seconds)
+            (self.lanes.get(key) or self.lanes.setdefault(key, Ema(self.decay))).add(seconds)
         if self.shape == "rows":
-            rows = float(np.sum(num_draft))
-            self.rows.setdefault((b, refill), LineFit(self.decay)).add(rows, seconds)
+            rows = float(num_draft.sum())
+            fit = self.rows.get((b, refill)) or self.rows.setdefault((b, refill), LineFit(self.decay))
+            fit.add(rows, seconds)
             t0 = self.plain(batch, refill)
             if k > 0 and t0 is not None:
-                self.marginal.setdefault((b, k, refill), Ema(self.decay)).add((seconds - t0) / rows, weight=rows)
+                ema = self.marginal.get(key) or self.marginal.setdefault(key, Ema(self.decay))
+                ema.add((seconds - t0) / rows, weight=rows)
 
     def samples(self, batch: int, k: int, refill: bool) -> int:
         seen = self.seen.get((bucket(batch), k, refill))
@@ -161,7 +165,7 @@ class StepCosts:
 
     def predict(self, batch: int, num_draft: np.ndarray, refill: bool) -> float | None:
         """Expected seconds of a step whose lanes draft `num_draft`; None until enough is measured."""
-        k = int(np.max(num_draft, initial=0))
+        k = int(num_draft.max(initial=0))
         if k == 0:
             return self.plain(batch, refill)
         if self.shape == "rows":
@@ -172,7 +176,7 @@ class StepCosts:
             if m is None:
                 rel = self._relative(batch, k, refill, self.marginal)
                 m = None if rel is None else rel * t0
-            return None if m is None else t0 + max(m, 0.0) * float(np.sum(num_draft))
+            return None if m is None else t0 + max(m, 0.0) * float(num_draft.sum())
         ema = self.lanes.get((bucket(batch), k, refill))
         value = None if ema is None else ema.value
         t0 = self._base(bucket(batch), refill)

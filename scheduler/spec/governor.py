@@ -92,14 +92,16 @@ class Governor:
         n = len(samples)
         if n == 0:
             return None
-        t = sum(s[0] for s in samples)
-        p = sum(s[1] for s in samples)
+        columns = list(zip(*samples))  # one pass each over plain lists: a step's decision reads this
+        ts, ps = columns[0], columns[1]
+        t = sum(ts)
+        p = sum(ps)
         if p <= 0:
             return None
         r = t / p
-        resid = [s[0] - r * s[1] for s in samples]
+        resid = [a - r * b for a, b in zip(ts, ps)]
         mean = sum(resid) / n
-        var = sum((x - mean) ** 2 for x in resid) / max(n - 1, 1)
+        var = sum([(x - mean) ** 2 for x in resid]) / max(n - 1, 1)
         se = math.sqrt(var / n) / (p / n)
         return r, r - z * se, r + z * se
 
