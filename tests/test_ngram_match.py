@@ -129,10 +129,11 @@ def test_the_one_pass_lookup_is_the_windowed_scan():
     """ngram_lookup filters n-gram matches out of (n - 1)-gram ones in one pass; it finds what scanning every
     window for every n finds, on random sequences with many repeats, for any n range, k and ratio."""
     rng = np.random.default_rng(3)
-    for _ in range(1500):
-        tokens = rng.integers(0, int(rng.integers(2, 8)), int(rng.integers(1, 50)))
+    for i in range(1500):
+        dtype = (np.int64, np.int32)[i % 2]
+        tokens = rng.integers(0, int(rng.integers(2, 8)), int(rng.integers(0, 50))).astype(dtype)
         k = int(rng.integers(1, 9))
-        for min_n, max_n in ((1, 4), (2, 3), (1, 1), (3, 5), (2, 8)):
+        for min_n, max_n in ((1, 4), (2, 3), (1, 1), (3, 5), (2, 8), (3, 2)):
             for ratio in (0.0, 0.5, 1.0):
                 want = windowed_lookup(tokens, k, min_n, max_n, ratio)
                 assert ngram_lookup(tokens, k, min_n, max_n, ratio) == want, (tokens.tolist(), k, min_n, max_n)
@@ -140,21 +141,40 @@ def test_the_one_pass_lookup_is_the_windowed_scan():
 
 def test_host_tokens_follow_growing_lists_and_drop_the_oldest():
     """The lookup's int64 copies: each list's copy is the list after every growth (by one token or many, past
-    the buffer's room), a list written over is copied afresh, and copies of lists no longer asked for go."""
+    the buffer's room), a list written over is copied afresh, and once a batch's 2 x lanes + 8 are held the least
+    recently asked for go."""
     rng = np.random.default_rng(4)
-    host = HostTokens(least=8)
+    host = HostTokens()
     lists = [rng.integers(0, 50, int(rng.integers(0, 5))).tolist() for _ in range(3)]
     for _ in range(60):
         for t in lists:
             t += rng.integers(0, 50, int(rng.integers(0, 6))).tolist()
-        assert [a.tolist() for a in host.batch(lists)] == lists
+        assert [a.tolist() for a in host.batch(lists, running=3)] == lists
     lists[0][-1] += 1  # written over: not the list the copy was made from
     assert host.array(lists[0]).tolist() == lists[0]
-    others = [[i] for i in range(20)]
+    others = [[i] for i in range(13)]
     for t in others:
         host.array(t)
-    assert len(host) == max(8, 4 * 3)  # the most one call asked for was 3 lists
+    assert host.capacity == 2 * 3 + 8 and len(host) == 14
+    kept = set(host._arrays)
+    assert {id(t) for t in others} <= kept and id(lists[0]) in kept  # lists[0] was asked for after lists[1], [2]
+    assert id(lists[1]) not in kept and id(lists[2]) not in kept
     assert host.array(lists[1]).tolist() == lists[1]
+
+
+def test_a_batch_mixing_kept_and_fresh_lookups_drafts_each_lanes_own():
+    """draft_limits' lookups are reused for lanes unchanged since; lanes that grew are looked up afresh, and each
+    lane gets its own draft whatever the mix."""
+    rng = np.random.default_rng(6)
+    prop = NgramProposer(torch.device("cpu"), match_ratio=0.0)
+    lanes = [rng.integers(0, 4, 20).tolist() for _ in range(6)]
+    prop.draft_limits(lanes, 4)
+    for t in lanes[::2]:
+        t += rng.integers(0, 4, 3).tolist()
+    seqs = [SimpleNamespace(token_ids=t) for t in lanes]
+    assert prop.propose_host(seqs, 4) == [lookup(t, 4, 0.0) for t in lanes]
+    prop.draft_limits(lanes, 2)  # kept at 2 drafts: a step drafting 4 looks up again
+    assert prop.propose_host(seqs, 4) == [lookup(t, 4, 0.0) for t in lanes]
 
 
 def test_the_proposer_drafts_what_the_lookup_finds_as_lists_grow():

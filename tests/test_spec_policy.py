@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from specstep.scheduler.spec.costs import BUCKETS, bucket
 from specstep.scheduler.spec.decision import RequestAcceptance
 from specstep.scheduler.spec.policy import AdaptivePolicy, PolicyConfig, expected_tokens
 
@@ -228,6 +229,5 @@ def test_limits_cap_drafts_and_acceptance_is_measured_per_limit():
 
 
 def test_a_batch_falls_in_the_smallest_bucket_holding_it():
-    from specstep.scheduler.spec.costs import BUCKETS, bucket
     for batch in range(0, 300):
         assert bucket(batch) == next((b for b in BUCKETS if b >= batch), BUCKETS[-1]), batch

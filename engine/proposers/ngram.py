@@ -28,15 +28,16 @@ from specstep.engine.step_context import SeqState
 
 def ngram_lookup(tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 4, match_ratio: float = 0.0
                  ) -> list[int]:
-    """The draft for `tokens`: what followed the most recent earlier occurrence of its longest suffix of
-    min_n..max_n tokens (an occurrence ends before the last token), at most k tokens, and at most
-    ceil(match_ratio x the match's length) where match_ratio > 0.
+    """The draft for `tokens` (an integer array): what followed the most recent earlier occurrence of its longest
+    suffix of min_n..max_n tokens, min_n >= 1 (an occurrence ends before the last token), at most k tokens, and at
+    most ceil(match_ratio x the match's length) where match_ratio > 0.
 
     One pass over the sequence: the earlier positions holding the last token are the ends of every 1-token
     match; those whose previous token also agrees end the 2-token matches, and so on, so n-gram matches are
     filtered out of (n - 1)-gram ones instead of each n scanning the whole sequence (4 scans of every window).
-    With `HostTokens`' copies, a request's lookup took 10.5 / 14 / 18 us at 224 / 4,000 / 16,000 tokens of code,
-    where the windowed scans over a list converted at each lookup took 68 / 230 / 550 us."""
+    The proposer's call for a request (its `HostTokens` copy extended, then this) took 10.5 / 14 / 18 us at 224 /
+    4,000 / 16,000 tokens of code, where the windowed scans over a list converted at each call took 68 / 230 /
+    550 us."""
     length = len(tokens)
     top = min(max_n, length - 1)
     if top < min_n:
@@ -72,37 +73,38 @@ def match_length(tokens: np.ndarray, hit: int, n: int, most: int) -> int:
 
 class HostTokens:
     """int64 copies of requests' token lists for the lookup, each extended by what its list gained since it was
-    last asked for (token lists only grow), so a step converts its new tokens instead of the whole context (at
-    16,000 tokens, converting a list took 235 us; the lookup on the copy, 12).
+    last asked for, so a step converts its new tokens instead of the whole context (at 16,000 tokens, converting a
+    list took 235 us; the lookup alone on the copy, 12). For the scheduler thread, which alone grows the lists.
 
-    Entries hold their list, so an id seen again is the same list; the least recently asked for go once there are
-    more than `4 x` the most lists one call asked for (at least 64): a finished request's copy is dropped as new
-    requests come, a running one's (asked for at every drafting step) stays."""
+    Entries hold their list, so an id seen again is the same list. A batch keeps at most 2 x its lanes + 8 copies,
+    the least recently asked for going first: every drafting step asks for all running requests, so what goes is a
+    finished request's copy (its list and buffer: ~50 bytes a token), and memory follows the running batch."""
 
-    def __init__(self, least: int = 64) -> None:
-        self.capacity = least
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
         self._arrays: OrderedDict[int, tuple[list[int], np.ndarray, int]] = OrderedDict()  # id -> list, buffer, len
 
     def __len__(self) -> int:
         return len(self._arrays)
 
-    def batch(self, lists: list[list[int]]) -> list[np.ndarray]:
-        self.capacity = max(self.capacity, 4 * len(lists))
+    def batch(self, lists: list[list[int]], running: int) -> list[np.ndarray]:
+        """Copies of `lists`, `running` the lanes of the step asking (some may have been looked up already)."""
+        self.capacity = 2 * running + 8
         return [self.array(t) for t in lists]
 
     def array(self, tokens: list[int]) -> np.ndarray:
         key, length = id(tokens), len(tokens)
-        entry = self._arrays.get(key)
+        entry = self._arrays.pop(key, None)
+        # A cheap guard, not a proof: token lists only grow, so a list's copy stays a prefix of it
         if entry is not None and entry[0] is tokens and entry[2] <= length and (
-                entry[2] == 0 or entry[1][entry[2] - 1] == tokens[entry[2] - 1]):  # grown, not rewritten
+                entry[2] == 0 or entry[1][entry[2] - 1] == tokens[entry[2] - 1]):
             _, buf, have = entry
             if length > buf.size:  # room for many steps' tokens: amortised O(1) a token
                 buf = np.concatenate([buf[:have], np.empty(max(length, 2 * buf.size) - have, np.int64)])
-            buf[have:length] = tokens[have:]
-            self._arrays.move_to_end(key)
+            buf[have:length] = tokens[have:length]
         else:
             buf = np.array(tokens, dtype=np.int64)
-        self._arrays[key] = (tokens, buf, length)
+        self._arrays[key] = (tokens, buf, length)  # the most recently asked for
         while len(self._arrays) > self.capacity:
             self._arrays.popitem(last=False)
         return buf[:length]
@@ -130,7 +132,7 @@ class NgramProposer(Proposer):
         got = [self._looked_up.get(self._key(t)) for t in lists]
         todo = [t for t, g in zip(lists, got) if g is None or g[0] < k]
         found = iter([ngram_lookup(a, k, self.min_n, self.max_n, self.match_ratio)
-                      for a in self._arrays.batch(todo)] if todo else [])
+                      for a in self._arrays.batch(todo, len(lists))] if todo else [])
         return [g[1][:k] if g is not None and g[0] >= k else next(found) for g in got]
 
     def can_chain(self, num_draft: np.ndarray) -> bool:

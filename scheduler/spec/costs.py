@@ -27,7 +27,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 def bucket(batch: int) -> int:
     """The smallest of BUCKETS (the powers of two to 256) holding `batch`."""
-    return BUCKETS[-1] if batch > BUCKETS[-1] else 1 << max(batch - 1, 0).bit_length()
+    return BUCKETS[-1] if batch > BUCKETS[-1] else 1 << max(int(batch) - 1, 0).bit_length()
 
 
 @dataclass(slots=True)

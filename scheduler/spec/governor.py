@@ -92,8 +92,8 @@ class Governor:
         n = len(samples)
         if n == 0:
             return None
-        columns = list(zip(*samples))  # one pass each over plain lists: a step's decision reads this
-        ts, ps = columns[0], columns[1]
+        ts = [s[0] for s in samples]  # lists, summed and zipped below: cheaper than generators over the deque
+        ps = [s[1] for s in samples]
         t = sum(ts)
         p = sum(ps)
         if p <= 0:
