@@ -92,6 +92,7 @@ class StepCosts:
     marginal: dict[Key, Ema] = field(default_factory=dict)  # rows: seconds per draft row at (bucket, k)
     rows: dict[tuple[int, bool], LineFit] = field(default_factory=dict)  # rows: t0 when no plain step ran
     seen: dict[Key, Seen] = field(default_factory=dict)
+    totals: dict[tuple[int, bool], int] = field(default_factory=dict)  # (k, refill) -> samples over all buckets
 
     def observe(self, batch: int, num_draft: np.ndarray, refill: bool, seconds: float, step: int = -1) -> None:
         """One step's device seconds, under the k its widest lane drafted."""
@@ -100,6 +101,7 @@ class StepCosts:
         seen = self.seen.get(key) or self.seen.setdefault(key, Seen())
         seen.count += 1
         seen.last_step = step
+        self.totals[k, refill] = self.totals.get((k, refill), 0) + 1
         if self.shape == "lanes" or k == 0:
             (self.lanes.get(key) or self.lanes.setdefault(key, Ema(self.decay))).add(seconds)
         if self.shape == "rows":
@@ -120,7 +122,7 @@ class StepCosts:
         return -1 if seen is None else seen.last_step
 
     def total_samples(self, k: int, refill: bool) -> int:
-        return sum(s.count for (_, kk, r), s in self.seen.items() if kk == k and r == refill)
+        return self.totals.get((k, refill), 0)
 
     def _nearest(self, batch: int, values: dict[int, float]) -> float | None:
         if not values:
@@ -163,6 +165,15 @@ class StepCosts:
                 ratios[b] = e.value / base
         return self._nearest(batch, ratios)
 
+    def row_cost(self, batch: int, k: int, refill: bool, t0: float) -> float | None:
+        """Rows shape: seconds per verified draft row in a step whose widest lane drafts k (never negative), given
+        its plain cost t0 (a ratio measured in another bucket scales by it); None until measured."""
+        m = self._marginal(batch, k, refill)
+        if m is None:
+            rel = self._relative(batch, k, refill, self.marginal)
+            m = None if rel is None else rel * t0
+        return None if m is None else max(m, 0.0)
+
     def predict(self, batch: int, num_draft: np.ndarray, refill: bool) -> float | None:
         """Expected seconds of a step whose lanes draft `num_draft`; None until enough is measured."""
         k = int(num_draft.max(initial=0))
@@ -170,13 +181,8 @@ class StepCosts:
             return self.plain(batch, refill)
         if self.shape == "rows":
             t0 = self.plain(batch, refill)
-            if t0 is None:
-                return None
-            m = self._marginal(batch, k, refill)
-            if m is None:
-                rel = self._relative(batch, k, refill, self.marginal)
-                m = None if rel is None else rel * t0
-            return None if m is None else t0 + max(m, 0.0) * float(num_draft.sum())
+            m = None if t0 is None else self.row_cost(batch, k, refill, t0)
+            return None if m is None else t0 + m * float(num_draft.sum())
         ema = self.lanes.get((bucket(batch), k, refill))
         value = None if ema is None else ema.value
         t0 = self._base(bucket(batch), refill)

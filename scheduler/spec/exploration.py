@@ -53,7 +53,8 @@ class Exploration:
             if self.costs.total_samples(k, self.cfg.keeps_draft_kv) + pending < n and self.tries[k] < 3 * n:
                 px.explore_key = k  # n-gram may draft less than asked: do not insist for ever
                 return k
-            if not self.model.budget_ok(b, np.maximum(forced, k), self.model.refill(np.ones(1, np.int64))):
+            if self.cfg.objective == "latency" and not self.model.budget_ok(
+                    b, np.maximum(forced, k), self.model.refill(np.ones(1, np.int64))):
                 break
         return None
 

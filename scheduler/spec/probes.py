@@ -64,9 +64,8 @@ class Probes:
         probe_ks = [k for k in model.allowed_ks(b, ln.forced) if k > 0]
         if self.cfg.cost_shape == "rows":
             probe_ks = probe_ks[:1]
-        forced_all = [model.evaluate(k, ln.alpha, ln.auto, ln.forced, ln.room, b, ln.threshold, force_all=True)
-                      for k in probe_ks]
-        forced_all = [d for d in forced_all if d is not None and d.num_draft[ln.auto].any()]
+        forced_all = [d for d in model.options(probe_ks, ln.alpha, ln.auto, ln.forced, ln.room, b, ln.threshold,
+                                               force_all=True) if d is not None and d.num_draft[ln.auto].any()]
         if not forced_all:
             return model.decision(ln.forced, ln.auto, "off")
         p = max(forced_all, key=rate)
@@ -130,10 +129,8 @@ class Probes:
         estimate (n-gram's first draft row costs most: probing one token at a time would be the dearest)."""
         trial = np.where(due, prior, ln.alpha)
         best, best_rate = 0, 0.0
-        for k in self.model.allowed_ks(b, ln.forced):
-            if k == 0:
-                continue
-            d = self.model.evaluate(k, trial, due, ln.forced, ln.room, b, ln.threshold, force_all=True)
+        ks = [k for k in self.model.allowed_ks(b, ln.forced) if k > 0]
+        for k, d in zip(ks, self.model.options(ks, trial, due, ln.forced, ln.room, b, ln.threshold, force_all=True)):
             if d is not None and rate(d) > best_rate:
                 best, best_rate = k, rate(d)
         return best

@@ -104,6 +104,8 @@ class ThroughputModel:
 
     def allowed_ks(self, b: int, forced: np.ndarray) -> list[int]:
         """Candidate k for the auto requests (the latency objective drops those over the ITL budget)."""
+        if self.cfg.objective != "latency":
+            return list(self.cfg.ks)
         ks = []
         for k in self.cfg.ks:
             nd = np.maximum(forced, k)
@@ -113,11 +115,8 @@ class ThroughputModel:
 
     def best(self, b: int, ln: Lanes, current_k: int) -> Decision | None:
         """The model's best k by tokens per second, kept at `current_k` unless better by `margin`."""
-        ks = self.allowed_ks(b, ln.forced)
-        # E_i(j) for every candidate at once: each k's entries are the same numbers whatever the table's width
-        chain = chain_sums(ln.alpha, max(max(ks, default=0), int(ln.forced.max(initial=0))))
-        options = [self.evaluate(k, ln.alpha, ln.auto, ln.forced, ln.room, b, ln.threshold, chain=chain) for k in ks]
-        options = [d for d in options if d is not None]
+        options = [d for d in self.options(self.allowed_ks(b, ln.forced), ln.alpha, ln.auto, ln.forced, ln.room, b,
+                                           ln.threshold) if d is not None]
         if not options:
             return None
         best = max(options, key=rate)
@@ -126,49 +125,74 @@ class ThroughputModel:
             best = current
         return best
 
-    def evaluate(self, k: int, alpha: np.ndarray, auto: np.ndarray, forced: np.ndarray, room: np.ndarray,
-                 b: int, threshold: np.ndarray, force_all: bool = False, chain: np.ndarray | None = None
-                 ) -> Decision | None:
-        """The best request set drafting k (with the fixed-k requests' drafts), or None if unmeasured. chain: the
-        chain sums of `alpha` to at least k and the fixed-k requests' k (computed here if not given)."""
-        kk = np.minimum(k, room)
-        if chain is None:  # E_i(j) for every j at once (the chain sums), then each request's entry.
-            chain = chain_sums(alpha, max(int(kk.max(initial=0)), int(forced.max(initial=0))))
-        rows = np.arange(len(alpha))
-        gain = np.where(auto, chain[rows, kk] - 1.0, 0.0)  # extra tokens if request i drafts k
-        fixed_gain = float((chain[rows, forced] - 1.0)[~auto].sum())
+    def options(self, ks: list[int], alpha: np.ndarray, auto: np.ndarray, forced: np.ndarray, room: np.ndarray,
+                b: int, threshold: np.ndarray, force_all: bool = False) -> list[Decision | None]:
+        """For each k in `ks`: the best request set drafting k (with the fixed-k requests' drafts), or None if
+        unmeasured. Every k's gains come from one table (rows: k; columns: requests): the decision runs every
+        step, and a few numpy calls per k cost more than the whole choice at small batches."""
+        if not ks:
+            return []
+        kk = np.minimum(np.asarray(ks, dtype=np.int64)[:, None], room)  # [K, B]: what request i drafts at k
+        # E_i(j) for every j at once (the chain sums), then each request's entries
+        chain = chain_sums(alpha, max(int(kk.max(initial=0)), int(forced.max(initial=0))))
+        lane = np.arange(len(alpha))
+        gain = np.where(auto, chain[lane, kk] - 1.0, 0.0)  # [K, B]: extra tokens if request i drafts k
+        fixed_gain = float((chain[lane, forced] - 1.0)[~auto].sum())
         want = auto & (kk > 0) & ((gain >= threshold) | force_all)
-        if self.cfg.keeps_draft_kv or k == 0:
-            # A model proposer's draft loop runs over every lane once anyone drafts: a speculating step costs
-            # about t(B, k) however few requests draft. So it is all requests worth a draft at k, or nobody.
-            nd = np.where(want, kk, forced) if k > 0 else forced
-            cost = self.costs.predict(b, nd, self.refill(nd))
-        else:
-            chosen = self._by_gain(b, forced, kk, gain, want, b + fixed_gain, force_all)
-            if chosen is None:
-                return None
-            nd, cost = chosen
-        if cost is None or cost <= 0:
-            return None
-        tokens = b + fixed_gain + float(gain[(nd > 0) & auto].sum())
-        return Decision(nd, int(nd.max(initial=0)), self.refill(nd), tokens, cost, "model", auto)
+        out: list[Decision | None] = []
+        for j, k in enumerate(ks):
+            if self.cfg.keeps_draft_kv or k == 0:
+                # A model proposer's draft loop runs over every lane once anyone drafts: a speculating step costs
+                # about t(B, k) however few requests draft. So it is all requests worth a draft at k, or nobody.
+                nd = np.where(want[j], kk[j], forced) if k > 0 else forced
+                refill = self.refill(nd)
+                cost = self.costs.predict(b, nd, refill)
+                tokens = b + fixed_gain + float(gain[j][want[j]].sum()) if k > 0 else b + fixed_gain
+                widest = int(nd.max(initial=0))
+            else:
+                chosen = self._by_gain(b, forced, kk[j], gain[j], want[j], b + fixed_gain, force_all)
+                if chosen is None:
+                    out.append(None)
+                    continue
+                nd, cost, tokens, widest = chosen
+                refill = self.refill(nd)
+            out.append(None if cost is None or cost <= 0 else
+                       Decision(nd, widest, refill, tokens, cost, "model", auto))
+        return out
 
     def _by_gain(self, b: int, forced: np.ndarray, kk: np.ndarray, gain: np.ndarray, want: np.ndarray,
-                 tokens: float, force_all: bool) -> tuple[np.ndarray, float] | None:
-        """N-gram pays per verify row: add requests in order of gain while each improves tokens per second (all
-        of `want` with force_all); the drafts and their predicted cost, None if a step on the way is unmeasured."""
-        nd = forced.copy()
-        base = self.costs.predict(b, nd, False)
+                 tokens: float, force_all: bool) -> tuple[np.ndarray, float, float, int] | None:
+        """N-gram pays per verify row: add requests in order of gain (ties: lane order) while each improves tokens
+        per second (all of `want` with force_all); the drafts, their predicted cost, expected tokens and widest
+        lane, None if a step on the way is unmeasured. The cost is the rows line t0 + m(k) * rows
+        (`StepCosts.predict`), kept as running sums: a step of batch B tries B sets, and predicting each from its
+        array cost O(B) numpy calls."""
+        t0 = self.costs.plain(b, False)
+        if t0 is None:
+            return None
+        marginal: dict[int, float | None] = {}  # k of the widest lane -> seconds per row
+
+        def cost(k: int, rows: int) -> float | None:
+            if k == 0:
+                return t0
+            if k not in marginal:
+                marginal[k] = self.costs.row_cost(b, k, False, t0)
+            m = marginal[k]
+            return None if m is None else t0 + m * rows
+
+        nd = forced.tolist()
+        rows, widest = sum(nd), max(nd, default=0)
+        base = cost(widest, rows)
         if base is None:
             return None
-        for i in np.argsort(-gain):
-            if not want[i]:
+        g, kl, w = gain.tolist(), kk.tolist(), want.tolist()
+        for i in sorted(range(len(g)), key=g.__getitem__, reverse=True):
+            if not w[i]:
                 continue
-            trial = nd.copy()
-            trial[i] = kk[i]
-            cost = self.costs.predict(b, trial, False)
-            if cost is None:
+            trial = cost(max(widest, kl[i]), rows - nd[i] + kl[i])
+            if trial is None:
                 return None
-            if force_all or (tokens + gain[i]) / cost > tokens / base:
-                nd, base, tokens = trial, cost, tokens + float(gain[i])
-        return nd, base
+            if force_all or (tokens + g[i]) / trial > tokens / base:
+                rows, widest, nd[i] = rows - nd[i] + kl[i], max(widest, kl[i]), kl[i]
+                base, tokens = trial, tokens + g[i]
+        return np.array(nd, dtype=np.int64), base, tokens, widest
