@@ -26,6 +26,8 @@ def _build() -> ctypes.CDLL | None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.argmax_rows.argtypes = [p, i64, i64, i64, p, ctypes.c_int]
         lib.argmax_rows.restype = None
+        lib.greedy_accept.argtypes = [p, i64, i64, i64, i64, p, i64, p, p, p, ctypes.c_int]
+        lib.greedy_accept.restype = None
     return lib
 
 
@@ -46,3 +48,31 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     threads = torch.get_num_threads() if rows.numel() >= THREADED_ELEMENTS else 1
     lib.argmax_rows(rows.data_ptr(), rows.shape[0], n, rows.stride(0), out.data_ptr(), threads)
     return out.view(x.shape[:-1])
+
+
+def greedy_accept(logits: torch.Tensor, drafts: torch.Tensor, num_draft: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Greedy acceptance in one pass (`rejection_sampler`'s greedy rule): logits [B, k + 1, V], drafts [B, k],
+    num_draft [B] -> (out [B, k + 1], accepted [B]), out[:, :a + 1] the accepted drafts and the corrected or bonus
+    token, out[a] repeated past it (the rule leaves those undefined; this keeps them valid token ids). Each request's
+    rows are read only up to its first rejection. None where the kernel does not apply: the caller's torch form."""
+    if (torch.compiler.is_compiling() or logits.device.type != "cpu" or logits.dtype != torch.float32
+            or logits.dim() != 3 or logits.shape[-1] == 0 or drafts.dtype != torch.long
+            or drafts.shape != (logits.shape[0], logits.shape[1] - 1)):
+        return None
+    lib = _build()
+    if lib is None:
+        return None
+    b, k1, n = logits.shape
+    rows = logits.reshape(b * k1, n)  # row (b, j) at b * k1 + j: a view where the leading dims collapse
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if drafts.stride(-1) != 1:
+        drafts = drafts.contiguous()
+    num_draft = num_draft.to(torch.long).contiguous()
+    out = torch.empty(b, k1, dtype=torch.long)
+    accepted = torch.empty(b, dtype=torch.long)
+    threads = torch.get_num_threads() if rows.numel() >= THREADED_ELEMENTS and b > 1 else 1
+    lib.greedy_accept(rows.data_ptr(), b, k1, n, rows.stride(0), drafts.data_ptr(), drafts.stride(0),
+                      num_draft.data_ptr(), out.data_ptr(), accepted.data_ptr(), threads)
+    return out, accepted

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from specstep.engine.argmax import argmax
+from specstep.engine.argmax import argmax, greedy_accept
 from specstep.engine.random import ACCEPT, SAMPLE, uniform
 from specstep.engine.sampler import processed_probs, sample_from_probs
 from specstep.engine.sampling_params import SamplingTensors
@@ -38,6 +38,10 @@ def rejection_sample(
     positions: torch.Tensor,  # [B] position of out[:, 0]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, k = draft_tokens.shape
+    if st.all_greedy:
+        fused = greedy_accept(target_logits, draft_tokens, num_draft)  # CPU: one pass, to the first rejection
+        if fused is not None:
+            return fused
     j = torch.arange(k + 1, device=draft_tokens.device)
     in_draft = j[:k].unsqueeze(0) < num_draft.unsqueeze(1)  # [B, k]
 

@@ -1,5 +1,6 @@
 """The greedy readout (`engine/argmax.cpp`): the indices torch.argmax(dim=-1) returns, ties, NaNs and infinities
-included, on one thread and both; and the samplers read their greedy tokens through it."""
+included, on one thread and both; the samplers read their greedy tokens through it; and greedy acceptance in one
+pass gives the torch rule's tokens and counts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from specstep.engine import argmax as am
+from specstep.engine import rejection_sampler as rs
 from specstep.engine.rejection_sampler import rejection_sample
 from specstep.engine.sampler import sample
 from specstep.engine.sampling_params import SamplingParams, SamplingTensors
@@ -63,7 +65,9 @@ def test_greedy_sampling_and_acceptance_read_the_argmax():
     drafts = want[:, :4].clone()
     drafts[1, 2] += 1  # request 1 rejects its third draft
     out, acc = rejection_sample(drafts, None, logits, torch.full((3,), 4), st, torch.zeros(3, dtype=torch.long))
-    assert torch.equal(out, want) and acc.tolist() == [4, 2, 4]
+    assert acc.tolist() == [4, 2, 4]
+    assert torch.equal(out[[0, 2]], want[[0, 2]]) and torch.equal(out[1, :3], want[1, :3])
+    assert out[1, 3:].tolist() == [want[1, 2].item()] * 2  # past the stop: the corrected token again
     assert torch.equal(sample(logits[:, 0], st, torch.zeros(3, dtype=torch.long)), want[:, 0])
 
 
@@ -81,3 +85,69 @@ def test_a_compiled_step_traces_torchs_argmax():
     first, (out, acc) = step(logits, drafts)
     assert torch.equal(first, logits[:, 0].argmax(dim=-1)) and torch.equal(out, logits.argmax(dim=-1))
     assert acc.tolist() == [4, 4]
+
+
+def torch_rule(logits, drafts, num_draft):
+    """The greedy rule in torch (the definition): every row's argmax, the accepted prefix of in-draft matches."""
+    k = drafts.shape[1]
+    want = logits.argmax(dim=-1)
+    in_draft = torch.arange(k).unsqueeze(0) < num_draft.unsqueeze(1)
+    acc = ((drafts == want[:, :k]) & in_draft).long().cumprod(dim=-1).sum(dim=-1)
+    return want, acc
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_greedy_accept_gives_the_rules_tokens_and_counts(monkeypatch, threaded):
+    if threaded:
+        monkeypatch.setattr(am, "THREADED_ELEMENTS", 1)  # requests split over torch's threads
+    g = torch.Generator().manual_seed(5)
+    for trial in range(300):
+        b, k = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))
+        v = int(torch.randint(2, 300, (1,), generator=g))
+        logits = torch.randn(b, k + 1, v, generator=g)
+        if trial % 3 == 0:  # few values: ties, the first maximum wins
+            logits = torch.randint(0, 3, (b, k + 1, v), generator=g).float()
+        if trial % 7 == 0:
+            logits[0, int(torch.randint(0, k + 1, (1,), generator=g)), v // 2] = float("nan")
+        want, _ = torch_rule(logits, torch.zeros(b, k, dtype=torch.long), torch.zeros(b, dtype=torch.long))
+        # drafts agree with the target with probability 0.7 a position: prefixes of every length
+        agree = torch.rand(b, k, generator=g) < 0.7
+        grid = torch.randint(0, v, (b, k + 1), generator=g)
+        grid[:, 1:] = torch.where(agree, want[:, :k], (want[:, :k] + 1) % v)
+        drafts = grid[:, 1:]  # a strided view, as the engine's grid hands them over
+        num_draft = torch.randint(0, k + 1, (b,), generator=g)
+        out, acc = am.greedy_accept(logits, drafts, num_draft)
+        ref_out, ref_acc = torch_rule(logits, drafts, num_draft)
+        assert torch.equal(acc, ref_acc), trial
+        for i in range(b):
+            a = int(acc[i])
+            assert torch.equal(out[i, : a + 1], ref_out[i, : a + 1]), trial
+            assert (out[i, a + 1:] == out[i, a]).all(), trial
+
+
+def test_rejection_sampling_of_greedy_rows_takes_the_one_pass_form(monkeypatch):
+    """All-greedy batches on CPU: the same tokens and counts as the torch form, where the kernel ran."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(4, 5, 257, generator=g)
+    st = SamplingTensors.build([SamplingParams(temperature=0.0)] * 4, [0, 1, 2, 3], 257, "cpu")
+    drafts = logits.argmax(dim=-1)[:, :4].clone()
+    drafts[0, 0] += 1
+    drafts[2, 3] += 1
+    num_draft, pos = torch.tensor([4, 4, 4, 2]), torch.zeros(4, dtype=torch.long)
+    calls = []
+    monkeypatch.setattr(rs, "greedy_accept", lambda *a: calls.append(1) or am.greedy_accept(*a))
+    out, acc = rejection_sample(drafts, None, logits, num_draft, st, pos)
+    monkeypatch.setattr(rs, "greedy_accept", lambda *a: None)  # the torch form
+    ref_out, ref_acc = rejection_sample(drafts, None, logits, num_draft, st, pos)
+    assert calls and acc.tolist() == ref_acc.tolist() == [0, 4, 3, 2]
+    for i, a in enumerate(acc.tolist()):
+        assert torch.equal(out[i, : a + 1], ref_out[i, : a + 1])
+
+
+def test_greedy_accept_declines_what_it_does_not_cover():
+    logits = torch.randn(2, 3, 11)
+    drafts, nd = torch.zeros(2, 2, dtype=torch.long), torch.full((2,), 2)
+    assert am.greedy_accept(logits.double(), drafts, nd) is None
+    assert am.greedy_accept(logits, drafts.int(), nd) is None
+    assert am.greedy_accept(logits, drafts[:, :1], nd) is None
+    assert am.greedy_accept(logits[0], drafts, nd) is None
