@@ -58,7 +58,8 @@ def greedy_accept(logits: torch.Tensor, drafts: torch.Tensor, num_draft: torch.T
     rows are read only up to its first rejection. None where the kernel does not apply: the caller's torch form."""
     if (torch.compiler.is_compiling() or logits.device.type != "cpu" or logits.dtype != torch.float32
             or logits.dim() != 3 or logits.shape[-1] == 0 or drafts.dtype != torch.long
-            or drafts.shape != (logits.shape[0], logits.shape[1] - 1)):
+            or drafts.shape != (logits.shape[0], logits.shape[1] - 1) or drafts.device.type != "cpu"
+            or num_draft.shape != (logits.shape[0],) or num_draft.device.type != "cpu"):
         return None
     lib = _build()
     if lib is None:
@@ -70,8 +71,8 @@ def greedy_accept(logits: torch.Tensor, drafts: torch.Tensor, num_draft: torch.T
     if drafts.stride(-1) != 1:
         drafts = drafts.contiguous()
     num_draft = num_draft.to(torch.long).contiguous()
-    out = torch.empty(b, k1, dtype=torch.long)
-    accepted = torch.empty(b, dtype=torch.long)
+    out = torch.empty(b, k1, dtype=torch.long, device="cpu")
+    accepted = torch.empty(b, dtype=torch.long, device="cpu")
     threads = torch.get_num_threads() if rows.numel() >= THREADED_ELEMENTS and b > 1 else 1
     lib.greedy_accept(rows.data_ptr(), b, k1, n, rows.stride(0), drafts.data_ptr(), drafts.stride(0),
                       num_draft.data_ptr(), out.data_ptr(), accepted.data_ptr(), threads)

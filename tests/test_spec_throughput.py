@@ -2,9 +2,9 @@
 
 `ThroughputModel.options` evaluates all k from one gains table, and n-gram's greedy request set (`_by_gain`)
 keeps its predicted cost as running sums instead of predicting each trial set from its array. The definition
-below is the plain form: for each k on its own, every trial predicted by `StepCosts.predict`. Both must agree
-on random states of both cost shapes, including costs measured for some k only (an unmeasured step on the way
-makes the whole option unmeasured).
+below is the former form: for each k on its own, every trial predicted by `StepCosts.predict`. Both must agree
+exactly on random states of every cost shape the engine builds, including costs measured for some k only (an
+unmeasured step on the way makes the whole option unmeasured) and ties in gain (numpy's order decides).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def option_by_definition(model: ThroughputModel, k: int, alpha, auto, forced, ro
         cost = model.costs.predict(b, nd, False)
         if cost is None:
             return None
-        for i in sorted(range(b), key=lambda i: -gain[i]):  # by gain, ties in lane order
+        for i in np.argsort(-gain):  # by gain
             if not want[i]:
                 continue
             trial = nd.copy()
@@ -50,30 +50,32 @@ def option_by_definition(model: ThroughputModel, k: int, alpha, auto, forced, ro
     return nd, cost, b + fixed_gain + float(gain[(nd > 0) & auto].sum())
 
 
-def measured_model(shape: str, rng: np.random.Generator, b: int) -> ThroughputModel:
-    """A model whose costs measured plain decoding and a random subset of k, maybe none (rows: per-row marginals
-    that vary with k, some negative from noise, so the widest lane's k decides the row price)."""
+def measured_model(shape: str, keeps_draft_kv: bool, rng: np.random.Generator, b: int) -> ThroughputModel:
+    """A model whose costs measured plain decoding (maybe not) and a random subset of k, maybe none (rows: per-row
+    marginals that vary with k, some negative from noise, so the widest lane's k decides the row price; lanes:
+    costs not monotone in k, as noise leaves them)."""
     rows = shape == "rows"
-    cfg = PolicyConfig(k_max=6, cost_shape=shape, keeps_draft_kv=not rows, can_drop_refill=not rows)
+    cfg = PolicyConfig(k_max=6, cost_shape=shape, keeps_draft_kv=keeps_draft_kv, can_drop_refill=keeps_draft_kv)
     costs = StepCosts(cfg.cost_decay, shape)
     t0 = 0.004 + 0.0002 * b
-    for _ in range(3):
+    for _ in range(3 if rng.random() < 0.9 else 0):
         costs.observe(b, np.zeros(b, np.int64), False, t0 * rng.uniform(0.95, 1.05))
     for k in rng.permutation(np.arange(1, 7))[: int(rng.integers(0, 7))]:
         nd = np.zeros(b, np.int64)
         nd[: int(rng.integers(1, b + 1))] = k
-        seconds = t0 + (rng.uniform(-0.00005, 0.0006) * nd.sum() if rows else 0.0004 * k)
-        costs.observe(b, nd, not rows, seconds)
+        seconds = t0 + (rng.uniform(-0.00005, 0.0006) * nd.sum() if rows else rng.uniform(0.0, 0.0008) * k)
+        costs.observe(b, nd, keeps_draft_kv, seconds)
     return ThroughputModel(cfg, costs, Governor(cfg.governor))
 
 
-@pytest.mark.parametrize("shape", ["rows", "lanes"])
-def test_options_match_each_k_evaluated_alone(shape):
+# (cost shape, keeps_draft_kv): n-gram's eager verify, model proposers, n-gram with captured graphs (`build.py`)
+@pytest.mark.parametrize("shape,keeps_draft_kv", [("rows", False), ("lanes", True), ("lanes", False)])
+def test_options_match_each_k_evaluated_alone(shape, keeps_draft_kv):
     rng = np.random.default_rng(7)
     compared = measured = 0
     for trial in range(400):
         b = int(rng.choice([1, 2, 3, 5, 8, 17, 40]))
-        model = measured_model(shape, rng, b)
+        model = measured_model(shape, keeps_draft_kv, rng, b)
         # Few distinct acceptances: tied gains, whose order decides who drafts when only some pay.
         alpha = rng.choice(rng.uniform(0, 1, 3), size=b)
         auto = rng.random(b) < 0.85
@@ -97,14 +99,14 @@ def test_options_match_each_k_evaluated_alone(shape):
             assert d.k == int(nd.max(initial=0))
             assert d.refill == model.refill(nd)
             assert d.expected_cost == cost  # the same arithmetic, not just close
-            assert d.expected_tokens == pytest.approx(tokens, rel=1e-12)
+            assert d.expected_tokens == tokens
             assert d.reason == "model" and d.auto is auto
     assert measured > compared // 3 and compared - measured > 50  # both outcomes exercised
 
 
 def test_row_cost_is_the_price_predict_charges():
     rng = np.random.default_rng(3)
-    model = measured_model("rows", rng, 4)
+    model = measured_model("rows", False, rng, 4)
     t0 = model.costs.plain(4, False)
     for k in range(1, 7):
         m = model.costs.row_cost(4, k, False, t0)

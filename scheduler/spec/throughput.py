@@ -154,31 +154,34 @@ class ThroughputModel:
                 if chosen is None:
                     out.append(None)
                     continue
-                nd, cost, tokens, widest = chosen
+                nd, cost, widest = chosen
                 refill = self.refill(nd)
+                # summed as the decision always was (the greedy loop's running sum adds in another order)
+                tokens = b + fixed_gain + float(gain[j][(nd > 0) & auto].sum())
             out.append(None if cost is None or cost <= 0 else
                        Decision(nd, widest, refill, tokens, cost, "model", auto))
         return out
 
     def _by_gain(self, b: int, forced: np.ndarray, kk: np.ndarray, gain: np.ndarray, want: np.ndarray,
-                 tokens: float, force_all: bool) -> tuple[np.ndarray, float, float, int] | None:
-        """N-gram pays per verify row: add requests in order of gain (ties: lane order) while each improves tokens
-        per second (all of `want` with force_all); the drafts, their predicted cost, expected tokens and widest
-        lane, None if a step on the way is unmeasured. The cost is the rows line t0 + m(k) * rows
-        (`StepCosts.predict`), kept as running sums: a step of batch B tries B sets, and predicting each from its
-        array cost O(B) numpy calls."""
-        t0 = self.costs.plain(b, False)
-        if t0 is None:
+                 tokens: float, force_all: bool) -> tuple[np.ndarray, float, int] | None:
+        """N-gram pays per verify row: add requests in order of gain while each improves tokens per second (all of
+        `want` with force_all); the drafts, their predicted cost and widest lane, None if a step on the way is
+        unmeasured. A step's predicted cost depends only on its widest lane's k and, in the rows shape, its draft
+        rows (`StepCosts.predict`): it is kept as running sums, priced once per k (a step of batch B tries B sets,
+        and predicting each from its array cost O(B) numpy calls)."""
+        costs, rows_shape = self.costs, self.costs.shape == "rows"
+        t0 = costs.plain(b, False)  # predict's price of a step in which nobody drafts, in both shapes
+        if rows_shape and t0 is None:
             return None
-        marginal: dict[int, float | None] = {}  # k of the widest lane -> seconds per row
+        price: dict[int, float | None] = {}  # widest k -> seconds per draft row (rows), per step (lanes)
 
         def cost(k: int, rows: int) -> float | None:
             if k == 0:
                 return t0
-            if k not in marginal:
-                marginal[k] = self.costs.row_cost(b, k, False, t0)
-            m = marginal[k]
-            return None if m is None else t0 + m * rows
+            if k not in price:
+                price[k] = costs.row_cost(b, k, False, t0) if rows_shape else costs.predict(b, np.array([k]), False)
+            p = price[k]
+            return None if p is None else (t0 + p * rows if rows_shape else p)
 
         nd = forced.tolist()
         rows, widest = sum(nd), max(nd, default=0)
@@ -186,7 +189,7 @@ class ThroughputModel:
         if base is None:
             return None
         g, kl, w = gain.tolist(), kk.tolist(), want.tolist()
-        for i in sorted(range(len(g)), key=g.__getitem__, reverse=True):
+        for i in np.argsort(-gain).tolist():  # (the order of ties is numpy's: the same decisions as before)
             if not w[i]:
                 continue
             trial = cost(max(widest, kl[i]), rows - nd[i] + kl[i])
@@ -195,4 +198,4 @@ class ThroughputModel:
             if force_all or (tokens + g[i]) / trial > tokens / base:
                 rows, widest, nd[i] = rows - nd[i] + kl[i], max(widest, kl[i]), kl[i]
                 base, tokens = trial, tokens + g[i]
-        return np.array(nd, dtype=np.int64), base, tokens, widest
+        return np.array(nd, dtype=np.int64), base, widest
