@@ -147,7 +147,6 @@ class ThroughputModel:
                 nd = np.where(want[j], kk[j], forced) if k > 0 else forced
                 refill = self.refill(nd)
                 cost = self.costs.predict(b, nd, refill)
-                tokens = b + fixed_gain + float(gain[j][want[j]].sum()) if k > 0 else b + fixed_gain
                 widest = int(nd.max(initial=0))
             else:
                 chosen = self._by_gain(b, forced, kk[j], gain[j], want[j], b + fixed_gain, force_all)
@@ -156,8 +155,8 @@ class ThroughputModel:
                     continue
                 nd, cost, widest = chosen
                 refill = self.refill(nd)
-                # summed as the decision always was (the greedy loop's running sum adds in another order)
-                tokens = b + fixed_gain + float(gain[j][(nd > 0) & auto].sum())
+            # (summed over the drafting lanes in lane order, as it always was: not the greedy loop's running sum)
+            tokens = b + fixed_gain + float(gain[j][(nd > 0) & auto].sum())
             out.append(None if cost is None or cost <= 0 else
                        Decision(nd, widest, refill, tokens, cost, "model", auto))
         return out
