@@ -7,7 +7,7 @@ speculating and the output is token-identical to plain decoding. Set POLICY = "f
 
 The model, its acceptance and the policy are real; the step *times* the policy sees are this machine's measured
 ratios (`ModelledClock`), not wall time: on a shared 2-core CI host one stalled step can flip a short run's
-decisions, and timing goals belong in benchmarks (`benchmarks/bench_policy.py` runs the same bet on wall time)."""
+decisions, and timing figures belong in benchmarks (`benchmarks/bench_policy.py` runs the same bet on wall time)."""
 
 from __future__ import annotations
 
