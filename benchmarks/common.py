@@ -147,7 +147,8 @@ def record(title: str, columns: list[str], rows: list[list]) -> Path | None:
     lines = [] if path.exists() else [f"# {script.stem} on {name}", "", f"- Host: {name}, {os.cpu_count()} cores, "
                                       f"flags {' '.join(flags) or 'none of ' + ' '.join(ISA_FLAGS)}",
                                       f"- torch {torch.__version__}, {torch.get_num_threads()} threads", ""]
-    lines += [f"## {title}", "", f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', now)}",
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
+    lines += [f"## {title}", "", f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', now)}, load average {load}",
               f"- Command: `{shlex.join(['python', '-m', f'benchmarks.{script.stem}', *sys.argv[1:]])}`", "",
               "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns),
               *("| " + " | ".join(cell(x) for x in r) + " |" for r in rows), ""]

@@ -18,7 +18,7 @@ def test_a_script_run_appends_each_table_under_one_header(tmp_path, monkeypatch)
     assert len(files) == 1 and files[0].name.endswith("-bench_demo-amd-avx512.md")
     text = files[0].read_text()
     assert text.count("# bench_demo on AMD EPYC 9B14") == 1
-    assert "flags avx2 fma avx512f avx512_vnni" in text
+    assert "flags avx2 fma avx512f avx512_vnni" in text and text.count(", load average ") == 2
     assert text.count("- Command: `python -m benchmarks.bench_demo --modes 'plain,ngram k=4'`") == 2
     assert "| plain | 12.35 |" in text and "| ngram | 20.00 |" in text
     assert text.index("## first") < text.index("## second")
