@@ -1,10 +1,10 @@
-"""The packages: every folder with an `__init__.py` under the card's top-level folders, installed as one import
+"""The packages: every folder with an `__init__.py` under the project's top-level folders, installed as one import
 namespace (`specstep.engine`, `specstep.engine.parallel`, ...; generic names such as `scheduler` collide with
 other distributions, and `specstep` itself is a namespace package).
 
 This is the one thing pyproject.toml cannot say: setuptools' `find` discovers `engine.parallel`, never
-`specstep.engine.parallel` (it has no prefix), and the hand-kept list it replaces missed that package, so a
-wheel could not import the model. Everything else is in pyproject.toml.
+`specstep.engine.parallel` (it has no prefix), and a hand-kept list misses new packages, so a wheel could
+not import them. Everything else is in pyproject.toml.
 """
 
 from pathlib import Path

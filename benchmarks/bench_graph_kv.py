@@ -1,5 +1,5 @@
-"""Graph decode steps at a short and a long max_model_len, same short prompts (issue 12: a graph step's
-attention work must follow the batch's lengths, not max_model_len). Each setting builds an engine with graphs
+"""Graph decode steps at a short and a long max_model_len, same short prompts (a graph step's attention
+work follows the batch's lengths, not max_model_len). Each setting builds an engine with graphs
 on (the CPU stand-in replays the same step function a CUDA graph captures), prefills the same prompts, then
 times decode steps; settings alternate in rounds and the table gives medians with the spread, and the ratio of
 each long-context setting to the short one. `one width` is the old behaviour (page tables always at

@@ -9,9 +9,9 @@ transformers; the GGUF file itself, Q4_1, for llama.cpp), same prompts (held-out
 chat-formatted prose questions), greedy, batch 1 and 8. Modes: specstep plain / ngram / mtp (each with the default
 adaptive policy and with a fixed k; with `--activations fp32,int8` also with int8 activations); vLLM plain / ngram
 (fixed k); transformers plain and prompt lookup, llama.cpp plain and prompt lookup (both batch 1 only). Prints
-tokens/s, the ratios the README's goals are stated in, and whether each engine's tokens equal specstep plain's and
-its own plain decoding's. Engines run one after another on the same 2 threads; with --repeats, whole sweeps
-alternate and tables report medians and ranges.
+tokens/s, the ratios to vLLM's and each engine's own plain decoding, and whether each engine's tokens equal
+specstep plain's and its own plain decoding's. Engines run one after another on the same 2 threads; with
+--repeats, whole sweeps alternate and tables report medians and ranges.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Aten ops per decode step by sampling setting (issue 12: sampling should not cost more than the model): greedy,
+"""Aten ops per decode step by sampling setting (what sampling costs beside the model): greedy,
 temperature only, temperature with top-k, counted with torch's profiler over one speculative decode step of the
 pretrained default with its MTP head, on the CPU graph stand-in (the same step function a CUDA graph captures).
-Every aten op is counted, nested ones included; the ratio to greedy is what the goal (<= 1.5x) is about.
+Every aten op is counted, nested ones included; the table gives each setting's ratio to greedy.
 
     python -m benchmarks.bench_sampling_ops [--model M] [--batch 4] [--k 4] [--graphs on|off]
 """

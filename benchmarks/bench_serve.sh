@@ -9,11 +9,11 @@ SPEC=${SPEC:-mtp}
 export OMP_WAIT_POLICY=PASSIVE
 LG=(.venv/bin/python -m specstep.scheduler.cli loadgen --max-tokens 64 --prompt-tokens 64 --quiet)
 
-# Issue 4: throughput vs concurrency, speculation off / on (fixed k), held-out code.
+# Throughput vs concurrency, speculation off / on (fixed k), held-out code.
 "${LG[@]}" --workload code --concurrency 1,4,16,32 --output-dir "$OUT/concurrency" \
   --setting off --setting "spec=--spec $SPEC --spec-policy fixed --num-spec-tokens 4"
 
-# Issue 4: overlap on vs off at concurrency 16 (speculation off and on), and a trace of the overlapped server.
+# Overlap on vs off at concurrency 16 (speculation off and on), and a trace of the overlapped server.
 "${LG[@]}" --workload code --concurrency 16 --output-dir "$OUT/overlap" \
   --setting "overlap-on=--spec none --overlap on --trace $OUT/overlap/trace-on.json" \
   --setting "overlap-off=--spec none --overlap off" \
@@ -21,7 +21,7 @@ LG=(.venv/bin/python -m specstep.scheduler.cli loadgen --max-tokens 64 --prompt-
   --setting "spec-overlap-off=--spec $SPEC --spec-policy fixed --num-spec-tokens 4 --overlap off"
 .venv/bin/python -m specstep.scheduler.cli trace report "$OUT/overlap/trace-on.json" | tee "$OUT/overlap/trace-report.txt"
 
-# Issue 6: adaptive against every fixed k and speculation off, on predictable, unpredictable and mixed load.
+# Adaptive against every fixed k and speculation off, on predictable, unpredictable and mixed load.
 for wl in code random mix; do
   "${LG[@]}" --workload "$wl" --concurrency 1,16 --output-dir "$OUT/adaptive-$wl" \
     --setting off \
@@ -31,7 +31,7 @@ for wl in code random mix; do
     --setting "adaptive=--spec $SPEC --spec-policy adaptive --num-spec-tokens 4"
 done
 
-# Issues 13 and 19: four steady streams while two 4,000-token prompts arrive, whole-prompt prefill against serve's
+# Long prompts beside streams: four steady streams while two 4,000-token prompts arrive, whole-prompt prefill against serve's
 # default (chunked prefill, the budget calibrated at start-up and paced live: a mixed step <= 3 decode steps),
 # one server per run, alternating, two runs each (the host's noise moves single runs a lot).
 for rep in 1 2; do

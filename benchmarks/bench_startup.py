@@ -1,5 +1,5 @@
 """Start-up time and resident memory of `specstep serve` with default flags: the pretrained default (SmolLM2-135M,
-8k context) and a 32k-context model (issue 19: such a model did not start). No 32k checkpoint ships in a
+8k context) and a 32k-context model (one that starts at its full context). No 32k checkpoint ships in a
 package, so the second is random weights of Qwen2.5-0.5B's shape (494 M parameters, 24 layers, 14 query heads
 over 2 KV heads, 32,768 positions, tied embeddings), saved once as safetensors under --work.
 

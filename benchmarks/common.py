@@ -1,12 +1,16 @@
 """Shared pieces of the benchmarks: prompts, running the engine on a workload, tables.
 
 Benchmarks print ratios measured side by side in one run (the machine is shared and noisy; absolute figures
-move, ratios much less). They are scripts, never timed tests.
+move, ratios much less). They are scripts, never timed tests. Run as a script, a benchmark's tables are also
+appended to a dated file under benchmarks/results/ (`$SPECSTEP_RESULTS_DIR` moves it; empty: off) that names the
+date, the host's CPU and flags and the command.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -100,6 +104,57 @@ def table(title: str, columns: list[str], rows: list[list]) -> None:
     for r in rows:
         t.add_row(*[f"{x:.2f}" if isinstance(x, float) else str(x) for x in r])
     console.print(t)
+    record(title, columns, rows)
+
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu() -> tuple[str, list[str]]:
+    """The CPU's model name and which of the ISA flags the kernels choose by it has (Linux; empty elsewhere)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU", []
+    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith(key)), "")
+    flags = set(field("flags").split())
+    return field("model name") or "unknown CPU", [f for f in ISA_FLAGS if f in flags]
+
+
+def results_file(script: str, name: str, flags: list[str], day: str) -> Path:
+    """benchmarks/results/DATE-SCRIPT-HOST.md, HOST from the vendor and the widest ISA (amx, avx512, avx2)."""
+    vendor = next((v for v in ("amd", "intel") if v in name.lower()), "cpu")
+    isa = next((tag for flag, tag in (("amx_int8", "amx"), ("avx512f", "avx512"), ("avx2", "avx2")) if flag in flags),
+               "base")
+    root = Path(os.environ.get("SPECSTEP_RESULTS_DIR", RESULTS_DIR))
+    return root / f"{day}-{script}-{vendor}-{isa}.md"
+
+
+def record(title: str, columns: list[str], rows: list[list]) -> Path | None:
+    """Append one table as markdown to the results file when a benchmark runs as a script (`python -m
+    benchmarks.bench_x` or its path): never from tests or other callers, which would write into the tree."""
+    script = Path(sys.argv[0])
+    if os.environ.get("SPECSTEP_RESULTS_DIR") == "" or script.parent.name != "benchmarks" \
+            or not script.stem.startswith("bench_"):
+        return None
+    name, flags = cpu()
+    now = time.gmtime()
+    path = results_file(script.stem, name, flags, time.strftime("%Y-%m-%d", now))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cell = lambda x: f"{x:.2f}" if isinstance(x, float) else str(x)
+    lines = [] if path.exists() else [f"# {script.stem} on {name}", "", f"- Host: {name}, {os.cpu_count()} cores, "
+                                      f"flags {' '.join(flags) or 'none of ' + ' '.join(ISA_FLAGS)}",
+                                      f"- torch {torch.__version__}, {torch.get_num_threads()} threads", ""]
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
+    lines += [f"## {title}", "", f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', now)}, load average {load}",
+              f"- Command: `{shlex.join(['python', '-m', f'benchmarks.{script.stem}', *sys.argv[1:]])}`", "",
+              "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns),
+              *("| " + " | ".join(cell(x) for x in r) + " |" for r in rows), ""]
+    with path.open("a") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
 
 
 def machine() -> str:

@@ -20,9 +20,9 @@ SPEC_POLICIES = ("fixed", "adaptive")
 SPEC_OBJECTIVES = ("throughput", "latency")  # `scheduler.spec.policy.OBJECTIVES`
 # `serve`'s chunked prefill: a mixed step may cost this many of the running batch's plain decode steps. A step
 # costs its decode part plus the chunk, so a long prompt's time to first token is at best 1 + 1/(X - 1) times a
-# whole-prompt prefill's (1.5 at 3) while the streams' gaps grow to about X times their median: 3 is where the
-# issue's two goals (gaps <= 3x, TTFT <= 1.5x) meet; 2.5 measured gaps 2.1x and TTFT 2.5x on a 2,000-token prompt
-# on CPU, 3 gave 2.6x and 1.7x (README, "Long prompts beside running streams").
+# whole-prompt prefill's (1.5 at 3) while the streams' gaps grow to about X times their median: 3 keeps both
+# gaps <= 3x and TTFT <= 1.5x; 2.5 measured gaps 2.1x and TTFT 2.5x on a 2,000-token prompt on CPU, 3 gave 2.6x
+# and 1.7x (benchmarks/results/2026-12-02-chunked-prefill-avx2.md).
 SERVE_MAX_STEP_LATENCY = 3.0
 
 
@@ -84,7 +84,7 @@ def command_default(name: str, command: str) -> Any:
 
 
 def resolve_overlap(choice: str, args: argparse.Namespace) -> bool:
-    """`--overlap auto`: on with CUDA, inline on CPU (the worker-thread stream shares the GIL; README)."""
+    """`--overlap auto`: on with CUDA, inline on CPU (the worker-thread stream shares the GIL; docs/performance.md)."""
     if choice != "auto":
         return choice == "on"
     if args.device == "auto":
@@ -214,7 +214,7 @@ class EngineConfig:
     # The library's default is on; the CLI's is auto (on with CUDA, inline on CPU, where it measured faster).
     overlap: bool = option(
         True, "prepare step N+1 on the host while step N runs (auto: on for CUDA; off on CPU, where the "
-              "worker-thread stream shares the GIL and measured slower, see README)",
+              "worker-thread stream shares the GIL and measured slower)",
         cli_choices=("auto", "on", "off"), from_cli=resolve_overlap, defaults={"serve": "auto", "generate": "auto"},
         aliases=(Alias("--no-overlap", "off", "same as --overlap off"),))
     graphs: str = option("auto", "captured step graphs (auto: on CUDA; on: the contract-checking CPU stand-in; "

@@ -10,8 +10,8 @@ head. Measured per step kind and batch bucket, with graphs on and off:
 and, when flashinfer imports, decode/verify again with FlashInfer attention ("fi_decode", "fi_verify"): after
 the torch figures are written, captured in a GraphRunner of their own (its own memory pool), so a FlashInfer
 failure is recorded in the output (`results[shape]["flashinfer"]`, `errors`) and loses nothing else.
-Also: device copy bandwidth, the decode memory-bandwidth floor (weight bytes / copy bandwidth), and the goals
-(graph >= 2x eager for decode at batch 1 on 1B; decode <= 1.3x floor on 8B at batch 1; verify(5) <= 1.15x
+Also: device copy bandwidth, the decode memory-bandwidth floor (weight bytes / copy bandwidth), and three bounds
+checked (graph >= 2x eager for decode at batch 1 on 1B; decode <= 1.3x floor on 8B at batch 1; verify(5) <= 1.15x
 decode at batch 1). Writes JSON to --out and prints a short table last.
 """
 
@@ -269,7 +269,7 @@ def step_ms(rows, shape, kind, batch, graphs="on"):
                  (shape, kind, batch, graphs)), None)
 
 
-def goals(rows, results, bandwidth) -> dict:
+def summarise(rows, results, bandwidth) -> dict:
     out = {}
     best = lambda shape, kind: min((v for v in (step_ms(rows, shape, kind, 1), step_ms(rows, shape, "fi_" + kind, 1))
                                     if v is not None), default=None)
@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     results, errors = {}, {}
 
     def save() -> dict:
-        summary = goals(bench.rows, results, bandwidth)
+        summary = summarise(bench.rows, results, bandwidth)
         out = {"env": env, "results": results, "summary": summary, "errors": errors, "skipped": bench.skipped,
                "seconds": time.perf_counter() - bench.t0}
         Path(args.out).write_text(json.dumps(out, indent=2))

@@ -7,7 +7,7 @@ speculating and the output is token-identical to plain decoding. Set POLICY = "f
 
 The model, its acceptance and the policy are real; the step *times* the policy sees are this machine's measured
 ratios (`ModelledClock`), not wall time: on a shared 2-core CI host one stalled step can flip a short run's
-decisions, and timing goals belong in benchmarks (`benchmarks/bench_policy.py` runs the same bet on wall time)."""
+decisions, and timing figures belong in benchmarks (`benchmarks/bench_policy.py` runs the same bet on wall time)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def model():
 
 
 class ModelledClock:
-    """Device time as `bench_steps` measured it for SmolLM2 + its MTP head on this CPU (README): a plain step
+    """Device time as `bench_steps` measured it for SmolLM2 + its MTP head on a 2-core AVX2 CPU
+    (benchmarks/results/2026-12-01-step-costs-fp32-avx2.md): a plain step
     44 ms at batch 1 (+6 ms a request), a verify of k drafts a request 1 + 0.11 k times that, each MTP draft
     iteration and the refill 0.065 x; a catch-up 0.065 x per skipped position. Advanced by the engine's own
     calls, so what the policy records is what ran (k actually drafted, refill or not)."""

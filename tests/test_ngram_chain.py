@@ -1,4 +1,4 @@
-"""A host proposer's plain step can be chained (issue 20 item 2): `StepEngine.can_chain` says yes for an n-gram
+"""A host proposer's plain step can be chained: `StepEngine.can_chain` says yes for an n-gram
 engine when no lane drafts, and such a step, built blind on the previous step's device outputs, emits exactly
 the tokens of one built after the previous step was read back."""
 

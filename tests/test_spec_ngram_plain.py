@@ -1,4 +1,4 @@
-"""N-gram plain steps cost what plain decoding costs: no prompt lookup at k = 0 (issue 20)."""
+"""N-gram plain steps cost what plain decoding costs: no prompt lookup at k = 0."""
 
 from __future__ import annotations
 

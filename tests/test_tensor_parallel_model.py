@@ -1,4 +1,4 @@
-"""Tensor parallelism at the model layer (issue 14), on CPU with gloo.
+"""Tensor parallelism at the model layer, on CPU with gloo.
 
 A group of ranks, each holding its shard, must compute what one process with the whole model computes: the same
 paged prefill and decode logits (and MTP head logits) on every rank, for GQA, MHA, KV heads replicated over ranks,

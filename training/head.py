@@ -1,4 +1,5 @@
-"""`specstep train-head`: train an MTP (EAGLE-style) head for a target, the way SEEDS.md's team did.
+"""`specstep train-head`: train an MTP (EAGLE-style) head for a target (EAGLE's recipe, with the RMSNorms
+restored).
 
     1. target features are PRECOMPUTED with specstep's own inference path (the paged `LlamaForCausalLM.forward`
        over `build_forward_batch`, exactly what the engine's verify step runs): final hidden states (fp16) and

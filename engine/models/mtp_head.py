@@ -1,7 +1,7 @@
 """MTP / EAGLE-style draft head: one decoder layer over (target hidden state, next-token embedding).
 
 At position i the head sees the target's hidden state h[i] and the embedding of token t[i+1] (the one-position
-shift of SEEDS.md's MTP), and predicts t[i+2]:
+shift of DeepSeek-V3's MTP), and predicts t[i+2]:
 
     x = fc([rmsnorm(h[i]) ; rmsnorm(embed(t[i+1]))])  ->  decoder layer (own paged KV)  ->  rmsnorm  ->  lm_head
 

@@ -12,7 +12,7 @@ arguments, so every rank runs the same forwards in the same order and meets the 
 Sampling, acceptance and the MTP head run on every rank: logits are gathered identically everywhere and the
 random draws are hashes of (seed, position), so every rank computes the leader's tokens without a round trip,
 and a chained step patches its inputs from its own rank's previous outputs. A draft *model* runs on the leader
-only (a small model gains nothing from the split, as the first seed schedules it): its drafts, and the
+only (a small model gains nothing from the split): its drafts, and the
 acceptance it alone can compute (the followers have no draft distributions), reach the followers in two
 broadcasts inside the step (`StepEngine.decode_body`). N-gram drafts are host data and travel in the message.
 

@@ -1,7 +1,7 @@
-"""The policy review's scenarios (issue 20), on both stream paths: each keeps at least 0.97x plain decoding,
-and speculation comes back where it pays. Each failed with the policy as the review found it (long prompts: on the
-inline path; on the overlap path the lost probes made it plain decoding); batch 64 with a costly catch-up failed
-(0.89x / 0.90x) until probes from plain decoding caught up a subset of lanes."""
+"""Adaptive-policy scenarios on both stream paths: each keeps at least 0.97x plain decoding, and speculation comes
+back where it pays. Long prompts fail on the inline path when the policy does not resume after them, and on the
+overlap path when probes are lost (it becomes plain decoding); batch 64 with a costly catch-up fails (0.89x / 0.90x)
+unless probes from plain decoding catch up a subset of lanes."""
 
 from __future__ import annotations
 
