@@ -152,6 +152,10 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         if required:
             raise ConfigError(f"{flag}: {folder} was converted from {gguf_path}, which is gone")
         return f"fp32 weights ({gguf_path} is gone)"
+    dtypes = {p.dtype for p in model.parameters()}
+    if dtypes != {torch.float32}:  # the blocks are checked against (and replace) fp32 weights, bit for bit
+        raise ConfigError(f"the GGUF kernel takes float32 activations; this model holds "
+                          f"{', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))} weights")
     blocks = quantized_blocks(gguf_path, tuple(FORMATS))
     tied = bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
     embed = getattr(model, "embed_tokens", None)
