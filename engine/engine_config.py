@@ -49,7 +49,8 @@ class Option:
     `help` says what the option does; "(default: X)" is appended, or put where "{default}" stands, with X from
     `shown` (a text, or a callable of the command name) or else the default itself. `None` is valid for fields
     whose type allows it (unset: the documented fallback); otherwise the value must be one of `choices` and pass
-    `check`, stated as `rule` in the error."""
+    `check`, stated as `rule` in the error. `cli=False`: a library-only field (what
+    tests construct, not a user's choice), with no flag; the CLI leaves it at its default."""
 
     help: str
     choices: tuple | None = None
@@ -62,6 +63,7 @@ class Option:
     cli_choices: tuple | None = None  # what the CLI accepts where it differs from the field's values
     from_cli: Callable[[Any, argparse.Namespace], Any] | None = None  # a CLI value into the field's
     aliases: tuple[Alias, ...] = ()
+    cli: bool = True
 
 
 def option(default: Any, help: str, **kw: Any) -> Any:
@@ -217,10 +219,13 @@ class EngineConfig:
               "worker-thread stream shares the GIL and measured slower, see README)",
         cli_choices=("auto", "on", "off"), from_cli=resolve_overlap, defaults={"serve": "auto", "generate": "auto"},
         aliases=(Alias("--no-overlap", "off", "same as --overlap off"),))
-    graphs: str = option("auto", "captured step graphs (auto: on CUDA; on: the contract-checking CPU stand-in; "
-                                 "compiled: CPU, each decode step graph compiled by torch.compile's inductor C++ "
-                                 "backend, cached on disk; minutes of start-up on a first start, see README)",
-                         choices=("auto", "on", "off", "compiled"))
+    graphs: str = option("auto", "CUDA graphs for the decode, draft, verify and refill steps, captured per batch "
+                                 "bucket at start-up (auto: on with CUDA). On CPU the steps run eagerly",
+                         choices=("auto", "on", "off"))
+    # The CPU stand-in of CUDA graphs (`cuda_graphs/cpu_standin.py`) checks the graph contract (static inputs and
+    # outputs, nothing kept alive from a step) so code that breaks it fails on CPU too; it only costs time there.
+    graph_standin: bool = option(
+        False, "CPU: run the steps through the contract-checking stand-in of CUDA graphs (for tests)", cli=False)
     attention: str = option("auto", "paged-attention backend (auto: torch; flashinfer: CUDA with the flashinfer "
                                     "package)", choices=("auto", "torch", "flashinfer"))
     cpu_linear: str = option(

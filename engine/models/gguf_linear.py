@@ -41,7 +41,6 @@ from specstep.engine.models.gguf_kernel import (
     unavailable,
     vnni_unavailable,
 )
-from specstep.engine.models.gguf_op import gguf_linear_op
 
 CHECK_ROWS = 4  # rows of each weight compared bitwise with the converted checkpoint at load
 
@@ -90,8 +89,6 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:  # training through it: the kernel has no backward
             return F.linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling():  # a compiled step calls it as an opaque op
-            return gguf_linear_op(x, self.kernel_weights, self.out_features, self.kernel_fmt, self.bias)
         return gguf_linear(x, self.kernel_weights, self.out_features, self.kernel_fmt, self.bias)
 
     @property
