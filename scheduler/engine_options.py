@@ -20,6 +20,7 @@ from typing import Any
 from specstep.engine.engine_config import EngineConfig, command_default, flag_of, option_of
 
 COMMANDS = ("generate", "serve")
+LIBRARY_DEFAULT = "EngineConfig's"  # in --help, before the library's default where a command's differs
 
 
 def on_off(text: str) -> bool:
@@ -45,6 +46,8 @@ def help_text(f, command: str) -> str:
         shown = opt.shown(command)
     else:
         shown = opt.shown if opt.shown is not None else _shown(command_default(f.name, command))
+    if command_default(f.name, command) != f.default:  # one default per option, or both stated
+        shown = f"{shown}; {LIBRARY_DEFAULT}: {opt.library_shown or _shown(f.default)}"
     text = opt.help.format(default=shown) if "{default}" in opt.help else f"{opt.help} (default: {shown})"
     return text.replace("%", "%%")  # argparse formats help with %
 

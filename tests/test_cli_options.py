@@ -20,7 +20,7 @@ from specstep.engine.engine_config import (
 )
 from specstep.engine.errors import ConfigError
 from specstep.scheduler import cli
-from specstep.scheduler.engine_options import cli_fields, engine_config_from_args
+from specstep.scheduler.engine_options import LIBRARY_DEFAULT, cli_fields, engine_config_from_args, help_text
 from specstep.scheduler.spec.policy import OBJECTIVES
 
 COMMANDS = ("generate", "serve")
@@ -135,6 +135,25 @@ def test_an_invalid_value_is_a_one_line_cli_error(capsys, tiny_target):
 
 def test_choices_match_the_policy():
     assert SPEC_OBJECTIVES == OBJECTIVES
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_command_default_other_than_the_librarys_is_stated_in_its_help(command):
+    """One default per option for `EngineConfig` and `specstep COMMAND`, or both stated in the flag's help: each
+    flag's parsed default against the field's, and the help of every flag whose two differ names the field's."""
+    actions = {a.dest: a for a in parser(command)._actions if flag_of(a.dest) in a.option_strings}
+    args = parser(command).parse_args([])
+    differ = set()
+    for f in FIELDS:
+        text = help_text(f, command)
+        assert actions[f.name].help == text
+        if getattr(args, f.name) == f.default:
+            assert LIBRARY_DEFAULT not in text, f"{flag_of(f.name)}: states a library default equal to its own"
+            continue
+        differ.add(f.name)
+        library = option_of(f).library_shown or {True: "on", False: "off", None: "none"}.get(f.default, f.default)
+        assert f"{LIBRARY_DEFAULT}: {library}" in text, f"{command} {flag_of(f.name)}: {text!r}"
+    assert differ == {name for name, c in STATED if c == command}
 
 
 @pytest.mark.parametrize("command", COMMANDS)
