@@ -24,7 +24,7 @@ from specstep.scheduler.core.request import Request
 
 
 def build(model: str, batch: int, max_len: int, one_width: bool):
-    cfg = EngineConfig(model=model, graphs="on", device="cpu", max_batch_size=batch, max_model_len=max_len,
+    cfg = EngineConfig(model=model, graph_standin=True, device="cpu", max_batch_size=batch, max_model_len=max_len,
                        kv_cache_tokens=4096, overlap=False, threads=2)
     if one_width:
         with mock.patch.object(step_engine, "kv_page_buckets", lambda max_pages, ps: (max_pages,)):

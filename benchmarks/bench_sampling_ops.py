@@ -3,7 +3,7 @@ temperature only, temperature with top-k, counted with torch's profiler over one
 pretrained default with its MTP head, on the CPU graph stand-in (the same step function a CUDA graph captures).
 Every aten op is counted, nested ones included; the table gives each setting's ratio to greedy.
 
-    python -m benchmarks.bench_sampling_ops [--model M] [--batch 4] [--k 4] [--graphs on|off]
+    python -m benchmarks.bench_sampling_ops [--model M] [--batch 4] [--k 4] [--graphs on|off]  (on: the stand-in)
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ SETTINGS = {
 
 def ops_per_step(model: str, batch: int, k: int, graphs: str, params: SamplingParams) -> int:
     core, _, _ = build_engine(EngineConfig(model=model, spec="mtp", num_spec_tokens=k, spec_policy="fixed",
-                                           graphs=graphs, device="cpu", max_batch_size=batch, kv_cache_tokens=4096,
-                                           overlap=False, threads=2))
+                                           graph_standin=graphs == "on", device="cpu", max_batch_size=batch,
+                                           kv_cache_tokens=4096, overlap=False, threads=2))
     for i in range(batch):
         core.add_request(Request(str(i), [3, 1, 4, 1, 5, 9, 2, 6], params, seed=i))
     core.step()  # prefill

@@ -208,6 +208,3 @@ class StandInBackend:
 
     def capture(self, fn: StepFn, inputs: Mapping[str, torch.Tensor], key: GraphKey) -> StandInGraph:
         return StandInGraph(fn, inputs, key, self.deep_replays)
-
-    def describe(self) -> str:
-        return ""

@@ -54,6 +54,3 @@ class CudaGraphBackend:
             raise GraphContractError(f"step {key} must return a mapping of name -> tensor")
         nbytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
         return CudaGraph(graph, dict(inputs), dict(outs), key, nbytes)
-
-    def describe(self) -> str:
-        return ""

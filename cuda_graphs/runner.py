@@ -71,7 +71,6 @@ class CaptureInfo:
     graphs: int
     seconds: float
     nbytes: int
-    note: str = ""  # the backend's own account (compiled steps: how many came from the disk cache, failures)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,9 +81,7 @@ def describe_capture(graphs: Mapping | None) -> str:
     graphs and how long they took, the part of start-up that grows with buckets, widths and k values."""
     if graphs is None:
         return ""
-    verb = "compiled" if graphs["backend"] == "cpu-inductor" else "captured"
-    note = f"; {graphs['note']}" if graphs.get("note") else ""
-    return f"{graphs['graphs']} graphs {verb} in {graphs['seconds']:.1f} s ({graphs['backend']}{note})"
+    return f"{graphs['graphs']} graphs captured in {graphs['seconds']:.1f} s ({graphs['backend']})"
 
 
 class GraphRunner:
@@ -132,8 +129,7 @@ class GraphRunner:
             for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
                 for kind, q in graph_ids:
                     total += self._capture_one(GraphKey(kind, bucket, q))
-        info = CaptureInfo(self.backend.name, self.buckets, len(self._graphs), time.perf_counter() - t0, total,
-                           self.backend.describe())
+        info = CaptureInfo(self.backend.name, self.buckets, len(self._graphs), time.perf_counter() - t0, total)
         log.info("captured %d graphs (%s) for buckets %s in %.2f s, %.1f MiB", info.graphs, info.backend,
                  info.buckets, info.seconds, info.nbytes / 2**20)
         return info
@@ -161,8 +157,6 @@ class GraphRunner:
             step.prepare(key)
         self.backend.warmup(step.fn, inputs, key, self.config.warmup_runs)
         graph = self.backend.capture(step.fn, inputs, key)
-        if graph is None:  # a compiled backend that could not compile this step: it runs eagerly
-            return 0
         self._graphs[key] = graph
         log.info("captured %s in %.1f ms, %.2f MiB", key, (time.perf_counter() - t) * 1e3, graph.nbytes / 2**20)
         return graph.nbytes

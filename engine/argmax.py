@@ -1,7 +1,7 @@
 """Each row's argmax in `argmax.cpp` on CPU: the indices `torch.argmax(x, dim=-1)` returns (the first maximum, or a
 row's first NaN), at the memory's pace where torch's CPU reduction tracks an index beside every element (70 us
 for one 49152-wide row, 2.4 ms for a batch-8 verify step's 40 rows). Greedy sampling and greedy acceptance read
-their tokens here; elsewhere (another device, dtype, a compiled graph, no kernel) it is `torch.argmax`."""
+their tokens here; elsewhere (another device, dtype, no kernel) it is `torch.argmax`."""
 
 from __future__ import annotations
 
@@ -33,9 +33,7 @@ def _build() -> ctypes.CDLL | None:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """`torch.argmax(x, dim=-1)`, the same indices."""
-    # (a compiled step traces torch's op: checked before anything a trace cannot follow, loading the library)
-    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() == 0
-            or x.shape[-1] == 0):
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() == 0 or x.shape[-1] == 0:
         return x.argmax(dim=-1)
     lib = _build()
     if lib is None:
@@ -56,8 +54,8 @@ def greedy_accept(logits: torch.Tensor, drafts: torch.Tensor, num_draft: torch.T
     num_draft [B] -> (out [B, k + 1], accepted [B]), out[:, :a + 1] the accepted drafts and the corrected or bonus
     token, out[a] repeated past it (the rule leaves those undefined; this keeps them valid token ids). Each request's
     rows are read only up to its first rejection. None where the kernel does not apply: the caller's torch form."""
-    if (torch.compiler.is_compiling() or logits.device.type != "cpu" or logits.dtype != torch.float32
-            or logits.dim() != 3 or logits.shape[-1] == 0 or drafts.dtype != torch.long
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 3 or logits.shape[-1] == 0
+            or drafts.dtype != torch.long
             or drafts.shape != (logits.shape[0], logits.shape[1] - 1) or drafts.device.type != "cpu"
             or num_draft.shape != (logits.shape[0],) or num_draft.device.type != "cpu"):
         return None

@@ -47,9 +47,11 @@ class Option:
     The CLI default is the field's default unless `defaults` names one for a command (`serve` and `generate`
     differ on chunked prefill; the CLI resolves a few values itself, e.g. the pretrained target for `model`).
     `help` says what the option does; "(default: X)" is appended, or put where "{default}" stands, with X from
-    `shown` (a text, or a callable of the command name) or else the default itself. `None` is valid for fields
-    whose type allows it (unset: the documented fallback); otherwise the value must be one of `choices` and pass
-    `check`, stated as `rule` in the error."""
+    `shown` (a text, or a callable of the command name) or else the default itself. Where a command's default
+    is not the field's, the help says the field's too (`library_shown`, or the value): "X; EngineConfig's: Y".
+    `None` is valid for fields whose type allows it (unset: the documented fallback); otherwise the value must be
+    one of `choices` and pass `check`, stated as `rule` in the error. `cli=False`: a library-only field (what
+    tests construct, not a user's choice), with no flag; the CLI leaves it at its default."""
 
     help: str
     choices: tuple | None = None
@@ -62,6 +64,8 @@ class Option:
     cli_choices: tuple | None = None  # what the CLI accepts where it differs from the field's values
     from_cli: Callable[[Any, argparse.Namespace], Any] | None = None  # a CLI value into the field's
     aliases: tuple[Alias, ...] = ()
+    cli: bool = True
+    library_shown: str | None = None  # the field's default in words, where a command's differs (see above)
 
 
 def option(default: Any, help: str, **kw: Any) -> Any:
@@ -127,7 +131,8 @@ class EngineConfig:
     # (`engine.model_source.default_target`), filled in by `generate_cmd.resolve_model_arg`.
     model: str = option(str(DEFAULT_TARGET),
                         "target model: a Hugging Face folder or a GGUF file (converted once into ~/.cache/specstep). "
-                        "Default: {default}", shown=_model_shown, defaults={"serve": None, "generate": None})
+                        "Default: {default}", shown=_model_shown, defaults={"serve": None, "generate": None},
+                        library_shown="the small embedded target, for tests")
     spec: str = option("none", "speculation proposer", choices=SPEC_KINDS, defaults={"serve": None},
                        shown=lambda c: ("the one shipped with the target, an MTP head or a draft model; else ngram"
                                         if c == "serve" else "none"))
@@ -181,7 +186,7 @@ class EngineConfig:
               "batch's plain decode steps, so running streams keep about X times their usual inter-token gap while "
               "a long prompt is prefilled; larger X: faster prefill, longer gaps. --max-num-batched-tokens "
               "overrides it (default: {default}). The ready line reports the budget", metavar="X",
-        shown=_latency_shown, defaults={"serve": SERVE_MAX_STEP_LATENCY},
+        shown=_latency_shown, defaults={"serve": SERVE_MAX_STEP_LATENCY}, library_shown="unset: chunked prefill off",
         check=lambda v: v > 1.0, rule="> 1 (decode steps)")
     max_model_len: int | None = option(None, "longest sequence, prompt + output tokens", shown="the model's own limit",
                                        check=_positive, rule=">= 1")
@@ -211,16 +216,20 @@ class EngineConfig:
     spec_epsilon: float | None = option(None, "adaptive: the largest fraction of steps spent probing while "
                                               "speculation is off", shown="0.02; 0.005 with the latency objective",
                                         check=lambda v: 0.0 < v <= 1.0, rule="in (0, 1]")
-    # The library's default is on; the CLI's is auto (on with CUDA, inline on CPU, where it measured faster).
+    # The library's default is on; the CLI's is auto (on with CUDA, inline on CPU, where it measured faster): the
+    # tests through the library exercise the overlapped path, users get the faster one. `--help` states both.
     overlap: bool = option(
         True, "prepare step N+1 on the host while step N runs (auto: on for CUDA; off on CPU, where the "
               "worker-thread stream shares the GIL and measured slower)",
         cli_choices=("auto", "on", "off"), from_cli=resolve_overlap, defaults={"serve": "auto", "generate": "auto"},
         aliases=(Alias("--no-overlap", "off", "same as --overlap off"),))
-    graphs: str = option("auto", "captured step graphs (auto: on CUDA; on: the contract-checking CPU stand-in; "
-                                 "compiled: CPU, each decode step graph compiled by torch.compile's inductor C++ "
-                                 "backend, cached on disk; minutes of start-up on a first start, see README)",
-                         choices=("auto", "on", "off", "compiled"))
+    graphs: str = option("auto", "CUDA graphs for the decode, draft, verify and refill steps, captured per batch "
+                                 "bucket at start-up (auto: on with CUDA). On CPU the steps run eagerly",
+                         choices=("auto", "on", "off"))
+    # The CPU stand-in of CUDA graphs (`cuda_graphs/cpu_standin.py`) checks the graph contract (static inputs and
+    # outputs, nothing kept alive from a step) so code that breaks it fails on CPU too; it only costs time there.
+    graph_standin: bool = option(
+        False, "CPU: run the steps through the contract-checking stand-in of CUDA graphs (for tests)", cli=False)
     attention: str = option("auto", "paged-attention backend (auto: torch; flashinfer: CUDA with the flashinfer "
                                     "package)", choices=("auto", "torch", "flashinfer"))
     cpu_linear: str = option(

@@ -44,14 +44,15 @@ def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str
     model.rotary.build_tables()
     model = model.to(device).eval().requires_grad_(False)  # serving weights; training heads keep the target frozen
     if device.type == "cpu":
-        model.gguf_note = _quantized(model, folder, cpu_linear, tp)
+        model.gguf_note = _quantized(model, folder, cpu_linear, tp, torch_dtype)
         use_cpu_kernels(model, cpu_linear)
         layers = cpu_linear.layers if isinstance(cpu_linear, CpuKernels) else "torch"
         model.layers_note = use_native_layers(model, layers)
     return model
 
 
-def _quantized(model: LlamaForCausalLM, folder: Path, kernels: str | CpuKernels, tp: TPGroup) -> str:
+def _quantized(model: LlamaForCausalLM, folder: Path, kernels: str | CpuKernels, tp: TPGroup,
+               dtype: torch.dtype = torch.float32) -> str:
     """Read a GGUF checkpoint's quantised blocks as they are where `kernels.quantization` allows it (a bare
     `--cpu-linear` mode keeps the fp32 plans it names); the ready line's note."""
     source = folder / "specstep_source.json"
@@ -59,6 +60,16 @@ def _quantized(model: LlamaForCausalLM, folder: Path, kernels: str | CpuKernels,
         return ""
     if not source.is_file():  # a Hugging Face folder (a draft beside a GGUF target, say): fp32 throughout
         return "" if kernels.activations == "fp32" else "fp32 activations (not a GGUF checkpoint)"
+    if dtype != torch.float32:
+        # The GGUF kernel multiplies fp32 activations: a 16-bit model keeps the converted checkpoint's weights,
+        # dequantised from the blocks and rounded to its dtype at load.
+        name = str(dtype).removeprefix("torch.")
+        if kernels.quantization == "gguf" or kernels.activations != "fp32":
+            flag = "--quantization gguf" if kernels.activations == "fp32" else f"--activations {kernels.activations}"
+            raise ConfigError(f"{flag} runs the GGUF kernel, which takes float32 activations: not with --dtype "
+                              f"{name} (--dtype float32 or auto for the kernel; --quantization auto for {name} "
+                              "weights dequantised from the file)")
+        return f"{name} weights dequantised from the GGUF blocks (the GGUF kernel takes float32 activations)"
     if tp.world_size > 1:  # shards would cut blocks: tensor-parallel ranks keep fp32 weights
         if kernels.quantization == "gguf" or kernels.activations != "fp32":
             raise ConfigError(f"--quantization gguf / --activations {kernels.activations} do not run with "

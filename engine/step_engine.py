@@ -250,8 +250,7 @@ class StepEngine:
     def decode_body(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """draft -> verify -> accept -> refill over tensors only (graph-capturable)."""
         b, k, grid = inputs.batch_size, inputs.k, inputs.grid
-        # A compiled step (`--graphs compiled`) is traced once; recorded ranges inside it would break the graph.
-        tr = NULL_TRACER if torch.compiler.is_compiling() else self.tracer
+        tr = self.tracer
         dev = DEVICE_TRACK
         drafts = draft_probs = None
         if k > 0 and not self.proposer.drafts_on_host:

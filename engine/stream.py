@@ -89,8 +89,9 @@ class ThreadStream(DeviceStream):
 
     # Not "device": that is the trace's device track, made of the explicit DEVICE_TRACK ranges; host work the
     # worker does (e.g. an attention plan) belongs on a CPU track of its own.
-    def __init__(self, name: str = "device-stream") -> None:
+    def __init__(self, name: str = "device-stream", clock: Callable[[], float] = time.perf_counter) -> None:
         sys.setswitchinterval(min(sys.getswitchinterval(), self.SWITCH_INTERVAL_S))
+        self._clock = clock  # for the handles' device intervals: a trace's clock, which a test may make virtual
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -106,13 +107,13 @@ class ThreadStream(DeviceStream):
             if item is None:
                 return
             handle, fn = item
-            handle.device_start = time.perf_counter()
+            handle.device_start = self._clock()
             try:
                 with torch.inference_mode():
                     handle._result = fn()
             except BaseException as e:  # noqa: BLE001 (delivered to the waiter)
                 handle._error = e
-            handle.device_end = time.perf_counter()
+            handle.device_end = self._clock()
             item = fn = None  # do not hold the finished job's inputs until the next job arrives
             handle._done.set()
 

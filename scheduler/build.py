@@ -190,15 +190,21 @@ def set_cpu_threads(cfg: EngineConfig, tp: TPGroup) -> None:
 
 
 def wants_graphs(cfg: EngineConfig, device: torch.device, tp: TPGroup) -> bool:
-    """Whether steps run as captured graphs (`--graphs`); ConfigError for a combination that cannot."""
-    use_graphs = cfg.graphs in ("on", "compiled") or (cfg.graphs == "auto" and device.type == "cuda")
-    if cfg.graphs == "compiled" and device.type != "cpu":
-        raise ConfigError("--graphs compiled is the CPU counterpart of graph capture; on CUDA use --graphs on")
-    if use_graphs and tp.world_size > 1 and device.type != "cuda":
+    """Whether steps run as captured graphs: CUDA graphs (`--graphs`), or on CPU the contract-checking stand-in
+    (`graph_standin`, library-only: tests); ConfigError for a combination that cannot."""
+    if device.type == "cuda":
+        if cfg.graph_standin:
+            raise ConfigError("graph_standin is the CPU stand-in of CUDA graphs; on CUDA the steps are captured "
+                              "as CUDA graphs (--graphs)")
+        return cfg.graphs != "off"
+    if cfg.graphs == "on":
+        raise ConfigError(f"--graphs on needs a CUDA device; on {device.type} the steps run eagerly")
+    use_graphs = cfg.graph_standin and cfg.graphs != "off"
+    if use_graphs and tp.world_size > 1:
         # The CPU stand-in checks that a step keeps nothing it allocated alive; gloo's collectives hold their
         # buffers past the call, so it cannot check these steps. CUDA graphs capture NCCL collectives.
-        raise ConfigError("--graphs on with --tensor-parallel-size > 1 needs CUDA (the CPU graph stand-in cannot "
-                          "check steps with gloo collectives)")
+        raise ConfigError("the CPU graph stand-in does not run with --tensor-parallel-size > 1 (it cannot check "
+                          "steps with gloo collectives)")
     return use_graphs
 
 
@@ -206,13 +212,8 @@ def capture_graphs(cfg: EngineConfig, engine: StepEngine, ks: tuple[int, ...], m
     """Capture the step graphs over batch buckets and `ks`, once the KV pools are allocated; the CaptureInfo."""
     from specstep.cuda_graphs.runner import GraphConfig, GraphRunner
 
-    backend = None  # the device's own: CUDA graphs, or the contract-checking stand-in on CPU
-    if cfg.graphs == "compiled":
-        from specstep.cuda_graphs.cpu_compiled import CompiledBackend
-        from specstep.engine.model_source import cache_root
-
-        backend = CompiledBackend(cache_root=cache_root())  # the engine's cache (cuda_graphs cannot import it)
-    runner = GraphRunner(engine.device, GraphConfig(max_batch=cfg.max_batch_size), backend)
+    # The device's own backend: CUDA graphs, or the contract-checking stand-in on CPU.
+    runner = GraphRunner(engine.device, GraphConfig(max_batch=cfg.max_batch_size))
     return engine.use_graphs(runner, ks, max_len, scratch_slot=cfg.max_batch_size,
                              drops_refill=policy_config(cfg, k_max, ks).drops_refill)
 

@@ -5,6 +5,7 @@ default, one validation and one help text per option, written once on its field.
     num_spec_tokens: int = 4    --num-spec-tokens N       int(N)
     batch_invariant: bool       --batch-invariant on|off  "on" -> True
     overlap: bool (from_cli)    --overlap auto|on|off     resolved by the device (`resolve_overlap`)
+    graph_standin (cli=False)   (none)                    the field's default: library-only
 
 Values are checked once, by `EngineConfig.__post_init__`; argparse only lists the choices (`--help` and its own
 usage error).
@@ -19,6 +20,7 @@ from typing import Any
 from specstep.engine.engine_config import EngineConfig, command_default, flag_of, option_of
 
 COMMANDS = ("generate", "serve")
+LIBRARY_DEFAULT = "EngineConfig's"  # in --help, before the library's default where a command's differs
 
 
 def on_off(text: str) -> bool:
@@ -33,12 +35,19 @@ def _shown(value: Any) -> str:
     return "none" if value is None else str(value)
 
 
+def cli_fields() -> list:
+    """The `EngineConfig` fields that are flags (not the library-only ones), in field order."""
+    return [f for f in fields(EngineConfig) if option_of(f).cli]
+
+
 def help_text(f, command: str) -> str:
     opt = option_of(f)
     if callable(opt.shown):
         shown = opt.shown(command)
     else:
         shown = opt.shown if opt.shown is not None else _shown(command_default(f.name, command))
+    if command_default(f.name, command) != f.default:  # one default per option, or both stated
+        shown = f"{shown}; {LIBRARY_DEFAULT}: {opt.library_shown or _shown(f.default)}"
     text = opt.help.format(default=shown) if "{default}" in opt.help else f"{opt.help} (default: {shown})"
     return text.replace("%", "%%")  # argparse formats help with %
 
@@ -47,7 +56,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, command: str) -> None:
     """Every `EngineConfig` field as a flag of `specstep COMMAND`, in field order."""
     if command not in COMMANDS:
         raise ValueError(f"command must be one of {', '.join(COMMANDS)}, got {command!r}")
-    for f in fields(EngineConfig):
+    for f in cli_fields():
         opt = option_of(f)
         kind = str(f.type).split("|")[0].strip()
         kw: dict[str, Any] = {"dest": f.name, "default": command_default(f.name, command),
@@ -71,7 +80,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, command: str) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The config from parsed flags: each field's CLI value, turned into the field's where the option says how."""
     values = {}
-    for f in fields(EngineConfig):
+    for f in cli_fields():
         value, opt = getattr(args, f.name), option_of(f)
         values[f.name] = opt.from_cli(value, args) if opt.from_cli is not None else value
     return EngineConfig(**values)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import sys
 import time
@@ -20,6 +21,7 @@ from specstep.scheduler.engine_options import add_engine_arguments, engine_confi
 
 __all__ = ["add_arguments", "engine_config_from_args", "ready_text", "resolve_model_arg", "run"]
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 PER_LINE_FIELDS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
 
 
@@ -50,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence (default: stop there)")
     p.add_argument("--output", help="write JSONL here (default: stdout)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace of the run here (default: none)")
+    # WARNING, not serve's INFO: stderr carries the ready line and the summary, and start-up's INFO lines (capture,
+    # kernel timings) would bury them.
+    p.add_argument("--log-level", type=str.upper, default="WARNING", choices=LOG_LEVELS,
+                   help="the engine's log messages on stderr from this level up (default: %(default)s)")
 
 
 def read_inputs(args: argparse.Namespace) -> list[dict]:
@@ -82,6 +88,7 @@ def read_inputs(args: argparse.Namespace) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="specstep generate %(levelname)s: %(message)s")
     try:
         return _run(args)
     except (SpecstepError, ValueError) as e:

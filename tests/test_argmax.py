@@ -71,22 +71,6 @@ def test_greedy_sampling_and_acceptance_read_the_argmax():
     assert torch.equal(sample(logits[:, 0], st, torch.zeros(3, dtype=torch.long)), want[:, 0])
 
 
-def test_a_compiled_step_traces_torchs_argmax():
-    """`--graphs compiled` traces the samplers with fullgraph=True: the kernel must not break the trace."""
-    g = torch.Generator().manual_seed(2)
-    logits = torch.randn(2, 5, 101, generator=g)
-    st = SamplingTensors.build([SamplingParams(temperature=0.0)] * 2, [0, 1], 101, "cpu")
-    pos = torch.zeros(2, dtype=torch.long)
-    drafts = logits.argmax(dim=-1)[:, :4]
-    torch._dynamo.reset()
-    step = torch.compile(lambda lg, d: (sample(lg[:, 0], st, pos), rejection_sample(d, None, lg, torch.full((2,), 4),
-                                                                                     st, pos)),
-                         backend="eager", fullgraph=True)
-    first, (out, acc) = step(logits, drafts)
-    assert torch.equal(first, logits[:, 0].argmax(dim=-1)) and torch.equal(out, logits.argmax(dim=-1))
-    assert acc.tolist() == [4, 4]
-
-
 def torch_rule(logits, drafts, num_draft):
     """The greedy rule in torch (the definition): every row's argmax, the accepted prefix of in-draft matches."""
     k = drafts.shape[1]

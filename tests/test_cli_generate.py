@@ -148,3 +148,17 @@ def test_flashinfer_without_it_is_a_one_line_error(capsys, tiny_target, tmp_path
     code = main([command, "--model", str(tiny_target), "--device", "cpu", "--attention", "flashinfer", *args])
     out, err = capsys.readouterr()
     assert_one_line_error(subprocess.CompletedProcess([], code, out, err), "flashinfer", "not installed")
+
+
+def test_log_level_sets_which_engine_messages_reach_stderr(tiny_target):
+    """A request that fills a KV cache of 5 usable pages logs a warning: shown at the default level, in generate's
+    own format, and hidden under --log-level error (the run itself unchanged)."""
+    common = ("--model", tiny_target, "--device", "cpu", "--max-tokens", 30, "--ignore-eos", "--num-pages", 6,
+              "--page-size", 4)
+    shown, hidden = cli(*common), cli(*common, "--log-level", "error")
+    assert shown.returncode == hidden.returncode == 0, shown.stderr + hidden.stderr
+    assert "specstep generate WARNING: request 0 filled the KV cache" in shown.stderr
+    assert "filled the KV cache" not in hidden.stderr
+    assert json.loads(shown.stdout)["token_ids"] == json.loads(hidden.stdout)["token_ids"]
+    res = cli(*common, "--log-level", "loud")
+    assert res.returncode == 2 and "--log-level" in res.stderr

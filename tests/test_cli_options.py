@@ -20,11 +20,13 @@ from specstep.engine.engine_config import (
 )
 from specstep.engine.errors import ConfigError
 from specstep.scheduler import cli
-from specstep.scheduler.engine_options import engine_config_from_args
+from specstep.scheduler.engine_options import LIBRARY_DEFAULT, cli_fields, engine_config_from_args, help_text
 from specstep.scheduler.spec.policy import OBJECTIVES
 
 COMMANDS = ("generate", "serve")
-FIELDS = dataclasses.fields(EngineConfig)
+ALL_FIELDS = dataclasses.fields(EngineConfig)
+FIELDS = cli_fields()  # the flags
+LIBRARY_ONLY = {"graph_standin"}  # fields tests construct, with no flag
 # The only places where a command's default is not the config's, each stated on its field: the CLI fills in the
 # pretrained target and serve's proposer itself, resolves overlap by device, and serve chunks prompts.
 STATED = {("model", "generate"): None, ("model", "serve"): None, ("spec", "serve"): None,
@@ -49,8 +51,8 @@ INVALID = {"spec": "eagle", "num_spec_tokens": 17, "ngram_match_ratio": -1.0, "d
            "num_pages": 1, "gpu_memory_utilization": 1.5, "tensor_parallel_size": 0, "max_batch_size": 0,
            "max_prefill_tokens": 0, "max_num_batched_tokens": -1, "max_step_latency": 1.0, "max_model_len": 0,
            "dtype": "int8", "device": "tpu", "threads": 0, "spec_policy": "greedy", "spec_objective": "cost",
-           "spec_itl_budget": 0.5, "spec_delta": 1.0, "spec_epsilon": 0.0, "graphs": "yes", "attention": "sdpa",
-           "cpu_linear": "mkl", "overlap": "auto", "batch_invariant": "on", "quantization": "q4",
+           "spec_itl_budget": 0.5, "spec_delta": 1.0, "spec_epsilon": 0.0, "graphs": "compiled", "attention": "sdpa",
+           "cpu_linear": "mkl", "overlap": "auto", "batch_invariant": "on", "graph_standin": "on", "quantization": "q4",
            "cpu_layers": "compiled", "activations": "bf16", "kv_cache_dtype": "fp8"}
 
 
@@ -113,13 +115,13 @@ def test_aliases_and_short_flags(command):
 
 
 def test_one_validation_for_the_library_and_the_cli():
-    ruled = {f.name for f in FIELDS if option_of(f).choices or option_of(f).check or f.type == "bool"}
+    ruled = {f.name for f in ALL_FIELDS if option_of(f).choices or option_of(f).check or f.type == "bool"}
     assert ruled == set(INVALID)
     for name, bad in INVALID.items():
         with pytest.raises(InvalidOption, match=flag_of(name)):
             EngineConfig(**{name: bad})
     assert issubclass(InvalidOption, ValueError) and issubclass(InvalidOption, ConfigError)
-    for f in FIELDS:  # every default passes its own rule, and None is valid only where the type allows it
+    for f in ALL_FIELDS:  # every default passes its own rule, and None is valid only where the type allows it
         EngineConfig(**{f.name: f.default})
     with pytest.raises(InvalidOption, match="--spec must be given"):
         EngineConfig(spec=None)
@@ -133,3 +135,45 @@ def test_an_invalid_value_is_a_one_line_cli_error(capsys, tiny_target):
 
 def test_choices_match_the_policy():
     assert SPEC_OBJECTIVES == OBJECTIVES
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_command_default_other_than_the_librarys_is_stated_in_its_help(command):
+    """One default per option for `EngineConfig` and `specstep COMMAND`, or both stated in the flag's help: each
+    flag's parsed default against the field's, and the help of every flag whose two differ names the field's."""
+    actions = {a.dest: a for a in parser(command)._actions if flag_of(a.dest) in a.option_strings}
+    args = parser(command).parse_args([])
+    differ = set()
+    for f in FIELDS:
+        text = help_text(f, command)
+        assert actions[f.name].help == text
+        if getattr(args, f.name) == f.default:
+            assert LIBRARY_DEFAULT not in text, f"{flag_of(f.name)}: states a library default equal to its own"
+            continue
+        differ.add(f.name)
+        library = option_of(f).library_shown or {True: "on", False: "off", None: "none"}.get(f.default, f.default)
+        assert f"{LIBRARY_DEFAULT}: {library}" in text, f"{command} {flag_of(f.name)}: {text!r}"
+    assert differ == {name for name, c in STATED if c == command}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_library_only_fields_have_no_flag(command, capsys):
+    """The CPU graph stand-in is a test fixture (`EngineConfig(graph_standin=True)`), not a user's choice: no flag,
+    nothing in --help, and the CLI leaves it off; `--graphs` is CUDA graphs only (`compiled` is gone)."""
+    assert LIBRARY_ONLY == {f.name for f in ALL_FIELDS if not option_of(f).cli}
+    p = parser(command)
+    text = p.format_help()
+    assert "graph-standin" not in text and "stand-in" not in text and "compiled" not in text
+    for argv in (["--graph-standin", "on"], ["--graphs", "compiled"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(argv)
+    capsys.readouterr()
+    cfg = engine_config_from_args(p.parse_args(["--model", "m", "--spec", "none", "--device", "cpu"]))
+    assert cfg.graph_standin is False and cfg.graphs == "auto"
+
+
+def test_graphs_on_without_cuda_is_a_one_line_cli_error(capsys, tiny_target):
+    assert cli.main(["generate", "--model", str(tiny_target), "--device", "cpu", "--graphs", "on"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "specstep generate: error: --graphs on needs a CUDA device; on cpu the steps run eagerly"
+

@@ -127,7 +127,7 @@ def test_speculation_in_half_precision_equals_plain_without_promotion(models, pl
                                                                        overlap, scripted):
     spec, draft = models[proposer]
     core = engine(models["target"], dtype, spec=spec, draft=None if draft is None else str(draft),
-                  num_spec_tokens=K, spec_policy="fixed", graphs=graphs, overlap=overlap)
+                  num_spec_tokens=K, spec_policy="fixed", graph_standin=graphs == "on", overlap=overlap)
     if scripted:  # prompt skipped, refill dropped on off steps, catch-up when drafting resumes
         core.policy = ScriptedPolicy(K, [True, False, False, True, False], off_refill=False, prefill=False)
     hidden = hidden_dtypes(core)

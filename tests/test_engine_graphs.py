@@ -25,7 +25,7 @@ def test_graph_replay_matches_eager(tiny_target, tiny_draft, tmp_path, spec, tem
     draft = {"draft_model": str(tiny_draft), "mtp": str(make_mtp_head(tmp_path / "head", tiny_target))}.get(spec)
     params = SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True)
     eager, _ = outputs(tiny_target, params, spec=spec, draft=draft, num_spec_tokens=3, graphs="off")
-    graph, core = outputs(tiny_target, params, spec=spec, draft=draft, num_spec_tokens=3, graphs="on")
+    graph, core = outputs(tiny_target, params, spec=spec, draft=draft, num_spec_tokens=3, graph_standin=True)
     assert graph == eager
     assert core.engine.graphs is not None and core.engine.graphs.buckets == (1, 2, 4)
     assert core.engine.graphs.replays > 0  # decode steps really were replays (not eager behind a graph flag)
@@ -33,7 +33,7 @@ def test_graph_replay_matches_eager(tiny_target, tiny_draft, tmp_path, spec, tem
 
 def test_batch_above_the_largest_bucket_runs_eagerly(tiny_target):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    core = make_core(tiny_target, page_size=4, max_batch_size=8, max_model_len=96, graphs="on")
+    core = make_core(tiny_target, page_size=4, max_batch_size=8, max_model_len=96, graph_standin=True)
     core.engine.graphs.buckets = (1, 2)  # pretend the memory budget kept only small buckets
     eager_core = make_core(tiny_target, page_size=4, max_batch_size=8, max_model_len=96, graphs="off")
     assert ([r.output_token_ids for r in run_to_completion(core, PROMPTS, params)]
@@ -50,7 +50,7 @@ def test_graph_lanes_near_max_model_len(tiny_target, tiny_draft, tmp_path, spec)
     outs = []
     for graphs in ("off", "on"):
         core = make_core(tiny_target, page_size=4, max_batch_size=4, max_model_len=32, spec_policy="fixed",
-                         spec=spec, draft=draft, num_spec_tokens=3, graphs=graphs)
+                         spec=spec, draft=draft, num_spec_tokens=3, graph_standin=graphs == "on")
         outs.append([r.output_token_ids for r in run_to_completion(core, prompts, params)])
         core.stream.close()
     assert outs[0] == outs[1]
@@ -67,7 +67,7 @@ def test_graph_lanes_past_the_rotary_table(tmp_path):
     outs = []
     for graphs in ("off", "on"):
         core = make_core(target, page_size=4, max_batch_size=4, spec="draft_model", draft=str(draft),
-                         num_spec_tokens=3, spec_policy="fixed", graphs=graphs)
+                         num_spec_tokens=3, spec_policy="fixed", graph_standin=graphs == "on")
         outs.append([r.output_token_ids for r in run_to_completion(core, [[3] * 29, [5, 9, 11], [4, 2, 8]], params)])
         core.stream.close()
     assert outs[0] == outs[1] and len(outs[0][0]) == 3
@@ -104,7 +104,7 @@ def test_graphs_are_captured_only_where_they_replay(tiny_target, tmp_path, polic
     token a lane, and a refill graph never at q = 1 (a step whose drafts were cut for want of pages rounds up
     to q = 2). The fixed policy never drops the refill: no _norefill graphs at all."""
     core = make_core(tiny_target, spec="mtp", draft=str(make_mtp_head(tmp_path / "head", tiny_target)),
-                     num_spec_tokens=4, graphs="on", max_batch_size=4, spec_policy=policy)
+                     num_spec_tokens=4, graph_standin=True, max_batch_size=4, spec_policy=policy)
     graphs, adaptive = core.engine.graphs, policy == "adaptive"
     norefill = [graphs.has_graph(f, q, b) for f in ("greedy_norefill", "general_norefill") for b in (1, 2, 4)
                 for q in (1, 2, 3, 5)]
@@ -124,7 +124,7 @@ def test_temperature_only_graphs_do_not_sort_the_vocabulary(tiny_target, tmp_pat
     import torch
 
     core = make_core(tiny_target, spec="mtp", draft=str(make_mtp_head(tmp_path / "head", tiny_target)),
-                     num_spec_tokens=2, graphs="on", max_batch_size=4, overlap=False)
+                     num_spec_tokens=2, graph_standin=True, max_batch_size=4, overlap=False)
     from specstep.scheduler.core.request import Request
 
     for i in range(2):
@@ -147,7 +147,7 @@ def test_a_graph_step_uploads_only_the_page_table_of_its_layout(tiny_target, mon
     from specstep.engine.step_context import GraphTable
     from specstep.scheduler.core.request import Request
 
-    core = make_core(tiny_target, graphs="on", max_batch_size=4, overlap=False)
+    core = make_core(tiny_target, graph_standin=True, max_batch_size=4, overlap=False)
     for i in range(2):
         core.add_request(Request(str(i), [3, 1, 4, 1, 5], SamplingParams(temperature=0.0, max_tokens=4), seed=i))
     core.step()  # prefill
@@ -164,11 +164,11 @@ def test_a_graph_step_uploads_only_the_page_table_of_its_layout(tiny_target, mon
 
 def test_graph_stand_in_takes_prepacked_onednn_weights(tiny_target):
     """oneDNN-prepacked weights have no storage pointer: the CPU stand-in's contract checks must still run
-    (they failed on the pretrained default with --graphs on)."""
+    (they failed on the pretrained default under the stand-in)."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [[3, 1, 4, 1, 5], [2, 7]]
     out = [r.output_token_ids for r in run_to_completion(
-        make_core(tiny_target, graphs="on", cpu_linear="onednn", max_batch_size=2), prompts, params)]
+        make_core(tiny_target, graph_standin=True, cpu_linear="onednn", max_batch_size=2), prompts, params)]
     ref = [r.output_token_ids for r in run_to_completion(
         make_core(tiny_target, graphs="off", cpu_linear="onednn", max_batch_size=2), prompts, params)]
     assert out == ref

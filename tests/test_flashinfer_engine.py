@@ -28,7 +28,7 @@ def test_flashinfer_engine_matches_torch(monkeypatch, tiny_target, tiny_draft, t
     fake_flashinfer.install(monkeypatch)
     draft = {"draft_model": str(tiny_draft), "mtp": str(make_mtp_head(tmp_path / "head", tiny_target))}.get(spec)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    cfg = dict(spec=spec, draft=draft, num_spec_tokens=3, graphs=graphs)
+    cfg = dict(spec=spec, draft=draft, num_spec_tokens=3, graph_standin=graphs == "on")
     ref, _ = generate(tiny_target, params, attention="torch", **cfg)
     out, core = generate(tiny_target, params, attention="flashinfer", **cfg)
     assert out == ref
@@ -53,7 +53,7 @@ def test_flashinfer_chunked_prefill_matches_torch(monkeypatch, tiny_target, tiny
     fake_flashinfer.install(monkeypatch)
     draft = {"draft_model": str(tiny_draft), "mtp": str(make_mtp_head(tmp_path / "head", tiny_target))}[spec]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    cfg = dict(spec=spec, draft=draft, num_spec_tokens=3, graphs="on")
+    cfg = dict(spec=spec, draft=draft, num_spec_tokens=3, graph_standin=True)
     ref, _ = generate(tiny_target, params, attention="torch", **cfg)
     out, core = generate(tiny_target, params, attention="flashinfer", max_num_batched_tokens=6, **cfg)
     assert out == ref

@@ -50,7 +50,7 @@ def test_every_decode_step_replays_a_captured_graph(tiny_target, tiny_draft, tmp
     eager, _, _ = run(tiny_target, spec=spec, draft=draft, spec_policy=policy, graphs="off")
     if attention == "flashinfer":
         fake_flashinfer.install(monkeypatch)
-    outs, steps, core = run(tiny_target, spec=spec, draft=draft, spec_policy=policy, graphs="on",
+    outs, steps, core = run(tiny_target, spec=spec, draft=draft, spec_policy=policy, graph_standin=True,
                             attention=attention)
     assert outs == eager
     assert steps and all(graph for _, graph, _, _ in steps), [s for s in steps if not s[1]]
@@ -66,7 +66,7 @@ def test_a_refill_step_without_drafts_replays_the_smallest_k(tiny_target, tmp_pa
     tokens = []
     for graphs in ("off", "on"):
         core = make_core(tiny_target, spec="mtp", draft=head, spec_policy="adaptive", num_spec_tokens=4,
-                         max_batch_size=4, graphs=graphs, overlap=False)
+                         max_batch_size=4, graph_standin=graphs == "on", overlap=False)
         for i, p in enumerate(PROMPTS[:3]):
             core.add_request(Request(str(i), list(p), SamplingParams(temperature=0.0, max_tokens=8), seed=i))
         core.step()  # prefill
@@ -80,21 +80,15 @@ def test_a_refill_step_without_drafts_replays_the_smallest_k(tiny_target, tmp_pa
     assert tokens[0] == tokens[1]
 
 
-def test_ready_line_states_graph_count_and_capture_seconds(tiny_target, tmp_path, capsys):
-    from specstep.scheduler.cli import main
+def test_ready_line_states_graph_count_and_capture_seconds(tiny_target):
+    from specstep.scheduler.generate_cmd import ready_text
     from specstep.scheduler.server.scheduler_process import ready_message
 
-    prompts = tmp_path / "in.jsonl"
-    prompts.write_text('{"prompt_token_ids": [1, 2, 3]}\n')
-    assert main(["generate", "--model", str(tiny_target), "--prompts", str(prompts), "--max-tokens", "2",
-                 "--device", "cpu", "--graphs", "on", "--max-batch-size", "2", "--max-model-len", "64",
-                 "--kv-cache-tokens", "1024"]) == 0
-    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("specstep generate: ready ("))
+    core, _, info = build_engine(EngineConfig(model=str(tiny_target), device="cpu", graph_standin=True,
+                                              max_batch_size=2, max_model_len=64, kv_cache_tokens=1024))
     # spec none: greedy, sampled, general at q = 1, buckets 1 and 2, one page-table width
+    line = ready_text(info)
     assert "; 6 graphs captured in " in line and " s (cpu-standin)" in line, line
-
-    core, _, info = build_engine(EngineConfig(model=str(tiny_target), device="cpu", graphs="on", max_batch_size=2,
-                                              max_model_len=64, kv_cache_tokens=1024))
     ready = ready_message(core, info, None)
     assert ready.graphs.startswith("6 graphs captured in ") and info.graphs["seconds"] > 0
     off_core, _, off = build_engine(EngineConfig(model=str(tiny_target), device="cpu", graphs="off",
@@ -110,7 +104,7 @@ def test_the_memory_plan_counts_the_graphs_capture_makes(tiny_target, tmp_path, 
     from specstep.engine.memory_probe import graph_count_estimate
 
     extra = {"draft": str(make_mtp_head(tmp_path / "head", tiny_target))} if spec == "mtp" else {}
-    core = make_core(tiny_target, spec=spec, spec_policy=policy, graphs="on", page_size=4, max_batch_size=4,
+    core = make_core(tiny_target, spec=spec, spec_policy=policy, graph_standin=True, page_size=4, max_batch_size=4,
                      max_model_len=96, num_spec_tokens=3 if spec != "none" else 0, **extra)
     eng = core.engine
     estimate = graph_count_estimate(4, eng.graph_ks, eng.has_draft_model, len(eng.graph_widths))

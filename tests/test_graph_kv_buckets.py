@@ -46,7 +46,7 @@ def test_graph_key_count_does_not_follow_max_model_len(tmp_path, gathered_keys, 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     keys, outs = {}, {}
     for max_len in (512, 32768):
-        core = make_core(target, page_size=16, max_batch_size=4, max_model_len=max_len, graphs="on", spec=spec,
+        core = make_core(target, page_size=16, max_batch_size=4, max_model_len=max_len, graph_standin=True, spec=spec,
                          draft=draft, num_spec_tokens=3, spec_policy="fixed")
         gathered_keys[:] = []  # capture is done: count the requests' steps only
         outs[max_len] = [r.output_token_ids for r in run_to_completion(core, PROMPTS, params)]
@@ -70,7 +70,7 @@ def test_replays_across_widths_match_eager(tiny_target, tiny_draft, tmp_path, mo
     outs, kinds = [], []
     for graphs in ("off", "on"):
         core = make_core(tiny_target, page_size=4, max_batch_size=4, max_model_len=96, spec=spec, draft=draft,
-                         num_spec_tokens=3, spec_policy="fixed", graphs=graphs)
+                         num_spec_tokens=3, spec_policy="fixed", graph_standin=graphs == "on")
         if graphs == "on":
             run = core.engine.graphs.run
             core.engine.graphs.run = lambda name, *a, run=run, **kw: (kinds.append(name), run(name, *a, **kw))[1]
@@ -95,7 +95,7 @@ def test_a_lane_drafting_less_than_k_has_padding_for_its_uniform_writes(tmp_path
     outs = []
     for graphs in ("off", "on"):
         core = make_core(target, page_size=4, max_batch_size=2, spec="draft_model", draft=str(draft),
-                         num_spec_tokens=3, spec_policy="fixed", graphs=graphs, overlap=False)
+                         num_spec_tokens=3, spec_policy="fixed", graph_standin=graphs == "on", overlap=False)
         outs.append([r.output_token_ids for r in run_to_completion(core, prompts, params)])
         core.stream.close()
     assert outs[0] == outs[1]

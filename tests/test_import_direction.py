@@ -10,9 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from specstep.cuda_graphs.cpu_compiled import specstep_cache_root
-from specstep.engine.model_source import cache_root
-
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {"cuda_graphs": ("specstep.engine", "specstep.scheduler"), "engine": ("specstep.scheduler",)}
 
@@ -58,10 +55,3 @@ def test_the_scan_sees_lazy_relative_and_package_imports(tmp_path):
     assert found == ["specstep.engine.config", "specstep.engine.kv_cache.KVPool", "specstep.engine.step_engine",
                      "specstep.scheduler"]
     assert len(violations_in(tmp_path, "specstep.cuda_graphs", FORBIDDEN["cuda_graphs"])) == 4
-
-def test_compiled_graphs_cache_under_the_engines_cache_root(monkeypatch, tmp_path):
-    """`cuda_graphs.cpu_compiled` restates the cache root instead of importing it; the two must agree."""
-    monkeypatch.delenv("SPECSTEP_CACHE", raising=False)
-    assert specstep_cache_root() == cache_root()
-    monkeypatch.setenv("SPECSTEP_CACHE", str(tmp_path))
-    assert specstep_cache_root() == cache_root() == tmp_path

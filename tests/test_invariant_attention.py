@@ -104,17 +104,3 @@ def test_decode_at_batch_8_near_full_context_stays_within_the_estimate_and_the_w
     estimate = step_peak_bytes(cfg, decode, 4, DEFAULT_WORKSPACE, rows)
     assert meter.peak <= estimate <= DEFAULT_WORKSPACE + 32 * MiB, (meter.peak, estimate)
     assert estimate <= 2 * meter.peak  # the estimate follows the peak, not the limits
-
-
-def test_a_compiled_step_traces_the_torch_path_after_an_eager_warm_up():
-    """`--graphs compiled` warms a step up eagerly (the C++ kernel where it runs) and then traces it with
-    fullgraph=True: the trace must find the row padding already measured and take the torch path."""
-    g = torch.Generator().manual_seed(3)
-    k, v = cache(12)
-    q = torch.randn(3 * 2, HEADS * D, generator=g)
-    meta = meta_for([2, 2, 2], [5, 9, 17], [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11, 0]])
-    att = TorchAttention(batch_invariant=True)
-    eager = att.forward(q, k, v, meta, HEADS, 0.25)
-    torch._dynamo.reset()
-    traced = torch.compile(lambda x: att.forward(x, k, v, meta, HEADS, 0.25), backend="eager", fullgraph=True)
-    torch.testing.assert_close(traced(q), eager, rtol=1e-5, atol=2e-6)

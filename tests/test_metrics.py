@@ -70,6 +70,71 @@ def test_counters_match_final_stats_and_endpoint_is_valid(tiny_target):
     assert gen.value == m["specstep_generation_tokens_total"]
 
 
+def engine_vs_counters(engine: EngineStats, samples: dict[str, float]) -> tuple[tuple, tuple]:
+    """The scheduler's totals and the frontend's counters for the same quantities, in the same order."""
+    finished = sum(v for k, v in samples.items() if k.startswith("specstep_requests_total{"))
+    return ((engine.num_finished, engine.num_output_tokens, engine.drafted_tokens, engine.accepted_tokens),
+            (finished, samples["specstep_generation_tokens_total"],
+             samples["specstep_spec_decode_num_draft_tokens_total"],
+             samples["specstep_spec_decode_num_accepted_tokens_total"]))
+
+
+def test_stats_and_counters_agree_after_the_last_reply(tiny_target):
+    """Finished requests, output tokens, drafted and accepted tokens: the STATS reply asked right after the last
+    reply carries the scheduler's totals, and its counters and /metrics hold the same numbers, also with a request
+    a stop string ended in the frontend and one the client aborted mid-stream (both aborted in the scheduler, which
+    may have run steps for them that no client saw)."""
+    args = ["--model", str(tiny_target), "--spec", "draft_model", "--draft", str(tiny_target),
+            "--num-spec-tokens", "3", "--spec-policy", "fixed", "--device", "cpu", "--kv-cache-tokens", "4096",
+            "--max-tokens-limit", "2000", "--metrics-port", "0"]
+    prompt = [5, 9, 11, 3]
+    plain = [GenerateRequest(request_id=f"s{i}", prompt_token_ids=[7 + i, *prompt], max_tokens=12 + 5 * i,
+                             temperature=0.0, ignore_eos=True, stream=i % 2 == 0) for i in range(4)]
+
+    async def go(address: str):
+        client = Client(address)
+        try:
+            probe = await client.complete(GenerateRequest(request_id="probe", prompt_token_ids=prompt, max_tokens=40,
+                                                          temperature=0.0, ignore_eos=True), timeout_s=120)
+            stop = probe.text[20:24]
+            cut = GenerateRequest(request_id="cut", prompt_token_ids=prompt, max_tokens=400, temperature=0.0,
+                                  ignore_eos=True, stop=[stop])
+
+            async def aborted() -> list:
+                events = []
+                async for msg in client.generate(GenerateRequest(request_id="gone", prompt_token_ids=prompt,
+                                                                 max_tokens=400, temperature=0.0, ignore_eos=True)):
+                    events.append(msg)
+                    if len(events) == 1:
+                        client.abort("gone")
+                return events
+
+            results = await asyncio.gather(*(client.complete(r, timeout_s=120) for r in [*plain, cut]), aborted())
+            right_after = await client.stats()  # no wait: the last reply has just arrived
+            idle = await client.wait_idle()
+            return probe, stop, results, right_after, idle
+        finally:
+            client.close()
+
+    with ServerProcess(args) as srv:
+        probe, stop, results, right_after, idle = asyncio.run(go(srv.start()))
+        port = int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", srv.log()).group(1))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+    *finished, gone = results
+    assert stop.strip() and all(r.final is not None for r in finished), (stop, finished)
+    assert finished[-1].final.finish_reason == "stop" and gone[-1].finish_reason == "abort"
+    scraped = {s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}" if s.labels else ""):
+               s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    for reply in (right_after, idle):
+        engine, counters = engine_vs_counters(reply.engine, reply.metrics)
+        assert engine == counters
+        assert engine[0] == 1 + len(plain) + 2  # every request ended once: the probe, the plain ones, cut, gone
+    assert engine_vs_counters(idle.engine, scraped)[1] == engine_vs_counters(idle.engine, idle.metrics)[0]
+    assert idle.engine.drafted_tokens >= idle.engine.accepted_tokens > 0
+    assert idle.engine.num_output_tokens >= sum(r.final.usage.completion_tokens for r in finished) + 40
+
+
 def test_policy_state_in_finals_stats_and_metrics(tiny_target, tiny_draft):
     """With a draft that is almost never right, the adaptive policy stops drafting: each FINAL says how long
     the request spent off and probing and its acceptance estimate; stats and Prometheus show the decisions."""

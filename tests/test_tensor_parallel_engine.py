@@ -100,9 +100,9 @@ def test_adaptive_policy_at_tp2(checkpoints, spec):
     assert outputs(target, spec, draft, params, 2, spec_policy_override="adaptive")[0] == one
 
 
-def test_graphs_at_tp2_need_cuda(tiny_target):
-    with pytest.raises(ConfigError, match="needs CUDA"):
-        make_core(tiny_target, tensor_parallel_size=2, graphs="on")
+def test_the_graph_standin_at_tp2_is_a_config_error(tiny_target):
+    with pytest.raises(ConfigError, match="stand-in does not run with --tensor-parallel-size > 1"):
+        make_core(tiny_target, tensor_parallel_size=2, graph_standin=True)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
+import threading
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -105,32 +105,70 @@ def _brute_force(spans: list[Span]) -> tuple[float, float, float]:
     return p, h, busy
 
 
+class VirtualClock:
+    """Seconds that move only when a thread advances them: a recorded run's figures follow from the order of its
+    events, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self._now = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._now += seconds
+
+
+BUILD_S, STEP_S = 0.002, 0.004
+
+
 def test_recorded_run_agrees_with_intervals(tmp_path):
-    """Scheduler thread prepares while a worker-thread stream runs steps; the report matches the record."""
-    rec = TraceRecorder()
+    """Scheduler thread prepares while a worker-thread stream runs steps; the report matches the record.
+
+    Six steps on a virtual clock. An even step is left running: it holds the device (its range open) until the
+    scheduler has built the next batch, so that build is hidden behind it. An odd step is waited for, so the build
+    after it finds the device idle. Hence, exactly: 6 builds of 2 ms, 3 of them hidden; device steps of 2 + 4 ms
+    (even) and 4 ms (odd)."""
+    clock = VirtualClock()
+    rec = TraceRecorder(clock)
     tr = Tracer(rec)
-    stream = ThreadStream()
+    stream = ThreadStream(clock=clock)
+    on_device = [threading.Event() for _ in range(6)]
+    release = [threading.Event() for _ in range(6)]
     handles = []
 
     def step(i: int):
         def fn():
             with tr.range(ranges.DECODE, track=ranges.DEVICE_TRACK, batch=4, k=i % 2):
                 with tr.range(ranges.VERIFY, track=ranges.DEVICE_TRACK):
-                    time.sleep(0.004)
+                    on_device[i].set()
+                    assert release[i].wait(timeout=60)
+                    clock.advance(STEP_S)
         return fn
 
     try:
         for i in range(6):
+            running = i % 2 == 1  # step i - 1 (even) was left running
+            if running:
+                assert on_device[i - 1].wait(timeout=60)
             with tr.range(ranges.SCHEDULE):
                 with tr.range(ranges.BUILD_BATCH, batch=4):
-                    time.sleep(0.002)
+                    clock.advance(BUILD_S)
+            if running:
+                release[i - 1].set()
             handles.append(stream.submit("decode", step(i)))
             if i % 2:
+                release[i].set()
                 with tr.range(ranges.WAIT):
                     handles[-1].wait()
         for h in handles:
             h.wait()
     finally:
+        for e in release:
+            e.set()
         stream.close()
     path = tmp_path / "run.trace.json"
     rec.save(path)
@@ -140,12 +178,14 @@ def test_recorded_run_agrees_with_intervals(tmp_path):
     prep, hidden, busy = _brute_force(spans)
     assert r.prep_us == pytest.approx(prep) and r.prep_hidden_us == pytest.approx(hidden)
     assert r.device_busy_us == pytest.approx(busy)
+    assert r.prep_us == pytest.approx(6 * BUILD_S * 1e6) and r.prep_hidden_us == pytest.approx(3 * BUILD_S * 1e6)
+    assert r.hidden_fraction == pytest.approx(0.5)  # the builds after the steps left running, and only those
+    assert r.device_busy_us == pytest.approx((3 * (BUILD_S + STEP_S) + 3 * STEP_S) * 1e6)
     assert r.num_steps == 6 and r.host_syncs == 3
     # The device track's steps are the stream's own intervals (the worker thread records inside them).
     for h, s in zip(handles, sorted((s for s in spans if s.name == ranges.DECODE), key=lambda s: s.start)):
         assert h.device_start * 1e6 <= s.start and s.end <= h.device_end * 1e6
     assert sum(s.count for s in r.per_kind if s.kind == ranges.DECODE) == 6
-    assert 0.0 < r.hidden_fraction < 1.0  # the scheduler prepared some steps while the device was busy
 
 
 def test_cli_report_and_check(tmp_path, capsys):

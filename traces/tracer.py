@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,6 @@ NVTX_DOMAIN = "specstep"
 _TRACK_TID_BASE = 1 << 40  # named tracks get tids far from real thread idents
 
 
-def _now_us() -> float:
-    return time.perf_counter() * 1e6
-
-
 def nvtx_active() -> bool:
     """True when an NVTX tool (Nsight Systems) is attached: the `nvtx` package then hands out a real domain
     instead of its no-op DummyDomain."""
@@ -42,12 +39,15 @@ def nvtx_active() -> bool:
 class TraceRecorder:
     """Collects Chrome trace events ("X" complete events, "i" instants, "C" counters), thread-safe.
 
-    Timestamps are perf_counter microseconds. Each CPU thread is a track (its thread name); named tracks
-    (e.g. "device") get their own tid, so the trace viewer and `traces.report` see them as separate rows.
-    Complete events are kept as tuples on the hot path and turned into dicts only when exported.
+    Timestamps are microseconds of `clock` (seconds; perf_counter, or a virtual clock a test advances itself, so
+    that what overlaps what follows from the order of events, never from how fast a loaded machine ran). Each CPU
+    thread is a track (its thread name); named tracks (e.g. "device") get their own tid, so the trace viewer and
+    `traces.report` see them as separate rows. Complete events are kept as tuples on the hot path and turned into
+    dicts only when exported.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self._complete: list[tuple[str, float, float, int, dict[str, Any] | None]] = []
         self._other: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -70,15 +70,18 @@ class TraceRecorder:
                 self._threads[tid] = threading.current_thread().name
         return tid
 
+    def now_us(self) -> float:
+        return self.clock() * 1e6
+
     def complete(self, name: str, start_us: float, end_us: float, track: str | None = None, **args: Any) -> None:
         self._complete.append((name, start_us, end_us, self._tid(track), args or None))  # atomic under the GIL
 
     def instant(self, name: str, track: str | None = None, **args: Any) -> None:
-        self._other.append({"ph": "i", "s": "t", "name": name, "ts": _now_us(), "pid": self._pid,
+        self._other.append({"ph": "i", "s": "t", "name": name, "ts": self.now_us(), "pid": self._pid,
                             "tid": self._tid(track), "args": args})
 
     def counter(self, name: str, **values: float) -> None:
-        self._other.append({"ph": "C", "name": name, "ts": _now_us(), "pid": self._pid, "tid": 0, "args": values})
+        self._other.append({"ph": "C", "name": name, "ts": self.now_us(), "pid": self._pid, "tid": 0, "args": values})
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -104,8 +107,7 @@ class TraceRecorder:
         Path(path).write_text(json.dumps(self.to_json()))
 
 
-# A stdlib null context, not a class of ours: torch.compile traces through it, where a class of ours breaks the
-# graph (a compiled CPU step, `cuda_graphs.cpu_compiled`, enters the null tracer's ranges).
+# One shared stdlib null context: a range costs one call when nothing records and no profiler is attached.
 _NULL_RANGE = contextlib.nullcontext()
 
 
@@ -121,13 +123,13 @@ class _Range:
         if tr._domain is not None:
             tr._domain.push_range(tr._attributes(self._name))
         if tr.recorder is not None:
-            self._start = _now_us()
+            self._start = tr.recorder.now_us()
 
     def __exit__(self, *exc: object) -> None:
         tr = self._tracer
         rec = tr.recorder
         if rec is not None:
-            rec._complete.append((self._name, self._start, _now_us(), rec._tid(self._track), self._args or None))
+            rec._complete.append((self._name, self._start, rec.now_us(), rec._tid(self._track), self._args or None))
         if tr._domain is not None:
             tr._domain.pop_range()
 
@@ -143,7 +145,7 @@ class _CudaRange(_Range):
         tr = self._tracer
         if tr._domain is not None:
             tr._domain.push_range(tr._attributes(self._name))
-        self._host0 = _now_us()
+        self._host0 = tr.recorder.now_us()
         cuda = tr._cuda
         self._ev0 = None if cuda.is_current_stream_capturing() else cuda.Event(enable_timing=True)
         if self._ev0 is not None:
@@ -156,7 +158,7 @@ class _CudaRange(_Range):
             ev1 = tr._cuda.Event(enable_timing=True)
             ev1.record()
             tr._pending.append((self._name, self._ev0, ev1, self._args))
-        rec._complete.append((self._name + ".launch", self._host0, _now_us(), rec._tid(None), self._args or None))
+        rec._complete.append((self._name + ".launch", self._host0, rec.now_us(), rec._tid(None), self._args or None))
         if tr._domain is not None:
             tr._domain.pop_range()
 
@@ -180,7 +182,7 @@ class Tracer:
         self._anchor = cuda.Event(enable_timing=True)
         self._anchor.record()
         self._anchor.synchronize()
-        self._anchor_us = _now_us()  # the anchor event's completion, on the host clock
+        self._anchor_us = self.recorder.now_us()  # the anchor event's completion, on the recorder's clock
         self._cuda = cuda
         self.recorder.resolvers.append(self._resolve_device)
 
@@ -218,7 +220,7 @@ class Tracer:
         return _Range(self, name, track, args)
 
     def device_interval(self, name: str, start_s: float, end_s: float, **args: Any) -> None:
-        """A device interval measured elsewhere (stream timings / CUDA events), perf_counter seconds."""
+        """A device interval measured elsewhere (stream timings / CUDA events), in seconds of the recorder's clock."""
         if self.recorder is not None:
             self.recorder.complete(name, start_s * 1e6, end_s * 1e6, DEVICE_TRACK, **args)
 

@@ -65,10 +65,9 @@ def unavailable() -> str:
 
 
 def runs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether this forward can take the kernel: CPU, fp32 queries, an fp32 or bf16 cache, a head size it takes,
-    and not inside a compiled step (which traces the torch path: a trace can follow neither the library's loading
-    nor a ctypes call)."""
-    return (not torch.compiler.is_compiling() and q.device.type == "cpu" and q.dtype == torch.float32
+    """Whether this forward can take the kernel: CPU, fp32 queries, an fp32 or bf16 cache, a head size it
+    takes."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32
             and k_cache.dtype in KV_DTYPES and k_cache.shape[-1] % 8 == 0 and k_cache.shape[-1] <= 256
             and not unavailable())
 

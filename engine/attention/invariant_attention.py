@@ -131,9 +131,8 @@ def _masked_out(meta: AttentionMetadata, group: int, rows: int, b0: int, b1: int
 
 def _write(dst: torch.Tensor, op, a: torch.Tensor, b) -> None:
     """dst = op(a, b) in one kernel (`out=`), or two where autograd records it (`out=` has no backward: a
-    tensor-parallel follower runs its MTP head outside inference mode) or torch.compile traces it (it refuses
-    a strided `out=`; the compiler fuses op and copy back into one kernel)."""
-    if (torch.is_grad_enabled() and a.requires_grad) or torch.compiler.is_compiling():
+    tensor-parallel follower runs its MTP head outside inference mode)."""
+    if torch.is_grad_enabled() and a.requires_grad:
         dst.copy_(op(a, b))
     else:
         op(a, b, out=dst)

@@ -309,11 +309,9 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata | SplitAttention, num_heads: int, scale: float) -> torch.Tensor:
-        # Measured even where the C++ kernel runs (once a shape, ~20 ms): a compiled step traces the torch path,
-        # and the trace cannot measure; the eager warm-up before it runs the kernel.
-        rows = self.min_rows(num_heads // k_cache.shape[1], k_cache.shape[-1], q.dtype, q.device)
         if self.batch_invariant and kernel.runs(q, k_cache):  # the C++ kernel: no row padding
             return self._forward(q, k_cache, v_cache, meta, num_heads, scale, None, True)
+        rows = self.min_rows(num_heads // k_cache.shape[1], k_cache.shape[-1], q.dtype, q.device)
         return self._forward(q, k_cache, v_cache, meta, num_heads, scale, rows, False)
 
     def _forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from specstep.engine.cpu_kernels import CpuKernels, DtypeChoice, choose_linear_dtype, invariant_linear_mode
-from specstep.engine.models import onednn_op
 from specstep.engine.models.cpu_linear_plans import (  # noqa: F401 (re-exported: the module's interface)
     DTYPE_ROWS,
     DTYPES,
@@ -58,8 +57,6 @@ class CpuLinear(nn.Module):
         kernel_weight = weight.detach().to(self._kdtype)
         self._packed = pack(kernel_weight) if plan.needs_pack else None
         self._bias = bias.detach().to(self._kdtype) if bias is not None and self._kdtype != weight.dtype else bias
-        if self._packed is not None:
-            onednn_op.register(self, weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:
@@ -67,8 +64,6 @@ class CpuLinear(nn.Module):
         rows = x.numel() // self.in_features
         onednn = self._by_rows[rows] if rows < len(self._by_rows) else self._by_rows[-1]
         if onednn and self._packed is not None:
-            if torch.compiler.is_compiling():  # a compiled step: the packed weight is opaque to the compiler
-                return onednn_op.onednn_linear(x, self.weight)
             return self._onednn(x)
         return F.linear(x, self._mm, self.bias)
 

@@ -41,7 +41,6 @@ from specstep.engine.models.gguf_kernel import (
     unavailable,
     vnni_unavailable,
 )
-from specstep.engine.models.gguf_op import gguf_linear_op
 
 CHECK_ROWS = 4  # rows of each weight compared bitwise with the converted checkpoint at load
 
@@ -90,8 +89,6 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:  # training through it: the kernel has no backward
             return F.linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling():  # a compiled step calls it as an opaque op
-            return gguf_linear_op(x, self.kernel_weights, self.out_features, self.kernel_fmt, self.bias)
         return gguf_linear(x, self.kernel_weights, self.out_features, self.kernel_fmt, self.bias)
 
     @property
@@ -152,6 +149,10 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         if required:
             raise ConfigError(f"{flag}: {folder} was converted from {gguf_path}, which is gone")
         return f"fp32 weights ({gguf_path} is gone)"
+    dtypes = {p.dtype for p in model.parameters()}
+    if dtypes != {torch.float32}:  # the blocks are checked against (and replace) fp32 weights, bit for bit
+        raise ConfigError(f"the GGUF kernel takes float32 activations; this model holds "
+                          f"{', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))} weights")
     blocks = quantized_blocks(gguf_path, tuple(FORMATS))
     tied = bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
     embed = getattr(model, "embed_tokens", None)

@@ -140,8 +140,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, x.dtype)
-        # a compiled step traces the torch ops; a pool the C++ layers do not write keeps them too
-        if self.native is not None and not torch.compiler.is_compiling() and self.native.runs(kv):
+        # a pool the C++ layers do not write keeps the torch ops
+        if self.native is not None and self.native.runs(kv):
             return self.native.forward(x, batch, kv, rope, self.attention)  # its own final norm
         for layer in self.layers:
             x = layer(x, batch, kv, rope, self.attention)

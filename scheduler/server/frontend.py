@@ -79,10 +79,10 @@ class Frontend:
         self.tokenizer = tokenizer
         self.recorder = TraceRecorder() if cfg.trace else None
         self.tracer = Tracer(self.recorder)
-        self.requests = InflightRequests()
+        self.metrics = ServerMetrics()
+        self.requests = InflightRequests(self.metrics)
         self.draining = False
         self._done: asyncio.Event | None = None
-        self.metrics = ServerMetrics()
         self.queries = QueryReplies(self._reply)
         self.metrics_port: int | None = None
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import itertools
 
+from specstep.scheduler.server.metrics import ServerMetrics
 from specstep.scheduler.server.protocol import EngineOutputs, EngineReject, GenerateRequest
 from specstep.scheduler.server.request_stream import DIED, RequestStream
 
 
 class InflightRequests:
-    def __init__(self) -> None:
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics  # counts every output as it is read, in the scheduler's order (see `on_outputs`)
         self._by_client: dict[tuple[bytes, str], RequestStream] = {}
         self._by_engine_id: dict[str, RequestStream] = {}
         self._ids = itertools.count(1)
@@ -42,6 +44,10 @@ class InflightRequests:
     # ---- EngineHandler: the scheduler's messages, from the supervisor's reader task ---------------------------
     def on_outputs(self, msg: EngineOutputs) -> None:
         for out in msg.outputs:
+            # Counted here, not from the request's FINAL: a STATS reply is read after every output sent before
+            # it, so the counters then hold what the scheduler's EngineStats hold, also for the steps it ran after
+            # a stop string or an abort (their outputs find no request here).
+            self.metrics.observe_engine_output(out)
             st = self._by_engine_id.get(out.request_id)
             if st is not None:
                 st.queue.put_nowait(out)

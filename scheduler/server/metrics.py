@@ -1,10 +1,12 @@
 """Server metrics for operators: Prometheus counters, histograms and gauges on the frontend.
 
 Every metric, its labels and what it counts: docs/metrics.md (keep the two in step). Names follow the field's
-conventions (vLLM's spec-decode counters, `_total` counters, `_seconds` units). Counters are fed from the
-per-request FINALs (so they equal the sum of those stats over a run) and from every ERROR sent; histograms from
-each engine output; gauges from the scheduler's stats (polled each second). The same figures are in the
-`stats` protocol message (`snapshot()`).
+conventions (vLLM's spec-decode counters, `_total` counters, `_seconds` units). The token and speculation counters
+are fed by every engine output as the frontend reads it (`observe_engine_output`), in the order the scheduler sent
+it, so at any instant with nothing in flight they equal the scheduler's own totals in EngineStats (a STATS reply
+is read after every output the scheduler sent before it); requests are counted by their FINALs and errors by every
+ERROR sent; histograms from each request's outputs; gauges from the scheduler's stats (polled each second). The
+same figures are in the `stats` protocol message (`snapshot()`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
-from specstep.scheduler.server.protocol import EngineStats, ErrorCode, Final
+from specstep.scheduler.server.protocol import EngineOutput, EngineStats, ErrorCode, Final
 
 log = logging.getLogger("specstep.metrics")
 
@@ -27,9 +29,10 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         self.errors = Counter("specstep_errors", "ERROR replies sent, by code name", ["code"], registry=r)
         self.prompt_tokens = Counter("specstep_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("specstep_generation_tokens", "Output tokens of requests ended with a FINAL",
+        self.generation_tokens = Counter("specstep_generation_tokens", "Output tokens the scheduler sent",
                                          registry=r)
-        self.drafts = Counter("specstep_spec_decode_num_drafts", "Decode steps with drafts", registry=r)
+        self.drafts = Counter("specstep_spec_decode_num_drafts", "(request, decode step) pairs with drafts",
+                              registry=r)
         self.draft_tokens = Counter("specstep_spec_decode_num_draft_tokens", "Drafted tokens", registry=r)
         self.accepted_tokens = Counter("specstep_spec_decode_num_accepted_tokens", "Accepted drafts", registry=r)
         self.accepted_per_pos = Counter("specstep_spec_decode_num_accepted_tokens_per_pos",
@@ -62,6 +65,18 @@ class ServerMetrics:
                              registry=r)
 
     # ---- feeding -------------------------------------------------------------------------------------------
+    def observe_engine_output(self, out: EngineOutput) -> None:
+        """One output as the scheduler sent it (whether or not its request is still open in the frontend: the
+        steps the scheduler ran after a stop string or an abort count as they do in its EngineStats)."""
+        self.generation_tokens.inc(len(out.token_ids))
+        if out.num_draft <= 0:
+            return
+        self.drafts.inc()
+        self.draft_tokens.inc(out.num_draft)
+        self.accepted_tokens.inc(out.num_accepted)
+        for pos in range(min(out.num_accepted, out.num_draft)):
+            self.accepted_per_pos.labels(str(pos)).inc()
+
     def observe_step_output(self, num_tokens: int, gap_s: float | None, first: bool) -> None:
         """One engine output for one request (one step): tokens it brought and the time since the previous one."""
         if num_tokens <= 0:
@@ -78,15 +93,8 @@ class ServerMetrics:
     def observe_final(self, final: Final) -> None:
         self.requests.labels(final.finish_reason).inc()
         self.prompt_tokens.inc(final.usage.prompt_tokens)
-        self.generation_tokens.inc(final.usage.completion_tokens)
         if final.timings.ttft_s > 0:
             self.ttft.observe(final.timings.ttft_s)
-        spec = final.spec
-        self.drafts.inc(spec.spec_steps)
-        self.draft_tokens.inc(spec.drafted_tokens)
-        self.accepted_tokens.inc(spec.accepted_tokens)
-        for pos, n in enumerate(spec.accepted_per_position):
-            self.accepted_per_pos.labels(str(pos)).inc(n)
 
     def update_engine(self, stats: EngineStats | None) -> None:
         if stats is None:

@@ -152,7 +152,8 @@ class SchedulerLoop:
             self._add(msg)
         elif isinstance(msg, EngineAbort):
             for rid in msg.request_ids:
-                self.core.abort(rid)  # frees its pages now
+                if self.core.abort(rid) is not None:  # frees its pages now
+                    self.num_finished += 1  # ended here: the frontend has sent (or sends) its FINAL
                 self._started.discard(rid)
         elif isinstance(msg, EngineStatsQuery):
             self.outbox.put(self.stats(msg.tag))
@@ -196,7 +197,12 @@ class SchedulerLoop:
         first = rid not in self._started
         if first:
             self._started.add(rid)
+        # Counted per output, as sent, so the frontend's counters (fed by the same outputs as they arrive) agree
+        # with these whenever nothing is in flight, also for requests a stop string or an abort cut short.
         self.num_output_tokens += len(out.new_token_ids)
+        if out.num_draft > 0:
+            self.drafted += out.num_draft
+            self.accepted += out.num_accepted
         acc = req.acceptance
         msg = EngineOutput(rid, list(out.new_token_ids), num_draft=out.num_draft, num_accepted=out.num_accepted,
                            queue_s=step_start - req.arrival_time if first else 0.0,
@@ -206,8 +212,6 @@ class SchedulerLoop:
         if out.finished:
             self._started.discard(rid)
             self.num_finished += 1
-            self.drafted += req.stats.drafted
-            self.accepted += req.stats.accepted
             msg.finish_reason = req.finish_reason.value
         return msg
 
