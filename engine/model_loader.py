@@ -58,9 +58,9 @@ def _quantized(model: LlamaForCausalLM, folder: Path, kernels: str | CpuKernels,
     if not isinstance(kernels, CpuKernels) or kernels.quantization == "none":
         return ""
     if not source.is_file():  # a Hugging Face folder (a draft beside a GGUF target, say): fp32 throughout
-        return "" if kernels.activations == "fp32" else "fp32 activations (not a GGUF checkpoint)"
+        return "" if kernels.activations in ("fp32", "auto") else "fp32 activations (not a GGUF checkpoint)"
     if tp.world_size > 1:  # shards would cut blocks: tensor-parallel ranks keep fp32 weights
-        if kernels.quantization == "gguf" or kernels.activations != "fp32":
+        if kernels.quantization == "gguf" or kernels.activations not in ("fp32", "auto"):
             raise ConfigError(f"--quantization gguf / --activations {kernels.activations} do not run with "
                               "--tensor-parallel-size > 1")
         return "fp32 weights (GGUF blocks are not sharded across tensor-parallel ranks)"

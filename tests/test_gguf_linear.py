@@ -325,7 +325,7 @@ def test_greedy_output_on_the_kernel_is_the_fp32_models(tmp_path, cache):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = {}
     for q in ("gguf", "none"):
-        reqs = run_to_completion(make_core(path, quantization=q), prompts, params)
+        reqs = run_to_completion(make_core(path, quantization=q, activations="fp32"), prompts, params)
         outs[q] = [r.output_token_ids for r in reqs]
     assert outs["gguf"] == outs["none"]
 

@@ -131,7 +131,7 @@ class LinearKernel:
     @property
     def handle(self) -> int:
         """The row as a C++ caller's `fmt` code (decode_layers.cpp)."""
-        return TABLE_BIT | self.row
+        return TABLE_BIT | self.row << 4
 
 
 def linear_kernel(fmt: str, arith: str, isa: str | None = None) -> LinearKernel:

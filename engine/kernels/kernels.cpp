@@ -92,9 +92,13 @@ const Kernel TABLE[] = {SK_BLOCKS(Q4_0), SK_BLOCKS(Q5_0), SK_BLOCKS(Q5_1), SK_BL
                         SK_BLOCKS(Q5_K), SK_BLOCKS(Q6_K), SK_WIDE(F16),    SK_WIDE(BF16)};
 constexpr int TABLE_SIZE = sizeof(TABLE) / sizeof(TABLE[0]);
 
-// A C++ caller's handle on a row (decode_layers.cpp's `fmt` field): the row's index with this bit set, apart from
-// the older kernel's small fmt codes.
+// A C++ caller's handle on a row (decode_layers.cpp's `fmt` field): TABLE_BIT | row << 4, apart from the older
+// kernel's small fmt codes and clear of their flag bits (1-3).
 constexpr int64_t TABLE_BIT = 1 << 16;
+inline const Kernel *from_handle(int64_t handle) {
+    const int64_t row = (handle & ~TABLE_BIT) >> 4;
+    return (handle & TABLE_BIT) && !(handle & 15) && row >= 0 && row < TABLE_SIZE ? &TABLE[row] : nullptr;
+}
 
 inline bool isa_runs(const char *isa) {
     if (!strcmp(isa, "avx2")) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");

@@ -17,7 +17,7 @@ struct XQ {
 };
 
 inline int64_t xq_bytes(int64_t M, int64_t K, int64_t qk) {
-    return M * K + M * (K / qk) * 4 + M * (K / GROUP) * 2 + 64;
+    return M * K + M * (K / qk) * 4 + M * (K / GROUP) * 2;  // (no alignment needed: unaligned loads)
 }
 
 inline XQ xq_view(void *scratch, int64_t M, int64_t K, int64_t qk) {
