@@ -309,8 +309,9 @@ def test_a_gguf_checkpoint_loads_onto_the_kernel_and_computes_the_fp32_models_lo
     assert f"{fmt} linears" in describe_cpu_kernels(quant) and "batch-invariant" in describe_cpu_kernels(quant)
     isa = "AVX-512" if gguf_kernel.kernel_isa() == "avx512" else "AVX2"
     assert f"in specstep's {isa} kernel" in describe_cpu_kernels(quant)  # the form that runs here
-    if tied:  # the lm_head reads the embedding's blocks; its fp32 weight is the embedding's own
-        assert quant.lm_head.weight is quant.embed_tokens.weight
+    if tied:  # the lm_head and the embedding read the same blocks (one storage; no fp32 table stays)
+        assert quant.lm_head.blocks.data_ptr() == quant.embed_tokens.blocks.data_ptr()
+        assert torch.equal(quant.lm_head.weight, quant.embed_tokens.weight)
     ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7, 8]])
     with torch.inference_mode():
         a = quant.compute_logits(quant.forward_dense(ids))

@@ -260,6 +260,12 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         nbytes += rows.numel()
     if not swapped:
         return ""
+    embedding = _use_gguf_embedding(model, blocks)
+    return _note(model, activations, swapped, nbytes, host_note) + embedding
+
+
+def _note(model: nn.Module, activations: str, swapped: dict[str, int], nbytes: int, host_note: str) -> str:
+    """The ready line's note on the swapped linears."""
     table = [m for m in model.modules() if isinstance(m, GGUFLinear) and m.kernel is not None]
     if table:
         return _table_note(swapped, nbytes, table)
@@ -314,3 +320,27 @@ def _table_note(swapped: dict[str, int], nbytes: int, table: list[GGUFLinear]) -
     mixed = " (16-bit tensors in fp32)" if len(ariths) > 1 else ""
     return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB) in specstep's {isa} kernels, {acts}{mixed}, "
             "batch-invariant")
+
+
+def _use_gguf_embedding(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) -> str:
+    """Swap a one-rank model's token embedding for a `GGUFEmbedding` over the file's blocks (checked against the
+    converted checkpoint's leading rows), and a tied `lm_head` onto those blocks alone: no fp32 table stays. The
+    ready line's note ("" if not swapped)."""
+    from specstep.engine.models.gguf_embedding import GGUFEmbedding
+
+    embed, entry = getattr(model, "embed_tokens", None), blocks.get("model.embed_tokens.weight")
+    tp = getattr(embed, "tp", None)
+    if entry is None or not isinstance(embed, nn.Embedding) or (tp is not None and tp.world_size != 1):
+        return ""
+    fmt, rows = entry
+    if rows.shape[0] != embed.num_embeddings:
+        return ""
+    gguf_embed = GGUFEmbedding(fmt, rows, embed.embedding_dim)
+    if not torch.equal(gguf_embed(torch.arange(CHECK_ROWS)), embed.weight.detach()[:CHECK_ROWS].float()):
+        raise CheckpointError(f"the file's {fmt} embedding does not hold the converted checkpoint's rows (a stale "
+                              "conversion? delete it from the cache)")
+    model.embed_tokens = gguf_embed
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, GGUFLinear) and head._tied[0] is embed.weight:
+        head._tied = [None]  # its `weight` dequantises its own blocks (the embedding's storage)
+    return f"; the embedding looked up in its {fmt} blocks ({rows.numel() / 2**20:.0f} MB)"
