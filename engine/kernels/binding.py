@@ -6,7 +6,8 @@ A row is (weight format, activation arithmetic, ISA): formats are GGML type name
 Q6_K, F16, BF16); arithmetics "fp32" (exact: gguf's dequantised weights times fp32 activations, batch-invariant)
 and "int8" (llama.cpp's: activations quantised per block, integer products; block formats only); ISAs "avx2" and
 "avx512" (AVX-512 with VNNI: the same bits). The host probe picks the widest ISA that runs here;
-`SPECSTEP_CPU_ISA=avx2` pins another (tests and A/B benchmarks compare them).
+`SPECSTEP_CPU_ISA=avx2|avx512` pins one (tests and A/B benchmarks compare them; `amx` pins the older Q4_1 / Q8_0
+kernel's tiles, and avx512 here).
 """
 
 from __future__ import annotations
@@ -77,9 +78,10 @@ def host_isa() -> str:
     """The ISA the kernels run in here: `SPECSTEP_CPU_ISA` if set (an error where it cannot run), else the widest
     the CPU has."""
     chosen = os.environ.get(ISA_ENV, "")
+    chosen = {"amx": "avx512"}.get(chosen, chosen)  # (AMX pins the Q4_1 / Q8_0 kernel's tiles: no rows here)
     if chosen:
         if chosen not in ISAS:
-            raise KernelError(f"{ISA_ENV}={chosen!r}: one of {', '.join(ISAS)}")
+            raise KernelError(f"{ISA_ENV}={chosen!r}: one of {', '.join(ISAS)} (or amx)")
         if not isa_runs(chosen):
             raise KernelError(f"{ISA_ENV}={chosen}: this CPU cannot run it")
         return chosen

@@ -38,8 +38,8 @@ inline float bf16(const uint8_t *p) {
 // at a time, in registers); groups past qk / 16 are unused.
 struct Unpacked {
     int16_t sc[QK_K / GROUP];
-    int32_t off[QK_K / GROUP];
-    int32_t mn[QK_K / GROUP];
+    alignas(32) int16_t off[QK_K / GROUP];  // (16-bit: a K-quant block's 16 terms in one vpmaddwd)
+    alignas(32) int16_t mn[QK_K / GROUP];
     float d, dm;
 };
 
@@ -145,7 +145,7 @@ struct Q4_K {
         for (int j = 0; j < 8; j++) {
             int sc, mn;
             scale_min_k4(b + 4, j, sc, mn);
-            u.sc[2 * j] = u.sc[2 * j + 1] = (int16_t)sc, u.mn[2 * j] = u.mn[2 * j + 1] = mn;
+            u.sc[2 * j] = u.sc[2 * j + 1] = (int16_t)sc, u.mn[2 * j] = u.mn[2 * j + 1] = (int16_t)mn;
             u.off[2 * j] = u.off[2 * j + 1] = 0;
         }
         u.d = f16(b), u.dm = -f16(b + 2);
@@ -178,7 +178,7 @@ struct Q5_K {
         for (int j = 0; j < 8; j++) {
             int sc, mn;
             scale_min_k4(b + 4, j, sc, mn);
-            u.sc[2 * j] = u.sc[2 * j + 1] = (int16_t)sc, u.mn[2 * j] = u.mn[2 * j + 1] = mn;
+            u.sc[2 * j] = u.sc[2 * j + 1] = (int16_t)sc, u.mn[2 * j] = u.mn[2 * j + 1] = (int16_t)mn;
             u.off[2 * j] = u.off[2 * j + 1] = 0;
         }
         u.d = f16(b), u.dm = -f16(b + 2);
@@ -214,7 +214,7 @@ struct Q6_K {
     static void unpack(const uint8_t *b, Unpacked &u) {
         for (int j = 0; j < 16; j++) {
             const int sc = (int8_t)b[192 + j];
-            u.sc[j] = (int16_t)sc, u.off[j] = 32 * sc;
+            u.sc[j] = (int16_t)sc, u.off[j] = (int16_t)(32 * sc);
         }
         u.d = f16(b + 208), u.dm = 0.f;
     }
