@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specstep.engine.errors import ConfigError
 from specstep.engine.gguf_checkpoint import converted_folder
 from specstep.engine.kernels import binding
 from specstep.engine.models.gguf_linear import GGUFLinear
@@ -87,3 +88,19 @@ def test_int8_verify_rows_are_plain_decode_rows_bitwise(tmp_path, cache, sources
                 assert torch.equal(row, plain_logits[p][0][2]), p
                 compared += 1
     assert compared >= GREEDY.max_tokens // 2  # rows of real verify steps
+
+
+def test_cpu_isa_environment_pins_the_kernels(tmp_path, cache, sources, monkeypatch):
+    """SPECSTEP_CPU_ISA pins the ISA the kernels run in (the same bits on each: the kernels' own tests); a name
+    no kernel has is a clear error."""
+    from specstep.engine.cpu_kernels import CpuKernels
+    from specstep.engine.model_loader import describe_cpu_kernels, load_model
+
+    path = _gguf(tmp_path, sources, "Q4_K_M", "qwen2", True)
+    monkeypatch.setenv(binding.ISA_ENV, "avx2")
+    model = load_model(path, "cpu", "float32", CpuKernels(activations="auto"))
+    assert {m.kernel.isa for m in model.modules() if isinstance(m, GGUFLinear)} == {"avx2"}
+    assert "in specstep's AVX2 kernels, int8 activations" in describe_cpu_kernels(model)
+    monkeypatch.setenv(binding.ISA_ENV, "neon")
+    with pytest.raises(ConfigError, match="SPECSTEP_CPU_ISA='neon'"):
+        load_model(path, "cpu", "float32", CpuKernels(activations="auto"))
