@@ -23,7 +23,8 @@ QUANTIZATION_CHOICES = ("auto", "gguf", "none")
 LAYER_CHOICES = ("auto", "torch")
 # int8: in AMX tiles where the host has AMX-INT8 (block sums), else in AVX-512 VNNI lanes (the same arithmetic) where
 # it has those, else in AVX2 lanes; int8-tiles / int8-vnni / int8-lanes: that one (an error where it cannot run)
-ACTIVATION_CHOICES = ("fp32", "int8", "int8-tiles", "int8-vnni", "int8-lanes")
+# auto: int8 where the weights are block-quantised (what llama.cpp computes on them), fp32 elsewhere
+ACTIVATION_CHOICES = ("auto", "fp32", "int8", "int8-tiles", "int8-vnni", "int8-lanes")
 # bf16 must be this much faster than fp32 (decode and verify rows together) to be taken: it changes the numerics.
 BF16_MARGIN = 0.95
 
@@ -40,7 +41,7 @@ class CpuKernels:
     batch_invariant: bool = True
     quantization: str = "auto"
     layers: str = "auto"  # auto: a GGUF model's decoder layers in C++ where they run (`--cpu-layers`) | torch
-    activations: str = "fp32"  # int8: the GGUF kernel quantises activations per 32-value block (`--activations`)
+    activations: str = "fp32"  # int8: the GGUF kernels quantise activations per block; auto: int8 on blocks
 
     def __post_init__(self) -> None:
         if self.linear not in LINEAR_MODES:
@@ -54,7 +55,7 @@ class CpuKernels:
             raise ValueError(f"layers must be one of {', '.join(LAYER_CHOICES)}, got {self.layers!r}")
         if self.activations not in ACTIVATION_CHOICES:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATION_CHOICES)}, got {self.activations!r}")
-        if self.activations != "fp32" and self.quantization == "none":
+        if self.activations not in ("fp32", "auto") and self.quantization == "none":
             raise ValueError(f"{self.activations} activations run in the GGUF kernel: not with quantization none")
 
 

@@ -255,13 +255,12 @@ class EngineConfig:
                 "start) where they run here; torch: eager torch ops around the GGUF kernel",
         choices=("auto", "torch"))
     activations: str = option(
-        "fp32", "CPU, GGUF checkpoints: int8 quantises each linear's input per 32 values (scale amax / 127, as "
-                "llama.cpp does for these formats) and multiplies in integers: faster decode and verify steps, "
-                "not exact against fp32 (speculative output still equals plain output under it, bitwise); fp32: "
-                "exact. int8 runs in AMX tiles where the CPU has AMX-INT8 (each block's products summed in "
-                "integers, verify rows nearly free), else in AVX-512 VNNI lanes where it has those (the same "
-                "arithmetic), else in AVX2 lanes; int8-tiles / int8-vnni / int8-lanes choose one",
-        choices=ACTIVATION_CHOICES)
+        "auto", "CPU, GGUF checkpoints: int8 quantises each linear's input per block (scale amax / 127, per 32 "
+                "values for the legacy formats, per 256 with 16-value sums for the K-quants, as llama.cpp does) and "
+                "multiplies in integers: faster, not exact against fp32 (speculative output still equals plain "
+                "output under it, bitwise); fp32: exact; auto: int8 where the weights are block-quantised, fp32 "
+                "for 16-bit and fp32 weights. SPECSTEP_CPU_ISA=avx2|avx512|amx pins the kernels' ISA",
+        check=lambda v: v in ACTIVATION_CHOICES, rule="auto, fp32 or int8")
     kv_cache_dtype: str = option(
         "auto", "the KV cache's dtype: auto is the model's (float32 on CPU: exact); bfloat16 on CPU holds keys and "
                 "values rounded to bf16 (half the bytes a token: twice the tokens in the same memory, and half "
@@ -273,7 +272,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             check_option(f, getattr(self, f.name))
-        if self.activations != "fp32" and self.quantization == "none":
+        if self.activations not in ("fp32", "auto") and self.quantization == "none":
             raise InvalidOption(f"--activations {self.activations} runs in the GGUF kernel: not with "
                                 "--quantization none")
 

@@ -59,19 +59,20 @@ def _quantized(model: LlamaForCausalLM, folder: Path, kernels: str | CpuKernels,
     if not isinstance(kernels, CpuKernels) or kernels.quantization == "none":
         return ""
     if not source.is_file():  # a Hugging Face folder (a draft beside a GGUF target, say): fp32 throughout
-        return "" if kernels.activations == "fp32" else "fp32 activations (not a GGUF checkpoint)"
+        return "" if kernels.activations in ("fp32", "auto") else "fp32 activations (not a GGUF checkpoint)"
     if dtype != torch.float32:
         # The GGUF kernel multiplies fp32 activations: a 16-bit model keeps the converted checkpoint's weights,
         # dequantised from the blocks and rounded to its dtype at load.
         name = str(dtype).removeprefix("torch.")
-        if kernels.quantization == "gguf" or kernels.activations != "fp32":
-            flag = "--quantization gguf" if kernels.activations == "fp32" else f"--activations {kernels.activations}"
+        if kernels.quantization == "gguf" or kernels.activations not in ("fp32", "auto"):
+            flag = ("--quantization gguf" if kernels.activations in ("fp32", "auto")
+                    else f"--activations {kernels.activations}")
             raise ConfigError(f"{flag} runs the GGUF kernel, which takes float32 activations: not with --dtype "
                               f"{name} (--dtype float32 or auto for the kernel; --quantization auto for {name} "
                               "weights dequantised from the file)")
         return f"{name} weights dequantised from the GGUF blocks (the GGUF kernel takes float32 activations)"
     if tp.world_size > 1:  # shards would cut blocks: tensor-parallel ranks keep fp32 weights
-        if kernels.quantization == "gguf" or kernels.activations != "fp32":
+        if kernels.quantization == "gguf" or kernels.activations not in ("fp32", "auto"):
             raise ConfigError(f"--quantization gguf / --activations {kernels.activations} do not run with "
                               "--tensor-parallel-size > 1")
         return "fp32 weights (GGUF blocks are not sharded across tensor-parallel ranks)"

@@ -147,10 +147,10 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
     planned = cfg.num_pages is None and cfg.kv_cache_tokens is None
     # The CPU budget is a share of the RAM available before the weights load: they come out of it.
     ram = host_ram_available() // tp.world_size if planned and device.type == "cpu" else 0
-    if cfg.activations != "fp32" and device.type != "cpu":
+    if cfg.activations not in ("fp32", "auto") and device.type != "cpu":
         raise ConfigError(f"--activations {cfg.activations} is the CPU GGUF kernel's: not on {device.type}")
     target = load_model(cfg.model, device, cfg.dtype, cfg.cpu_kernels, tp=tp)
-    if cfg.activations != "fp32" and not any(getattr(m, "activations", "fp32") != "fp32"
+    if cfg.activations not in ("fp32", "auto") and not any(getattr(m, "activations", "fp32") != "fp32"
                                              for m in target.modules()):
         raise ConfigError(f"--activations {cfg.activations} runs in the GGUF kernel: {cfg.model} is not a GGUF "
                           f"checkpoint it reads ({target.gguf_note or 'no GGUF blocks'})")

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from tests.kquants import QUANTIZERS
+
 _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
@@ -29,11 +31,19 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{parts[2]}.{_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
+def _tensor_type(qtype: str, hf: str) -> str:
+    if qtype != "Q4_K_M":
+        return qtype
+    return "Q6_K" if hf.endswith(("embed_tokens.weight", "v_proj.weight", "down_proj.weight")) else "Q4_K"
+
+
 def write_gguf(path: Path, folder: Path, arch: str = "llama", qtype: str = "F32", pre: str = "default",
                architecture_name: str | None = None, extra_tensor: tuple[str, str] | None = None) -> Path:
     """`folder` (a tests.helpers checkpoint with tokenizer.json) -> GGUF at `path`.
 
-    qtype: F32 | F16 | Q8_0 for the 2-D weights (norms stay F32, as llama.cpp keeps them).
+    qtype: the 2-D weights' GGML type (norms stay F32, as llama.cpp keeps them): one the `gguf` package quantises
+    (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), a K-quant (Q4_K, Q5_K, Q6_K: `tests.kquants`), or Q4_K_M
+    (llama.cpp's mix: Q6_K for the embedding, attn_v and ffn_down, Q4_K elsewhere; widths multiples of 256).
     extra_tensor: (name, raw GGML type) of one more tensor with arbitrary bytes (for error tests)."""
     import gguf
 
@@ -66,8 +76,11 @@ def write_gguf(path: Path, folder: Path, arch: str = "llama", qtype: str = "F32"
             a = _permute(a, heads)
         elif arch == "llama" and hf.endswith("k_proj.weight"):
             a = _permute(a, kv_heads)
-        kind = gguf.GGMLQuantizationType[qtype] if a.ndim == 2 else gguf.GGMLQuantizationType.F32
-        data = a if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(a, kind)
+        kind = gguf.GGMLQuantizationType[_tensor_type(qtype, hf)] if a.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if kind.name in QUANTIZERS:
+            data = QUANTIZERS[kind.name](a)
+        else:
+            data = a if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(a, kind)
         w.add_tensor(_gguf_name(hf), data, raw_dtype=kind)
     if extra_tensor is not None:
         name, raw = extra_tensor

@@ -309,8 +309,9 @@ def test_a_gguf_checkpoint_loads_onto_the_kernel_and_computes_the_fp32_models_lo
     assert f"{fmt} linears" in describe_cpu_kernels(quant) and "batch-invariant" in describe_cpu_kernels(quant)
     isa = "AVX-512" if gguf_kernel.kernel_isa() == "avx512" else "AVX2"
     assert f"in specstep's {isa} kernel" in describe_cpu_kernels(quant)  # the form that runs here
-    if tied:  # the lm_head reads the embedding's blocks; its fp32 weight is the embedding's own
-        assert quant.lm_head.weight is quant.embed_tokens.weight
+    if tied:  # the lm_head and the embedding read the same blocks (one storage; no fp32 table stays)
+        assert quant.lm_head.blocks.data_ptr() == quant.embed_tokens.blocks.data_ptr()
+        assert torch.equal(quant.lm_head.weight, quant.embed_tokens.weight)
     ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7, 8]])
     with torch.inference_mode():
         a = quant.compute_logits(quant.forward_dense(ids))
@@ -325,7 +326,7 @@ def test_greedy_output_on_the_kernel_is_the_fp32_models(tmp_path, cache):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = {}
     for q in ("gguf", "none"):
-        reqs = run_to_completion(make_core(path, quantization=q), prompts, params)
+        reqs = run_to_completion(make_core(path, quantization=q, activations="fp32"), prompts, params)
         outs[q] = [r.output_token_ids for r in reqs]
     assert outs["gguf"] == outs["none"]
 

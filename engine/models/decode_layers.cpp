@@ -36,6 +36,7 @@
 
 #include "../attention/cpu_attention.cpp"
 #include "gguf_kernel.cpp"
+#include "../kernels/kernels.cpp"
 
 extern "C" {
 // One GGUF linear: blocks [n, k / 32] of GGML type `fmt` (gguf_kernel's numbering), an fp32 bias [n] or null;
@@ -46,7 +47,16 @@ struct Linear {
     const float *bias;
     int64_t n, k, fmt;
     const uint8_t *packed;
+    const Linear *rest;  // the kernel layer's formats: the next rows' linear (a merged projection of several
+                         // formats: a Q4_K_M file's q and k in Q4_K, v in Q6_K), or null
 };
+
+// A linear's rows: its own and its `rest`'s.
+inline int64_t total_rows(const Linear &l) {
+    int64_t n = 0;
+    for (const Linear *s = &l; s; s = s->rest) n += s->n;
+    return n;
+}
 
 struct Layer {
     const float *norm_in, *norm_post;  // [hidden] RMSNorm weights
@@ -306,6 +316,22 @@ struct Buffers {
 void linear(const Linear &l, const float *in, int64_t M, float *y, float *residual, Buffers &buf, Barrier &bar, int t,
             int nt, const gguf_kernel::XQ8 *xq = nullptr) {
     Range cols(l.n, t, nt);
+    if (sk::from_handle(l.fmt)) {  // the kernel layer's table: every row, each part in its own format and arithmetic
+        // (int8 rows quantise `in` into the thread's scratch: sk::xq_bytes(M, k) <= xsum_floats(M, k) floats)
+        const int64_t N = total_rows(l);
+        cols = Range(N, t, nt);
+        int64_t first = 0;
+        for (const Linear *s = &l; s; first += s->n, s = s->rest) {
+            const int64_t a = cols.a > first ? cols.a : first, b = cols.b < first + s->n ? cols.b : first + s->n;
+            if (a < b)
+                sk::linear_range(*sk::from_handle(s->fmt), in, M, s->k, s->blocks, N, s->bias, y + first, a - first,
+                                 b - first, buf.xsum + t * buf.xsum_n);
+        }
+        if (residual)
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t n = cols.a; n < cols.b; n++) residual[r * N + n] += y[r * N + n];
+        return;
+    }
     const bool amx = l.fmt & gguf_kernel::FMT_AMX;
     if (amx) {  // whole 16-row groups: the tiles' unit
         const Range g(gguf_kernel::amx_groups(l.n), t, nt);
@@ -375,7 +401,7 @@ inline void store_row(void *cache, bool bf16, int64_t slot, const float *src, in
 // batch-8 verify step's 40 rows about 8% of a step's thread time (perf). Null where it does not apply.
 const gguf_kernel::XQ8 *quantized_share(const Linear &l, const float *in, int64_t M, Range rows, Buffers &buf,
                                         gguf_kernel::XQ8 &view) {
-    if (!buf.xq || !buf.xq_n || !(l.fmt & gguf_kernel::FMT_INT8)) return nullptr;
+    if (!buf.xq || !buf.xq_n || sk::from_handle(l.fmt) || !(l.fmt & gguf_kernel::FMT_INT8)) return nullptr;
     view = gguf_kernel::xq8_view(buf.xq, M, l.k);
     for (int64_t r = rows.a; r < rows.b; r++) gguf_kernel::quantize_row(in, view, r);
     return &view;
@@ -450,6 +476,11 @@ void phase_out(const Shape *s, const Layer *L, float *x, int64_t M, const float 
 bool layer_ok(const Shape *s, const Layer *L) {
     const int64_t qn = s->heads * s->head_dim, width = qn + 2 * s->kv_heads * s->head_dim;
     auto ok = [](const Linear &l, int64_t n, int64_t k) {
+        if (sk::from_handle(l.fmt)) {
+            for (const Linear *s = &l; s; s = s->rest)
+                if (!sk::from_handle(s->fmt) || s->k != k || k % sk::from_handle(s->fmt)->qk) return false;
+            return total_rows(l) == n;
+        }
         return l.n == n && l.k == k && l.k % 32 == 0 && gguf_kernel::fmt_ok(l.fmt, l.k) &&
                (!(l.fmt & (gguf_kernel::FMT_AMX | gguf_kernel::FMT_LANES)) || l.packed);
     };

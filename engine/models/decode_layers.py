@@ -29,6 +29,7 @@ from specstep.engine.attention import cpu_attention
 from specstep.engine.attention.cpu_attention import KV_DTYPES
 from specstep.engine.attention.invariant_attention import MAX_QUERY_ROWS
 from specstep.engine.forward_batch import AttentionMetadata, ForwardBatch, SplitAttention
+from specstep.engine.kernels import binding as kernel_layer
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.models import gguf_kernel
 from specstep.engine.models.gguf_kernel import apply_amx_lane_defaults, bf16_tiles_unavailable, fmt_code
@@ -37,7 +38,8 @@ from specstep.engine.native import load_kernel
 from specstep.engine.thread_choice import ThreadChoice, size_of
 
 SOURCE = Path(__file__).with_name("decode_layers.cpp")
-INCLUDES = (gguf_kernel.SOURCE, *gguf_kernel.INCLUDES, cpu_attention.SOURCE, *cpu_attention.INCLUDES)  # #included
+INCLUDES = (gguf_kernel.SOURCE, *gguf_kernel.INCLUDES, cpu_attention.SOURCE, *cpu_attention.INCLUDES,
+            kernel_layer.SOURCE, *kernel_layer.INCLUDES)  # #included
 # One thread or all of torch's for a call, chosen per kind of call (and model: a draft model's layers and the
 # target's cost differently) by timing row counts (`engine.thread_choice`); a call's work is counted as its rows
 # times its largest linear, so prompts take every thread untimed.
@@ -47,7 +49,11 @@ i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("blocks", ptr), ("bias", ptr), ("n", i64), ("k", i64), ("fmt", i64), ("packed", ptr)]
+    pass
+
+
+_Linear._fields_ = [("blocks", ptr), ("bias", ptr), ("n", i64), ("k", i64), ("fmt", i64), ("packed", ptr),
+                    ("rest", ctypes.POINTER(_Linear))]  # rest: the next rows' linear (another format), or null
 
 
 class _Layer(ctypes.Structure):
@@ -144,12 +150,24 @@ def prompt_rows(meta: AttentionMetadata | SplitAttention, tokens: int, kind: int
     return flags
 
 
-def _linear(lin: GGUFLinear, keep: list[torch.Tensor]) -> _Linear:
+def _linear(lin: GGUFLinear, keep: list) -> _Linear:
+    """The C++ struct of `lin`: for the kernel layer's formats one struct a part (a merged projection of several
+    formats), chained by `rest`; `keep` holds what the structs point at."""
     bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
     if bias is not None:
         keep.append(bias)
-    return _Linear(lin.blocks.data_ptr(), 0 if bias is None else bias.data_ptr(), lin.out_features,
-                   lin.in_features, fmt_code(lin.kernel_fmt), 0 if lin.packed is None else lin.packed.data_ptr())
+    if lin.kernel is None:
+        return _Linear(lin.blocks.data_ptr(), 0 if bias is None else bias.data_ptr(), lin.out_features,
+                       lin.in_features, fmt_code(lin.kernel_fmt), 0 if lin.packed is None else lin.packed.data_ptr())
+    rest, first = None, lin.out_features
+    for i in reversed(range(len(lin.parts))):
+        kernel, rows, _ = lin.parts[i]
+        first -= rows
+        part = _Linear(lin.part_blocks(i).data_ptr(), 0 if bias is None else bias[first:].data_ptr(), rows,
+                       lin.in_features, kernel.handle, 0, None if rest is None else ctypes.pointer(rest))
+        keep.append(part)
+        rest = part
+    return rest
 
 
 class NativeLayers:
@@ -173,7 +191,10 @@ class NativeLayers:
         # the exact product than int8 activations), else the tiles themselves (2.4-2.9x the fp32 GEMM at 128-512
         # rows); the VNNI lanes over the tiles' copy take prompt rows too (1.8-2.3x the fp32 GEMM at 32-512 rows, 2
         # threads, AMD EPYC with AVX-512 VNNI).
-        self.prompt_gemm = prompt_gemm_kind(acts)
+        # (the kernel layer's linears take prompt rows themselves: only the older kernel's formats are asked)
+        older = sorted({lin.activations for lin in model.modules()
+                        if isinstance(lin, GGUFLinear) and lin.kernel is None})
+        self.prompt_gemm = prompt_gemm_kind(older) if older else 0
         self._shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
         self._keep: list[torch.Tensor] = []  # contiguous copies the structs point at

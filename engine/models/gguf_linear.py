@@ -25,6 +25,7 @@ from torch import nn
 
 from specstep.engine.errors import CheckpointError, ConfigError
 from specstep.engine.gguf_checkpoint import quantized_blocks
+from specstep.engine.kernels import binding as kernel_layer
 from specstep.engine.loader import _MERGED  # merged projection -> its Hugging Face pieces, in row order
 from specstep.engine.models.amx_crossover import lane_rows_for
 from specstep.engine.models.gguf_kernel import (
@@ -64,6 +65,12 @@ class GGUFLinear(nn.Module):
     def __init__(self, fmt: str, blocks: torch.Tensor, in_features: int, bias: nn.Parameter | None,
                  tied: nn.Parameter | None = None, activations: str = "fp32") -> None:
         super().__init__()
+        # the kernel layer's table row (engine/kernels) for the formats it reads, else None (Q4_1 / Q8_0: the
+        # older kernel, `gguf_kernel`)
+        self.kernel: kernel_layer.LinearKernel | None = None
+        if fmt not in FORMATS:
+            self._init_table([(fmt, blocks)], in_features, bias, tied, activations)
+            return
         if in_features % BLOCK:
             raise CheckpointError(f"a {fmt} weight's input width {in_features} is not a multiple of {BLOCK}")
         if activations not in ACTIVATIONS:
@@ -79,16 +86,71 @@ class GGUFLinear(nn.Module):
         self.bias = bias
         self._tied = [tied]  # a list: not registered (the embedding owns it)
 
+    @classmethod
+    def split(cls, pieces: list[tuple[str, torch.Tensor]], in_features: int, bias: nn.Parameter | None,
+              activations: str = "fp32") -> GGUFLinear:
+        """A merged projection whose pieces the file stores in different formats of the kernel layer (a Q4_K_M
+        file's q and k in Q4_K, v in Q6_K): each piece's rows keep their own blocks and kernel."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._init_table(pieces, in_features, bias, None, activations)
+        return self
+
+    def _init_table(self, pieces: list[tuple[str, torch.Tensor]], in_features: int, bias: nn.Parameter | None,
+                    tied: nn.Parameter | None, activations: str) -> None:
+        """The kernel layer's formats: `parts` (kernel, rows, byte offset) over one buffer of the pieces' blocks."""
+        self.parts: list[tuple[kernel_layer.LinearKernel, int, int]] = []
+        offset = 0
+        for fmt, rows in pieces:
+            arith = "int8" if activations != "fp32" and kernel_layer.runs(fmt, "int8") else "fp32"
+            kernel = kernel_layer.linear_kernel(fmt, arith)
+            if in_features % kernel.qk:
+                raise CheckpointError(f"a {fmt} weight's input width {in_features} is not a multiple of {kernel.qk}")
+            self.parts.append((kernel, rows.shape[0], offset))
+            offset += rows.numel()
+        self.kernel = self.parts[0][0]
+        self.fmt = "+".join(dict.fromkeys(fmt for fmt, _ in pieces))
+        self.activations = "int8" if any(k.arith == "int8" for k, _, _ in self.parts) else "fp32"
+        self.kernel_fmt = "+".join(dict.fromkeys(k.name for k, _, _ in self.parts))
+        self.in_features, self.out_features = in_features, sum(n for _, n, _ in self.parts)
+        blocks = pieces[0][1].contiguous() if len(pieces) == 1 else torch.cat([r.reshape(-1) for _, r in pieces])
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.register_buffer("packed", None, persistent=False)
+        self.bias = bias
+        self._tied = [tied]
+
+    def part_blocks(self, i: int) -> torch.Tensor:
+        """Part i's blocks [rows, bytes a row] (a view of `blocks`)."""
+        kernel, rows, offset = self.parts[i]
+        return self.blocks.reshape(-1)[offset:offset + rows * self.in_features // kernel.qk * kernel.block_bytes] \
+            .view(rows, -1)
+
+    def _table_forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs, first = [], 0
+        for i, (kernel, rows, _) in enumerate(self.parts):
+            blocks = self.blocks if len(self.parts) == 1 else self.part_blocks(i)
+            bias = None if self.bias is None else self.bias[first:first + rows]
+            first += rows
+            outs.append(kernel_layer.linear(x, blocks, rows, kernel, bias))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
     @property
     def weight(self) -> torch.Tensor:
         """The fp32 weights (a tied embedding's own, else dequantised on demand: e.g. a drafter's reduced
         vocabulary takes rows of it at load)."""
         tied = self._tied[0]
-        return tied if tied is not None else dequantize(self.fmt, self.blocks, self.in_features)
+        if tied is not None:
+            return tied
+        if self.kernel is not None:
+            return torch.cat([torch.from_numpy(kernel_layer.dequantize(k.fmt, self.part_blocks(i)))
+                              .view(rows, self.in_features) for i, (k, rows, _) in enumerate(self.parts)])
+        return dequantize(self.fmt, self.blocks, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:  # training through it: the kernel has no backward
             return F.linear(x, self.weight, self.bias)
+        if self.kernel is not None:
+            return self._table_forward(x)
         return gguf_linear(x, self.kernel_weights, self.out_features, self.kernel_fmt, self.bias)
 
     @property
@@ -123,8 +185,8 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
     the kernel reads; returns the ready line's note ("" if none). `required` (`--quantization gguf`, or int8
     `activations`, which only the kernel runs): where the kernel cannot run, an error rather than the fp32
     weights."""
-    flag = "--quantization gguf" if activations == "fp32" else f"--activations {activations}"
-    required = required or activations != "fp32"
+    flag = "--quantization gguf" if activations in ("fp32", "auto") else f"--activations {activations}"
+    required = required or activations not in ("fp32", "auto")
     why = unavailable()
     if why:
         if required:
@@ -137,12 +199,14 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         raise ConfigError(f"{flag}: AVX-512 VNNI lanes cannot run here: {vnni_unavailable()} (--activations "
                           "int8-lanes runs in AVX2 lanes)")
     host_note = ""
-    if activations == "int8":  # the host's fastest: AMX tiles, else AVX-512 VNNI lanes, else AVX2 lanes
+    activations = _pinned_isa(activations)
+    if activations in ("int8", "auto"):  # the host's fastest: AMX tiles, else AVX-512 VNNI lanes, else AVX2 lanes
         if not tiles_unavailable():
             activations = "int8-tiles"
         elif not vnni_unavailable():
             activations, host_note = "int8-vnni", f" (AMX tiles: {tiles_unavailable()})"
         else:
+            activations = "int8"
             host_note = f" (AMX tiles: {tiles_unavailable()}; AVX-512 VNNI: {vnni_unavailable()})"
     activations = {"int8-lanes": "int8"}.get(activations, activations)  # the user's choice -> the kernel's
     if not gguf_path.is_file():
@@ -153,20 +217,36 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
     if dtypes != {torch.float32}:  # the blocks are checked against (and replace) fp32 weights, bit for bit
         raise ConfigError(f"the GGUF kernel takes float32 activations; this model holds "
                           f"{', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))} weights")
-    blocks = quantized_blocks(gguf_path, tuple(FORMATS))
+    table_formats = () if kernel_layer.unavailable() else kernel_layer.formats()
+    blocks = quantized_blocks(gguf_path, (*FORMATS, *table_formats))
     tied = bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
     embed = getattr(model, "embed_tokens", None)
     swapped: dict[str, int] = {}
     nbytes = 0
     for name, parent, child_name, child in _linears(model):
         pieces = _pieces(name, tied)
-        if not all(p in blocks for p in pieces) or len({blocks[p][0] for p in pieces}) != 1:
+        if not all(p in blocks for p in pieces):
+            continue
+        types = [blocks[p][0] for p in pieces]
+        if len(set(types)) != 1:  # a merged projection of several formats: the kernel layer's, piece by piece
+            if not all(t in table_formats and child.in_features % kernel_layer.block_of(t)[0] == 0 for t in types):
+                continue
+            got = dequantize(types[0], blocks[pieces[0]][1][:CHECK_ROWS], child.in_features)
+            if not torch.equal(got, child.weight.detach()[:CHECK_ROWS].float()):
+                raise CheckpointError(f"{gguf_path}: {name}'s blocks do not hold the converted checkpoint's "
+                                      "weights (a stale conversion? delete it from the cache)")
+            lin = GGUFLinear.split([blocks[p] for p in pieces], child.in_features, child.bias, activations)
+            setattr(parent, child_name, lin)
+            swapped[lin.fmt] = swapped.get(lin.fmt, 0) + 1
+            nbytes += lin.blocks.numel()
             continue
         fmt = blocks[pieces[0]][0]
         rows = torch.cat([blocks[p][1] for p in pieces]) if len(pieces) > 1 else blocks[pieces[0]][1]
         if tuple(rows.shape[:1]) != (child.out_features,):
             raise CheckpointError(f"{gguf_path}: {name}'s blocks have {rows.shape[0]} rows, the model "
                                   f"{child.out_features}")
+        if fmt in table_formats and child.in_features % kernel_layer.block_of(fmt)[0]:
+            continue  # (a width the format's blocks cannot hold: not written by llama.cpp)
         got = dequantize(fmt, rows[:CHECK_ROWS], child.in_features)
         if not torch.equal(got, child.weight.detach()[:CHECK_ROWS].float()):
             raise CheckpointError(f"{gguf_path}: {name}'s {fmt} blocks do not hold the converted checkpoint's "
@@ -178,6 +258,15 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         nbytes += rows.numel()
     if not swapped:
         return ""
+    embedding = _use_gguf_embedding(model, blocks)
+    return _note(model, activations, swapped, nbytes, host_note) + embedding
+
+
+def _note(model: nn.Module, activations: str, swapped: dict[str, int], nbytes: int, host_note: str) -> str:
+    """The ready line's note on the swapped linears."""
+    table = [m for m in model.modules() if isinstance(m, GGUFLinear) and m.kernel is not None]
+    if table:
+        return _table_note(swapped, nbytes, table)
     kinds = ", ".join(f"{n} {fmt}" for fmt, n in sorted(swapped.items()))
     if activations == "int8":
         packed = sum(m.packed.numel() for m in model.modules() if isinstance(m, GGUFLinear) and m.packed is not None)
@@ -199,3 +288,57 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
     isa = "AVX-512" if kernel_isa() == "avx512" else "AVX2"
     return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB) in specstep's {isa} kernel, "
             "batch-invariant; --quantization none for fp32 weights")
+
+
+# SPECSTEP_CPU_ISA (engine.kernels.binding) -> the older Q4_1 / Q8_0 kernel's int8 form on that ISA
+_OLD_KERNEL_INT8 = {"amx": "int8-tiles", "avx512": "int8-vnni", "avx2": "int8-lanes"}
+
+
+def _pinned_isa(activations: str) -> str:
+    """`int8` / `auto` where `SPECSTEP_CPU_ISA` pins an ISA: the older kernel's form on it (`amx` is that kernel's
+    only: the kernel layer has no AMX rows)."""
+    import os
+
+    isa = os.environ.get(kernel_layer.ISA_ENV, "")
+    if activations not in ("int8", "auto") or not isa:
+        return activations
+    if isa not in _OLD_KERNEL_INT8:
+        raise ConfigError(f"{kernel_layer.ISA_ENV}={isa!r}: one of {', '.join(_OLD_KERNEL_INT8)}")
+    return _OLD_KERNEL_INT8[isa]
+
+
+def _table_note(swapped: dict[str, int], nbytes: int, table: list[GGUFLinear]) -> str:
+    """The ready line's note for a model whose linears read the kernel layer's formats (some perhaps the older
+    kernel's Q4_1 / Q8_0)."""
+    kinds = ", ".join(f"{n} {fmt}" for fmt, n in sorted(swapped.items()))
+    ariths = sorted({m.activations for m in table})
+    isa = {"avx512": "AVX-512 VNNI", "avx2": "AVX2"}[table[0].kernel.isa]
+    acts = ("int8 activations (llama.cpp's arithmetic: not exact; --activations fp32 for exact)"
+            if "int8" in ariths else "fp32 activations (exact)")
+    mixed = " (16-bit tensors in fp32)" if len(ariths) > 1 else ""
+    return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB) in specstep's {isa} kernels, {acts}{mixed}, "
+            "batch-invariant")
+
+
+def _use_gguf_embedding(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) -> str:
+    """Swap a one-rank model's token embedding for a `GGUFEmbedding` over the file's blocks (checked against the
+    converted checkpoint's leading rows), and a tied `lm_head` onto those blocks alone: no fp32 table stays. The
+    ready line's note ("" if not swapped)."""
+    from specstep.engine.models.gguf_embedding import GGUFEmbedding
+
+    embed, entry = getattr(model, "embed_tokens", None), blocks.get("model.embed_tokens.weight")
+    tp = getattr(embed, "tp", None)
+    if entry is None or not isinstance(embed, nn.Embedding) or (tp is not None and tp.world_size != 1):
+        return ""
+    fmt, rows = entry
+    if rows.shape[0] != embed.num_embeddings:
+        return ""
+    gguf_embed = GGUFEmbedding(fmt, rows, embed.embedding_dim)
+    if not torch.equal(gguf_embed(torch.arange(CHECK_ROWS)), embed.weight.detach()[:CHECK_ROWS].float()):
+        raise CheckpointError(f"the file's {fmt} embedding does not hold the converted checkpoint's rows (a stale "
+                              "conversion? delete it from the cache)")
+    model.embed_tokens = gguf_embed
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, GGUFLinear) and head._tied[0] is embed.weight:
+        head._tied = [None]  # its `weight` dequantises its own blocks (the embedding's storage)
+    return f"; the embedding looked up in its {fmt} blocks ({rows.numel() / 2**20:.0f} MB)"

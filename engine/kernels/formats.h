@@ -1,0 +1,247 @@
+// GGUF's block formats as rows of one table (ggml's type traits, in this engine's terms). Each row says how a
+// block of `qk` weights lies in `bytes` bytes, and gives two views of it:
+//   dequant: the block's fp32 weights, bit for bit what `gguf.quants.dequantize` computes (the same fp32
+//            operations in the same order; the build does not contract them into FMAs), for fp32 activations;
+//   unpack:  the block in the int8 arithmetic's terms (int8 activations, `linear.inc`):
+//                w = d * (sc_j * u - off_j) + dm * mn_j        for value i of 16-value group j = i / 16
+//            with u the unsigned integer weights (0..63), sc_j / off_j / mn_j small integers and d / dm floats,
+//            so that a block's dot product with activations quantised as q (scale dx, group sums bs_j) is
+//                d dx (sum_i sc_j(i) u_i q_i - sum_j off_j bs_j) + dm dx (sum_j mn_j bs_j)
+//            in exact integers, then two fp32 products: llama.cpp's arithmetic for these formats (legacy formats
+//            against per-32 Q8 blocks, K-quants against per-256 Q8_K blocks with block sums).
+// Adding a format is adding a struct here and a row in kernels.cpp's table.
+#pragma once
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+namespace sk {
+constexpr int QK_K = 256;  // a K-quant super-block
+constexpr int GROUP = 16;  // the int8 arithmetic's group: activation block sums and weight scales per 16 values
+
+inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+inline float bf16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// One block's scalars in the int8 arithmetic's terms (see the header; the u come from the format's `chunk`, 32
+// at a time, in registers); groups past qk / 16 are unused.
+struct Unpacked {
+    int16_t sc[QK_K / GROUP];
+    alignas(32) int16_t off[QK_K / GROUP];  // (16-bit: a K-quant block's 16 terms in one vpmaddwd)
+    alignas(32) int16_t mn[QK_K / GROUP];
+    float d, dm;
+};
+
+// the K-quants' 6-bit scales and mins, 8 of each in 12 bytes (gguf's Q4_K.get_scale_min)
+inline void scale_min_k4(const uint8_t *s, int j, int &sc, int &mn) {
+    if (j < 4) {
+        sc = s[j] & 63;
+        mn = s[j + 4] & 63;
+    } else {
+        sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+        mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+}
+
+// 32 nibbles of 16 bytes: low nibbles to bytes 0-15, high ones to 16-31
+inline __m256i nibbles32(const uint8_t *b) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)b);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15));
+}
+
+// 0x10 in byte l where bit l of the 32 bits at b is set (llama.cpp's bytes_from_bits_32)
+inline __m256i high_bits32(const uint8_t *b) {
+    uint32_t x;
+    memcpy(&x, b, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
+    v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+// Q4_0: fp16 d, 16 bytes; byte l holds value l (low nibble) and l + 16 (high). w = d (q - 8).
+struct Q4_0 {
+    static constexpr int qk = 32, bytes = 18;
+    static constexpr bool int8 = true, has_off = true, has_min = false;
+    static inline __m256i chunk(const uint8_t *b, int) { return nibbles32(b + 2); }
+    static void dequant(const uint8_t *b, float *w) {
+        alignas(32) uint8_t u[32];
+        _mm256_store_si256((__m256i *)u, chunk(b, 0));
+        const float d = f16(b);
+        for (int l = 0; l < 32; l++) w[l] = d * (float)(u[l] - 8);
+    }
+    static void unpack(const uint8_t *b, Unpacked &u) {
+        u.sc[0] = u.sc[1] = 1, u.off[0] = u.off[1] = 8, u.d = f16(b), u.dm = 0.f;
+    }
+};
+
+// Q5_0: fp16 d, 32 high bits (bit l: value l's), 16 bytes of low nibbles as Q4_0's. w = d (q - 16).
+struct Q5_0 {
+    static constexpr int qk = 32, bytes = 22;
+    static constexpr bool int8 = true, has_off = true, has_min = false;
+    // the 32 values' q (b: from the high bits on)
+    static inline __m256i quants(const uint8_t *b) { return _mm256_or_si256(nibbles32(b + 4), high_bits32(b)); }
+    static inline __m256i chunk(const uint8_t *b, int) { return quants(b + 2); }
+    static void dequant(const uint8_t *b, float *w) {
+        alignas(32) uint8_t u[32];
+        _mm256_store_si256((__m256i *)u, quants(b + 2));
+        const float d = f16(b);
+        for (int l = 0; l < 32; l++) w[l] = d * (float)(u[l] - 16);
+    }
+    static void unpack(const uint8_t *b, Unpacked &u) {
+        u.sc[0] = u.sc[1] = 1, u.off[0] = u.off[1] = 16, u.d = f16(b), u.dm = 0.f;
+    }
+};
+
+// Q5_1: fp16 d, fp16 m, then Q5_0's bits. w = d q + m.
+struct Q5_1 {
+    static constexpr int qk = 32, bytes = 24;
+    static constexpr bool int8 = true, has_off = false, has_min = true;
+    static inline __m256i chunk(const uint8_t *b, int) { return Q5_0::quants(b + 4); }
+    static void dequant(const uint8_t *b, float *w) {
+        alignas(32) uint8_t u[32];
+        _mm256_store_si256((__m256i *)u, chunk(b, 0));
+        const float d = f16(b), m = f16(b + 2);
+        for (int l = 0; l < 32; l++) w[l] = d * (float)u[l] + m;
+    }
+    static void unpack(const uint8_t *b, Unpacked &u) {
+        u.sc[0] = u.sc[1] = 1, u.off[0] = u.off[1] = 0, u.mn[0] = u.mn[1] = 1, u.d = f16(b), u.dm = f16(b + 2);
+    }
+};
+
+// Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes; sub-block j (32 values) is the low
+// (j even) or high nibbles of bytes 32 (j / 2) .. + 31. w = (d sc_j) q - (dmin m_j).
+struct Q4_K {
+    static constexpr int qk = QK_K, bytes = 144;
+    static constexpr bool int8 = true, has_off = false, has_min = true;
+    static void dequant(const uint8_t *b, float *w) {
+        const float d = f16(b), dmin = f16(b + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            scale_min_k4(b + 4, j, sc, mn);
+            const float ds = d * (float)sc, dm = dmin * (float)mn;
+            alignas(32) uint8_t u[32];
+            _mm256_store_si256((__m256i *)u, chunk(b, j));
+            for (int l = 0; l < 32; l++) w[32 * j + l] = ds * (float)u[l] - dm;
+        }
+    }
+    // sub-block j's 32 values
+    static inline __m256i chunk(const uint8_t *b, int j) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (j / 2)));
+        return _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+    }
+    static void unpack(const uint8_t *b, Unpacked &u) {
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            scale_min_k4(b + 4, j, sc, mn);
+            u.sc[2 * j] = u.sc[2 * j + 1] = (int16_t)sc, u.mn[2 * j] = u.mn[2 * j + 1] = (int16_t)mn;
+            u.off[2 * j] = u.off[2 * j + 1] = 0;
+        }
+        u.d = f16(b), u.dm = -f16(b + 2);
+    }
+};
+
+// Q5_K: Q4_K's header, 32 bytes of high bits (bit j of byte l: value 32 j + l's), then Q4_K's 128 bytes.
+struct Q5_K {
+    static constexpr int qk = QK_K, bytes = 176;
+    static constexpr bool int8 = true, has_off = false, has_min = true;
+    static void dequant(const uint8_t *b, float *w) {
+        const float d = f16(b), dmin = f16(b + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            scale_min_k4(b + 4, j, sc, mn);
+            const float ds = d * (float)sc, dm = dmin * (float)mn;
+            alignas(32) uint8_t u[32];
+            _mm256_store_si256((__m256i *)u, chunk(b, j));
+            for (int l = 0; l < 32; l++) w[32 * j + l] = ds * (float)u[l] - dm;
+        }
+    }
+    static inline __m256i chunk(const uint8_t *b, int j) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * (j / 2)));
+        const __m256i lo = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    }
+    static void unpack(const uint8_t *b, Unpacked &u) {
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            scale_min_k4(b + 4, j, sc, mn);
+            u.sc[2 * j] = u.sc[2 * j + 1] = (int16_t)sc, u.mn[2 * j] = u.mn[2 * j + 1] = (int16_t)mn;
+            u.off[2 * j] = u.off[2 * j + 1] = 0;
+        }
+        u.d = f16(b), u.dm = -f16(b + 2);
+    }
+};
+
+// Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16 values), fp16 d.
+// Value 128 h + r: low nibble of byte 64 h + r % 64 (shifted 4 (r / 64)), high bits 2 (r / 32) of byte
+// 128 + 32 h + r % 32. w = (d sc_j) (q - 32).
+struct Q6_K {
+    static constexpr int qk = QK_K, bytes = 210;
+    static constexpr bool int8 = true, has_off = true, has_min = false;
+    // values 32 c .. 32 c + 31
+    static inline __m256i chunk(const uint8_t *b, int c) {
+        const int h = c / 4, r = c % 4;
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (r & 1)));
+        const __m256i hi = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        const __m256i l4 = _mm256_and_si256(r & 2 ? _mm256_srli_epi16(lo, 4) : lo, _mm256_set1_epi8(15));
+        const __m256i h2 = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * r)), _mm256_set1_epi8(3));
+        return _mm256_or_si256(l4, _mm256_slli_epi16(h2, 4));
+    }
+    static void dequant(const uint8_t *b, float *w) {
+        const float d = f16(b + 208);
+        alignas(32) uint8_t u[32];
+        for (int c = 0; c < 8; c++) {
+            _mm256_store_si256((__m256i *)u, chunk(b, c));
+            for (int g = 0; g < 2; g++) {
+                const float ds = d * (float)(int8_t)b[192 + 2 * c + g];
+                for (int l = 0; l < 16; l++) w[32 * c + 16 * g + l] = ds * (float)(u[16 * g + l] - 32);
+            }
+        }
+    }
+    static void unpack(const uint8_t *b, Unpacked &u) {
+        for (int j = 0; j < 16; j++) {
+            const int sc = (int8_t)b[192 + j];
+            u.sc[j] = (int16_t)sc, u.off[j] = (int16_t)(32 * sc);
+        }
+        u.d = f16(b + 208), u.dm = 0.f;
+    }
+};
+
+// F16 / BF16 tensors, read 32 values at a time: fp32 activations only (exact widening).
+struct F16 {
+    static constexpr int qk = 32, bytes = 64;
+    static constexpr bool int8 = false, has_off = false, has_min = false;
+    static void dequant(const uint8_t *b, float *w) {
+        for (int c = 0; c < 4; c++)
+            _mm256_storeu_ps(w + 8 * c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * c))));
+    }
+    static inline __m256i chunk(const uint8_t *, int) { return _mm256_setzero_si256(); }
+    static void unpack(const uint8_t *, Unpacked &) {}
+};
+
+struct BF16 {
+    static constexpr int qk = 32, bytes = 64;
+    static constexpr bool int8 = false, has_off = false, has_min = false;
+    static void dequant(const uint8_t *b, float *w) {
+        for (int c = 0; c < 4; c++) {
+            const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + 16 * c)));
+            _mm256_storeu_ps(w + 8 * c, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+        }
+    }
+    static inline __m256i chunk(const uint8_t *, int) { return _mm256_setzero_si256(); }
+    static void unpack(const uint8_t *, Unpacked &) {}
+};
+}  // namespace sk

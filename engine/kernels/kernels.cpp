@@ -1,0 +1,191 @@
+// specstep's CPU kernel layer: GGUF block formats (formats.h) times fp32 or int8 activations (linear.inc), one
+// dispatch table keyed by names (weight format x activation arithmetic x ISA), one C surface (binding.py).
+//
+// linear.inc is written once and compiled once per ISA inside that ISA's namespace, after its SIMD layer:
+//   avx2    AVX2 + FMA + F16C (the build's baseline flags): int8 products by vpmaddubsw + vpmaddwd;
+//   avx512  AVX-512 F/BW/VL/DQ + VNNI (a target region): int8 products by vpdpbusd.
+// Both form the same exact integer sums and the same fp32 operations, so they give the same bits (tested); the
+// host probe (`sk_isa_runs`) says which run here.
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "formats.h"
+#include "quantize.h"
+
+namespace sk {
+namespace avx2 {
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+// bytes 0-15 scaled by a, 16-31 by b: as 16-bit lanes (vpmaddwd's second operand)
+inline __m256i scales(int16_t a, int16_t b) {
+    return _mm256_set_m128i(_mm_set1_epi16(b), _mm_set1_epi16(a));
+}
+// 8 int32 lanes, lane k: sc * sum of bytes 4k..4k+3's products (u unsigned <= 63, q signed: no saturation)
+inline __m256i dot_scaled(__m256i u, __m256i q, __m256i sc) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), sc);
+}
+#include "linear.inc"
+}  // namespace avx2
+}  // namespace sk
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+namespace sk {
+namespace avx512 {
+using avx2::hsum;
+using avx2::hsum_i32;
+// bytes 0-15 scaled by a, 16-31 by b: as 32-bit lanes (vpmulld's operand)
+inline __m256i scales(int16_t a, int16_t b) {
+    return _mm256_set_m128i(_mm_set1_epi32(b), _mm_set1_epi32(a));
+}
+inline __m256i dot_scaled(__m256i u, __m256i q, __m256i sc) {
+    return _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q), sc);
+}
+#include "linear.inc"
+}  // namespace avx512
+}  // namespace sk
+#pragma GCC pop_options
+
+namespace sk {
+using Fp32Fn = void (*)(const float *, int64_t, int64_t, const uint8_t *, int64_t, const float *, float *, int64_t,
+                        int64_t);
+using Int8Fn = void (*)(const XQ &, int64_t, const uint8_t *, int64_t, const float *, float *, int64_t, int64_t);
+using DequantFn = void (*)(const uint8_t *, float *);
+
+// One row of the table: a kernel and what it reads.
+struct Kernel {
+    const char *format, *arith, *isa;
+    int qk, bytes;
+    Fp32Fn fp32;  // set for arith "fp32"
+    Int8Fn int8;  // set for arith "int8"
+};
+
+struct Format {
+    const char *name;
+    int qk, bytes;
+    DequantFn dequant;
+};
+
+#define SK_FORMAT(F) Format{#F, F::qk, F::bytes, F::dequant}
+const Format FORMATS[] = {SK_FORMAT(Q4_0), SK_FORMAT(Q5_0), SK_FORMAT(Q5_1), SK_FORMAT(Q4_K),
+                          SK_FORMAT(Q5_K), SK_FORMAT(Q6_K), SK_FORMAT(F16),  SK_FORMAT(BF16)};
+
+#define SK_FP32(F, ISA) Kernel{#F, "fp32", #ISA, F::qk, F::bytes, ISA::fp32_range<F>, nullptr}
+#define SK_INT8(F, ISA) Kernel{#F, "int8", #ISA, F::qk, F::bytes, nullptr, ISA::int8_range<F>}
+#define SK_BLOCKS(F) SK_FP32(F, avx2), SK_FP32(F, avx512), SK_INT8(F, avx2), SK_INT8(F, avx512)
+#define SK_WIDE(F) SK_FP32(F, avx2), SK_FP32(F, avx512)
+const Kernel TABLE[] = {SK_BLOCKS(Q4_0), SK_BLOCKS(Q5_0), SK_BLOCKS(Q5_1), SK_BLOCKS(Q4_K),
+                        SK_BLOCKS(Q5_K), SK_BLOCKS(Q6_K), SK_WIDE(F16),    SK_WIDE(BF16)};
+constexpr int TABLE_SIZE = sizeof(TABLE) / sizeof(TABLE[0]);
+
+// A C++ caller's handle on a row (decode_layers.cpp's `fmt` field): TABLE_BIT | row << 4, apart from the older
+// kernel's small fmt codes and clear of their flag bits (1-3).
+constexpr int64_t TABLE_BIT = 1 << 16;
+inline const Kernel *from_handle(int64_t handle) {
+    const int64_t row = (handle & ~TABLE_BIT) >> 4;
+    return (handle & TABLE_BIT) && !(handle & 15) && row >= 0 && row < TABLE_SIZE ? &TABLE[row] : nullptr;
+}
+
+inline bool isa_runs(const char *isa) {
+    if (!strcmp(isa, "avx2")) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (!strcmp(isa, "avx512"))
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("avx512vnni");
+    return false;
+}
+
+// Scratch bytes kernel `k` needs for M rows of width K on one thread (the quantised rows; none for fp32).
+inline int64_t scratch_bytes(const Kernel &k, int64_t M, int64_t K) { return k.int8 ? xq_bytes(M, K, k.qk) : 0; }
+
+// Weight rows [n0, n1) on the calling thread, x quantised into `scratch` first (int8): the same bits as
+// sk_linear's. For callers that split a linear's rows over their own threads (decode_layers.cpp).
+inline void linear_range(const Kernel &k, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                         const float *bias, float *y, int64_t n0, int64_t n1, void *scratch) {
+    if (k.fp32) return k.fp32(x, M, K, w, N, bias, y, n0, n1);
+    const XQ xq = xq_view(scratch, M, K, k.qk);
+    for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
+    k.int8(xq, M, w, N, bias, y, n0, n1);
+}
+}  // namespace sk
+
+extern "C" {
+// The table's row for these names, or -1 (no such row), -2 (the ISA does not run on this CPU).
+int sk_lookup(const char *format, const char *arith, const char *isa) {
+    for (int i = 0; i < sk::TABLE_SIZE; i++) {
+        const sk::Kernel &k = sk::TABLE[i];
+        if (!strcmp(k.format, format) && !strcmp(k.arith, arith) && !strcmp(k.isa, isa))
+            return sk::isa_runs(isa) ? i : -2;
+    }
+    return -1;
+}
+
+int sk_table_size(void) { return sk::TABLE_SIZE; }
+
+// Row i's names as "format/arith/isa" into out (at least 64 bytes).
+void sk_row_name(int i, char *out) {
+    const sk::Kernel &k = sk::TABLE[i];
+    snprintf(out, 64, "%s/%s/%s", k.format, k.arith, k.isa);
+}
+
+int sk_isa_runs(const char *isa) { return sk::isa_runs(isa); }
+
+// A format's block: values and bytes; 0, or -1 for an unknown name.
+int sk_format(const char *format, int64_t *qk, int64_t *bytes) {
+    for (const sk::Format &f : sk::FORMATS)
+        if (!strcmp(f.name, format)) {
+            *qk = f.qk, *bytes = f.bytes;
+            return 0;
+        }
+    return -1;
+}
+
+// nblocks blocks of `format` -> their fp32 weights (gguf's bits), over `threads` threads. 0, or -1.
+int sk_dequantize(const char *format, const uint8_t *blocks, int64_t nblocks, float *out, int threads) {
+    for (const sk::Format &f : sk::FORMATS)
+        if (!strcmp(f.name, format)) {
+            #pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t b = 0; b < nblocks; b++) f.dequant(blocks + b * f.bytes, out + b * f.qk);
+            return 0;
+        }
+    return -1;
+}
+
+// y [M, N] = x [M, K] @ W.T (+ bias [N]) by table row `kernel`, W as [N, K / qk] blocks. x's rows quantised once
+// (int8: the threads split them), then the threads split the weight rows. 0, -1 (a bad row or K), -2 (no memory).
+int sk_linear(int kernel, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
+              float *y, int threads) {
+    if (kernel < 0 || kernel >= sk::TABLE_SIZE || K % sk::TABLE[kernel].qk) return -1;
+    const sk::Kernel &k = sk::TABLE[kernel];
+    void *scratch = nullptr;
+    if (k.int8 && !(scratch = aligned_alloc(64, (sk::scratch_bytes(k, M, K) + 63) / 64 * 64))) return -2;
+    const sk::XQ xq = sk::xq_view(scratch, M, K, k.qk);
+    #pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (k.int8) {
+            for (int64_t r = M * t / nt; r < M * (t + 1) / nt; r++) sk::quantize_row(x, xq, r);
+            #pragma omp barrier
+            k.int8(xq, M, w, N, bias, y, N * t / nt, N * (t + 1) / nt);
+        } else {
+            k.fp32(x, M, K, w, N, bias, y, N * t / nt, N * (t + 1) / nt);
+        }
+    }
+    free(scratch);
+    return 0;
+}
+}

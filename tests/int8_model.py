@@ -1,0 +1,90 @@
+"""A numpy model of the kernel layer's int8 arithmetic (`engine/kernels/formats.h`, `quantize.h`, `linear.inc`),
+written from the GGUF block layouts: the integer quants, sub-block scales, offsets and mins of each block, the
+activations' per-block quantisation, then per block the exact integer dot product and two fp32 products added in
+block order. The kernels must match it bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf.quants import Q4_K
+
+GROUP = 16
+
+
+def _f16(raw: np.ndarray, at: int) -> np.ndarray:
+    return np.ascontiguousarray(raw[:, at:at + 2]).view(np.float16).astype(np.float32)[:, 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    return np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int64)
+
+
+def _high_bits(raw: np.ndarray, at: int) -> np.ndarray:
+    qh = np.ascontiguousarray(raw[:, at:at + 4]).view(np.uint32)[:, 0]
+    return ((qh[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64)
+
+
+def unpack(fmt: str, blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """blocks [nblk, bytes] -> u [nblk, qk], sc / off / mn [nblk, qk / 16] (int64), d / dm [nblk] (float32):
+    w = d (sc u - off) + dm mn, per 16-value group."""
+    n = blocks.shape[0]
+    ones, zeros = np.ones((n, 2), np.int64), np.zeros((n, 2), np.int64)
+    if fmt == "Q4_0":
+        return _nibbles(blocks[:, 2:18]), ones, 8 * ones, zeros, _f16(blocks, 0), np.zeros(n, np.float32)
+    if fmt == "Q5_0":
+        u = _nibbles(blocks[:, 6:22]) | (_high_bits(blocks, 2) << 4)
+        return u, ones, 16 * ones, zeros, _f16(blocks, 0), np.zeros(n, np.float32)
+    if fmt == "Q5_1":
+        u = _nibbles(blocks[:, 8:24]) | (_high_bits(blocks, 4) << 4)
+        return u, ones, zeros, ones, _f16(blocks, 0), _f16(blocks, 2)
+    if fmt in ("Q4_K", "Q5_K"):
+        sc, mn = (np.repeat(a.astype(np.int64), 2, axis=1) for a in Q4_K.get_scale_min(blocks[:, 4:16].copy()))
+        qs = blocks[:, 16:144] if fmt == "Q4_K" else blocks[:, 48:176]
+        u = np.concatenate([_nibbles(qs[:, 32 * c:32 * c + 32]) for c in range(4)], axis=1)
+        if fmt == "Q5_K":
+            qh = blocks[:, 16:48].astype(np.int64)
+            u = u | np.concatenate([((qh >> j) & 1) << 4 for j in range(8)], axis=1)
+        return u, sc, np.zeros_like(sc), mn, _f16(blocks, 0), -_f16(blocks, 2)
+    if fmt == "Q6_K":
+        ql, qh = blocks[:, :128].astype(np.int64), blocks[:, 128:192].astype(np.int64)
+        u = np.zeros((n, 256), np.int64)
+        for h in range(2):
+            for r in range(128):
+                lo = (ql[:, 64 * h + r % 64] >> (4 * (r // 64))) & 15
+                hi = (qh[:, 32 * h + r % 32] >> (2 * (r // 32))) & 3
+                u[:, 128 * h + r] = lo | (hi << 4)
+        sc = blocks[:, 192:208].view(np.int8).astype(np.int64)
+        return u, sc, 32 * sc, np.zeros_like(sc), _f16(blocks, 208), np.zeros(n, np.float32)
+    raise ValueError(f"no int8 arithmetic for {fmt}")
+
+
+def quantize(x: np.ndarray, qk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [M, K] float32 -> q [M, K / qk, qk], dx [M, K / qk] float32, bs [M, K / 16] int64."""
+    m, k = x.shape
+    xb = x.reshape(m, k // qk, qk)
+    amax = np.abs(xb).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * inv[..., None]), -127, 127).astype(np.int64)
+    return q, (amax / np.float32(127)).astype(np.float32), q.reshape(m, k // GROUP, GROUP).sum(-1)
+
+
+def linear(fmt: str, qk: int, x: np.ndarray, blocks: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [M, K] float32 @ W.T by the int8 arithmetic, W as blocks [N, K / qk * bytes] uint8."""
+    m, k = x.shape
+    n, nb = blocks.shape[0], k // qk
+    u, sc, off, mn, d, dm = unpack(fmt, blocks.reshape(n * nb, -1))
+    g = qk // GROUP
+    u, sc, off, mn = u.reshape(n, nb, qk), sc.reshape(n, nb, g), off.reshape(n, nb, g), mn.reshape(n, nb, g)
+    d, dm = d.reshape(n, nb), dm.reshape(n, nb)
+    q, dx, bs = quantize(x, qk)
+    bs = bs.reshape(m, nb, g)
+    acc = np.zeros((m, n), np.float32)
+    for b in range(nb):
+        dots = np.einsum("mgi,ngi->mng", q[:, b].reshape(m, g, GROUP), u[:, b].reshape(n, g, GROUP))
+        isum = (dots * sc[None, :, b]).sum(-1) - (bs[:, None, b] * off[None, :, b]).sum(-1)
+        acc = acc + (d[None, :, b] * dx[:, None, b]) * isum.astype(np.float32)
+        if fmt in ("Q5_1", "Q4_K", "Q5_K"):
+            imin = (bs[:, None, b] * mn[None, :, b]).sum(-1)
+            acc = acc + (dm[None, :, b] * dx[:, None, b]) * imin.astype(np.float32)
+    return acc if bias is None else acc + bias[None, :].astype(np.float32)
