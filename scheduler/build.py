@@ -42,7 +42,7 @@ from specstep.scheduler.core.engine_core import EngineCore, SchedulerConfig  # n
 from specstep.scheduler.core.page_allocator import PageAllocator  # noqa: E402
 from specstep.scheduler.core.prefill_budget import resolve_budget  # noqa: E402
 from specstep.scheduler.parallel.tp_group import start_tp_group  # noqa: E402
-from specstep.scheduler.spec.cost_store import StepCostStore, host_id  # noqa: E402
+from specstep.scheduler.spec import cost_store  # noqa: E402
 from specstep.scheduler.spec.governor import GovernorConfig  # noqa: E402
 from specstep.scheduler.spec.policy import AdaptivePolicy, PolicyConfig  # noqa: E402
 from specstep.traces.tracer import NULL_TRACER, Tracer  # noqa: E402
@@ -284,13 +284,14 @@ def policy_config(cfg: EngineConfig, k_max: int, candidates: tuple[int, ...] | N
                         governor=GovernorConfig(delta=cfg.spec_delta, epsilon=epsilon))
 
 
-def step_cost_store(cfg: EngineConfig, engine: StepEngine, graph_ks: tuple[int, ...] | None) -> StepCostStore | None:
+def step_cost_store(cfg: EngineConfig, engine: StepEngine,
+                    graph_ks: tuple[int, ...] | None) -> cost_store.StepCostStore | None:
     """Where the adaptive policy keeps its measured step costs across runs: per model, proposer, host and kernel
     plan (`scheduler.spec.cost_store`); None without a proposer or with a fixed k."""
     if engine.proposer is None or cfg.spec_policy != "adaptive":
         return None
     device = engine.device
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else host_id()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cost_store.host_id()
     key = {"model": str(Path(cfg.model).resolve()), "spec": cfg.spec,
            "draft": str(Path(cfg.draft_path).resolve()) if cfg.draft_path else "", "host": where,
            "kernels": describe_cpu_kernels(engine.target), "dtype": str(engine.target.embed_tokens.weight.dtype),
@@ -298,7 +299,7 @@ def step_cost_store(cfg: EngineConfig, engine: StepEngine, graph_ks: tuple[int, 
            "graphs": ",".join(map(str, graph_ks)) if graph_ks else "eager", "attention": cfg.attention,
            "k_max": str(cfg.num_spec_tokens), "draft_vocab": str(cfg.draft_vocab),
            "tensor_parallel_size": str(cfg.tensor_parallel_size)}
-    return StepCostStore(cache_root(), key)
+    return cost_store.StepCostStore(cost_store.store_folder(), key)
 
 
 def install_attention(cfg: EngineConfig, engine: StepEngine, max_kv_len: int, dtype: torch.dtype,

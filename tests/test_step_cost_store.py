@@ -11,8 +11,10 @@ import logging
 import numpy as np
 import pytest
 
+from specstep.engine.model_source import cache_root
 from specstep.engine.sampling_params import SamplingParams
-from specstep.scheduler.spec.cost_store import StepCostStore
+from specstep.scheduler.spec import cost_store
+from specstep.scheduler.spec.cost_store import StepCostStore, store_folder
 from specstep.scheduler.spec.decision import RequestAcceptance
 from specstep.scheduler.spec.policy import AdaptivePolicy
 from tests.helpers import make_core, run_to_completion
@@ -72,7 +74,7 @@ def test_another_key_is_another_file(tmp_path):
 ], ids=["corrupt", "not-a-table", "version", "key", "negative", "bad-name", "not-a-number", "nan"])
 def test_a_bad_file_is_ignored_with_a_warning(tmp_path, caplog, content):
     store = StepCostStore(tmp_path, KEY)
-    store.path.parent.mkdir(parents=True)
+    store.path.parent.mkdir(parents=True, exist_ok=True)
     store.path.write_text(content)
     with caplog.at_level(logging.WARNING, logger="specstep.spec"):
         result = run(store)
@@ -84,6 +86,8 @@ def test_a_bad_file_is_ignored_with_a_warning(tmp_path, caplog, content):
 
 def test_engine_keeps_its_costs_in_the_user_cache(tiny_target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSTEP_CACHE", str(tmp_path))
+    assert store_folder() == cache_root() / "step_costs" == tmp_path / "step_costs"
+    monkeypatch.setattr(cost_store, "store_folder", store_folder)  # (tests keep theirs apart: tests/conftest.py)
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     core = make_core(tiny_target, spec="ngram", spec_policy="adaptive", overlap=False)
     assert not core.policy.prior_loaded

@@ -26,12 +26,18 @@ import os
 import platform
 from pathlib import Path
 
+from specstep.engine.model_source import cache_root
 from specstep.scheduler.spec.costs import StepCosts
 
 log = logging.getLogger("specstep.spec")
 
 VERSION = 1
 FOLDER = "step_costs"
+
+
+def store_folder() -> Path:
+    """Where every key's file lives: the user cache's `step_costs` folder."""
+    return cache_root() / FOLDER
 
 
 def host_id() -> str:
@@ -51,12 +57,12 @@ def host_id() -> str:
 
 
 class StepCostStore:
-    """One key's stored costs (`key`: what they were measured under, every value a string)."""
+    """One key's stored costs (`key`: what they were measured under, every value a string) in `folder`."""
 
     def __init__(self, folder: Path, key: dict[str, str]) -> None:
         self.key = dict(sorted(key.items()))
         digest = hashlib.sha256(json.dumps(self.key).encode()).hexdigest()[:16]
-        self.path = folder / FOLDER / f"{digest}.json"
+        self.path = folder / f"{digest}.json"
 
     def load(self, costs: StepCosts) -> bool:
         """Seed `costs` with the stored prior; False (and a warning where a file was there) when there is none."""
