@@ -18,6 +18,10 @@ the gap between a request's consecutive token-carrying outputs, as a streaming c
 
 `--streams`: the engine's stream path, inline (the CPU default) or overlap (the worker-thread stream that
 stands in for CUDA's: step N+1 decided and built while step N runs; one torch thread, as serve sets it).
+
+The held-out shape (`--heldout`; `heldout.py`): what a user's `specstep generate` sees, every engine started afresh.
+
+    python -m benchmarks.bench_policy --heldout [--rounds 3] [--out benchmarks/results/policy_heldout.json]
 """
 
 from __future__ import annotations
@@ -153,7 +157,14 @@ def main() -> None:
     ap.add_argument("--wave", type=int, default=1, help="requests per wave, in multiples of the concurrency")
     ap.add_argument("--streams", default="inline", help="inline, overlap or both (comma-separated)")
     ap.add_argument("--json", type=Path, default=None, help="also write every measurement here")
+    ap.add_argument("--heldout", action="store_true", help="the held-out shape instead (see benchmarks/heldout.py)")
+    ap.add_argument("--out", type=Path, default=None, help="--heldout: where to write the results")
     args = ap.parse_args()
+    if args.heldout:
+        from benchmarks.heldout import run_heldout
+
+        run_heldout(max(args.rounds, 3), args.out)
+        return
     settings = args.settings.split(",")
     gguf = pretrained_gguf()
     all_rows = []

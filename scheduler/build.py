@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning OpenMP threads starve the other core
 
@@ -40,6 +41,7 @@ from specstep.scheduler.core.engine_core import EngineCore, SchedulerConfig  # n
 from specstep.scheduler.core.page_allocator import PageAllocator  # noqa: E402
 from specstep.scheduler.core.prefill_budget import resolve_budget  # noqa: E402
 from specstep.scheduler.parallel.tp_group import start_tp_group  # noqa: E402
+from specstep.scheduler.spec import cost_store  # noqa: E402
 from specstep.scheduler.spec.governor import GovernorConfig  # noqa: E402
 from specstep.scheduler.spec.policy import AdaptivePolicy, PolicyConfig  # noqa: E402
 from specstep.traces.tracer import NULL_TRACER, Tracer  # noqa: E402
@@ -124,7 +126,8 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     sched = SchedulerConfig(max_batch_size=cfg.max_batch_size, max_prefill_tokens=cfg.max_prefill_tokens,
                             prefill_budget=budget, num_spec_tokens=cfg.num_spec_tokens if proposer else 0,
                             max_model_len=max_len, spec_max_len=spec_max_len)
-    policy = AdaptivePolicy(policy_config(cfg, sched.num_spec_tokens, ks if parts.capture is not None else None))
+    policy = AdaptivePolicy(policy_config(cfg, sched.num_spec_tokens, ks if parts.capture is not None else None),
+                            step_cost_store(cfg, step_engine, ks if parts.capture is not None else None))
     core = EngineCore(engine, PageAllocator(num_pages, cfg.page_size), sched, eos, policy=policy,
                       stream=make_stream(step_engine.device, cfg.overlap), tracer=tracer)
     info = EngineInfo(num_pages=num_pages, page_size=cfg.page_size, max_model_len=max_len,
@@ -280,6 +283,24 @@ def policy_config(cfg: EngineConfig, k_max: int, candidates: tuple[int, ...] | N
                         itl_budget=cfg.spec_itl_budget, keeps_draft_kv=cfg.spec in ("draft_model", "mtp"),
                         cost_shape="rows" if cfg.spec == "ngram" and candidates is None else "lanes",
                         governor=GovernorConfig(delta=cfg.spec_delta, epsilon=epsilon))
+
+
+def step_cost_store(cfg: EngineConfig, engine: StepEngine,
+                    graph_ks: tuple[int, ...] | None) -> cost_store.StepCostStore | None:
+    """Where the adaptive policy keeps its measured step costs across runs: per model, proposer, host and kernel
+    plan (`scheduler.spec.cost_store`); None without a proposer or with a fixed k."""
+    if engine.proposer is None or cfg.spec_policy != "adaptive":
+        return None
+    device = engine.device
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cost_store.host_id()
+    key = {"model": str(Path(cfg.model).resolve()), "spec": cfg.spec,
+           "draft": str(Path(cfg.draft_path).resolve()) if cfg.draft_path else "", "host": where,
+           "kernels": describe_cpu_kernels(engine.target), "dtype": str(engine.target.embed_tokens.weight.dtype),
+           "threads": str(torch.get_num_threads()), "stream": "overlap" if cfg.overlap else "inline",
+           "graphs": ",".join(map(str, graph_ks)) if graph_ks else "eager", "attention": cfg.attention,
+           "k_max": str(cfg.num_spec_tokens), "draft_vocab": str(cfg.draft_vocab),
+           "tensor_parallel_size": str(cfg.tensor_parallel_size)}
+    return cost_store.StepCostStore(cost_store.store_folder(), key)
 
 
 def install_attention(cfg: EngineConfig, engine: StepEngine, max_kv_len: int, dtype: torch.dtype,

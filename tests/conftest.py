@@ -6,6 +6,14 @@ import torch
 from tests.helpers import make_checkpoint
 
 
+@pytest.fixture(autouse=True)
+def step_costs_apart(tmp_path_factory, monkeypatch):
+    """Every test starts without stored step costs and keeps what it measures to itself (an engine otherwise
+    reads and writes the user cache's, and one run's costs would be the next one's prior)."""
+    folder = tmp_path_factory.mktemp("step_costs")
+    monkeypatch.setattr("specstep.scheduler.spec.cost_store.store_folder", lambda: folder)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -3,7 +3,9 @@
 
 A scenario gives the cost of a step, cost(batch, num_draft, refill, tokens_so_far) in seconds, and each
 request's per-position acceptance, alpha(request_id, tokens_so_far). Catch-up after dropped refills costs
-`catch_up_per_token` per skipped token. Tokens are all 1 (no EOS): requests end at max_tokens.
+`catch_up_per_token` per skipped token. `off_cost`: what a model proposer adds to a step in which nobody drafts,
+as a fraction of that step's cost (its bookkeeping while off; a plain engine, without a proposer, never pays it).
+Tokens are all 1 (no EOS): requests end at max_tokens.
 
 `overlap=True` runs the core on `SimStream`, a stream that is not an `InlineStream`, so the core takes the
 pipelined path a GPU runs (step N+1 decided and launched before step N is read back), yet runs each job at
@@ -26,6 +28,7 @@ from specstep.engine.stream import DeviceStream, StepHandle, ThreadStream
 from specstep.scheduler.core.engine_core import EngineCore, SchedulerConfig
 from specstep.scheduler.core.page_allocator import PageAllocator
 from specstep.scheduler.core.request import Request
+from specstep.scheduler.spec.cost_store import StepCostStore
 from specstep.scheduler.spec.policy import AdaptivePolicy, PolicyConfig
 
 
@@ -98,6 +101,7 @@ class Scenario:
     alpha: Callable[[str, int], float]
     catch_up_per_token: float = 2e-5  # an MTP head: about 1 / num_layers of a prefill token
     prefill_per_token: float = 1e-5
+    off_cost: float = 0.0  # a model proposer's cost in a step without drafts, as a fraction of that step
 
 
 @dataclass
@@ -145,7 +149,10 @@ class SimStepEngine:
     def run_decode(self, ctx: SimContext) -> StepOutput:
         b, nd = len(ctx.seqs), ctx.num_draft
         k = int(nd.max(initial=0))
-        self.clock.now += self.scenario.cost(b, nd, ctx.refill and self.has_draft_model, self.tokens)
+        cost = self.scenario.cost(b, nd, ctx.refill and self.has_draft_model, self.tokens)
+        if k == 0 and self.has_draft_model:
+            cost *= 1.0 + self.scenario.off_cost
+        self.clock.now += cost
         accepted = np.zeros(b, dtype=np.int64)
         for i, s in enumerate(ctx.seqs):
             a = self.scenario.alpha(s.request_id, self.tokens)
@@ -190,13 +197,14 @@ class SimResult:
 
 def simulate(scenario: Scenario, proposer: str | None, arrivals: list[tuple[int, str, int | None]],
              max_tokens: int, policy: PolicyConfig | None = None, seed: int = 0, overlap: bool = False,
-             prompt_len: int = 3, real_time: bool = False) -> SimResult:
+             prompt_len: int = 3, real_time: bool = False, store: StepCostStore | None = None) -> SimResult:
     """arrivals: (tokens emitted when it arrives, request id, fixed k or None) per request. `real_time`: costs
-    are slept and the core runs on the real streams (overlap: the CPU worker thread) and the real clock."""
+    are slept and the core runs on the real streams (overlap: the CPU worker thread) and the real clock. `store`:
+    the policy's step costs carried across runs (loaded at start, written when the core closes)."""
     clock = SleepClock() if real_time else SimClock()
     engine = SimStepEngine(scenario, clock, SimProposer(proposer) if proposer else None, seed=seed)
     k_max = policy.k_max if policy is not None else 0
-    pol = AdaptivePolicy(policy) if policy is not None else None
+    pol = AdaptivePolicy(policy, store) if policy is not None else None
     core = EngineCore(engine, PageAllocator(8192, 16), SchedulerConfig(max_batch_size=64, num_spec_tokens=k_max,
                                                                         max_model_len=100_000),
                       policy=pol, clock=clock,
@@ -216,7 +224,7 @@ def simulate(scenario: Scenario, proposer: str | None, arrivals: list[tuple[int,
         core.step()
         chosen.append(core.policy.current_k)
     core.check_integrity()
-    core.stream.close()
+    core.close()
     # Tokens the requests received: with overlap, a lane of a request that finished one step earlier is wasted.
     return SimResult(sum(r.num_output_tokens for r in reqs), clock.now - start, engine.steps, reqs, core, chosen,
                      engine.trace)

@@ -187,8 +187,9 @@ def test_cuda_bf16_mtp_greedy_equals_plain(graphs):
 
 # ---- FlashInfer vs torch -------------------------------------------------------------------------------------
 
-needs_flashinfer = pytest.mark.skipif(not fib.AVAILABLE, reason="flashinfer is not importable (bring its wheels in "
-                                                                  ".whl/ for scripts/gpu_check.sh, see docs/testing.md)")
+needs_flashinfer = pytest.mark.skipif(
+    not fib.AVAILABLE,
+    reason="flashinfer is not importable (bring its wheels in .whl/ for scripts/gpu_check.sh, see docs/testing.md)")
 FI_PAGE, FI_MAX_PAGES = 16, 8
 FI_CFG = ModelConfig(architecture="llama", vocab_size=256, hidden_size=4096, intermediate_size=64, num_layers=1,
                      num_heads=32, num_kv_heads=8, head_dim=128)

@@ -63,7 +63,9 @@ def acceptance_dropping():
 def test_batch_64_with_a_costly_catch_up(overlap):
     r, ada = ratio(*batch_64_costly_catch_up(), overlap)
     assert r >= 0.97, f"{r:.3f}x plain"
-    assert ada.core.policy.governor_state == "off"
+    # Speculation stays off: by the governor, or by the probes' own pricing (a probe that cannot pay back at
+    # the acceptance the evidence allows waits), which may leave the governor on with nothing to judge.
+    assert ada.speculating(0.5) < 0.05
 
 
 def test_acceptance_dropping_from_0_8_to_0_4(overlap):

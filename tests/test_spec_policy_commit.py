@@ -98,7 +98,7 @@ def test_choose_without_commit_has_no_side_effects(name, overlap, monkeypatch):
     scenario, arrivals, max_tokens, proposer, kw = SCENARIOS[name]()
     policies = []
 
-    def make(cfg):
+    def make(cfg, store=None):
         policies.append(CheckedPolicy(cfg))
         return policies[-1]
     monkeypatch.setattr("tests.sim_engine.AdaptivePolicy", make)

@@ -137,6 +137,7 @@ class EngineCore:
         error, when ranks may be stuck in a step this process left."""
         self.stream.close()
         self.engine.close(failed)
+        self.policy.close()  # stores the measured step costs for the next run
 
     # ---- one step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -55,6 +55,7 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self.acceptance.sampled = not self.params.greedy  # the policy's acceptance prior is per kind
 
     @property
     def num_prompt_tokens(self) -> int:

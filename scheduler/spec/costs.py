@@ -14,6 +14,10 @@ Two shapes of cost, chosen by how the step runs:
 
 Each value is a bias-corrected exponential average (weights decay^age, normalised by their sum): the first
 sample counts fully, and after 1 / (1 - decay) samples it follows load and context length with that memory.
+
+A prior from an earlier run on the same host (`cost_store`) holds ratios to the bucket's plain step: where a
+bucket has no live sample of a k yet, its cost is the prior ratio times the live plain step, and the prior's
+samples count toward exploration (up to `PRIOR_SAMPLES`), so a fresh process does not pay to re-learn them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PRIOR_SAMPLES = 2  # what a stored cost counts for toward exploration (PolicyConfig.explore_samples: 2): enough
 
 
 def bucket(batch: int) -> int:
@@ -93,6 +98,26 @@ class StepCosts:
     rows: dict[tuple[int, bool], LineFit] = field(default_factory=dict)  # rows: t0 when no plain step ran
     seen: dict[Key, Seen] = field(default_factory=dict)
     totals: dict[tuple[int, bool], int] = field(default_factory=dict)  # (k, refill) -> samples over all buckets
+    prior: dict[Key, tuple[float, int]] = field(default_factory=dict)  # stored t(b, k) / t(b, 0), samples behind it
+    prior_rows: dict[Key, tuple[float, int]] = field(default_factory=dict)  # stored m(b, k) / t(b, 0), rows shape
+
+    def load_prior(self, ratios: dict[Key, tuple[float, int]], rows: dict[Key, tuple[float, int]]) -> None:
+        """Stored ratios from an earlier run (`cost_store`): plain steps are measured live (they are free)."""
+        self.prior = {key: v for key, v in ratios.items() if key[1] > 0 or key[2]}
+        self.prior_rows = {key: v for key, v in rows.items() if key[1] > 0}
+        for _, k, r in self.prior | self.prior_rows:
+            self.totals[k, r] = max(self.totals.get((k, r), 0), PRIOR_SAMPLES)
+
+    def prior_state(self) -> tuple[dict[Key, tuple[float, int]], dict[Key, tuple[float, int]]]:
+        """What to store: the live ratios over the prior's (their samples added up)."""
+        ratios, rows = dict(self.prior), dict(self.prior_rows)
+        for table, out, base_of in ((self.lanes, ratios, self._base), (self.marginal, rows, self.plain)):
+            for (b, k, r), e in table.items():
+                base = base_of(b, r)
+                if e.value is None or not base or (k == 0 and not r) or not e.value > 0:
+                    continue
+                out[b, k, r] = (e.value / base, min(e.count + out.get((b, k, r), (0.0, 0))[1], 10**6))
+        return ratios, rows
 
     def observe(self, batch: int, num_draft: np.ndarray, refill: bool, seconds: float, step: int = -1) -> None:
         """One step's device seconds, under the k its widest lane drafted."""
@@ -170,7 +195,8 @@ class StepCosts:
         its plain cost t0 (a ratio measured in another bucket scales by it); None until measured."""
         m = self._marginal(batch, k, refill)
         if m is None:
-            rel = self._relative(batch, k, refill, self.marginal)
+            stored = self.prior_rows.get((bucket(batch), k, refill))
+            rel = stored[0] if stored else self._relative(batch, k, refill, self.marginal)
             m = None if rel is None else rel * t0
         return None if m is None else max(m, 0.0)
 
@@ -187,7 +213,8 @@ class StepCosts:
         value = None if ema is None else ema.value
         t0 = self._base(bucket(batch), refill)
         if value is None and t0 is not None:
-            rel = self._relative(batch, k, refill, self.lanes)
+            stored = self.prior.get((bucket(batch), k, refill))
+            rel = stored[0] if stored else self._relative(batch, k, refill, self.lanes)
             value = None if rel is None else rel * t0
         if value is None:
             return None

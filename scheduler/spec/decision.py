@@ -19,6 +19,7 @@ class RequestAcceptance:
     steps_off: int = 0  # decode steps in which it drafted nothing
     steps_probing: int = 0  # steps in which it drafted only to re-measure its acceptance
     last_k: int = 0  # drafts in its latest step
+    sampled: bool = False  # its sampling kind (not greedy): the policy keeps an acceptance prior per kind
 
     def update(self, num_draft: int, num_accepted: int, decay: float, probe: bool = False) -> None:
         self.last_k = num_draft

@@ -4,6 +4,11 @@ Before the cost model is trusted each runnable k is measured `explore_samples` t
 per bucket); after that, in every bucket, one step in `remeasure_every` re-measures the stalest other candidate
 (plain decoding included), so costs follow context length and machine load. Choosing only reads this state; what
 a decision would change travels in its `Effects` and is applied by `commit` when its step runs.
+
+Exploration goes from the cheapest k up and stops at the first k that could not pay back at the acceptance the
+evidence allows (`payback.Payback`, priced at the widest k measured below it): on a host where verify grows
+steeply with rows, a k = 1 step that accepted nothing keeps k = 2..4 from being tried at all. A larger k is
+explored later, once acceptance makes it plausible.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from specstep.scheduler.spec.costs import StepCosts, bucket
-from specstep.scheduler.spec.decision import Effects, PendingEffects
+from specstep.scheduler.spec.decision import Effects, PendingEffects, RequestAcceptance
+from specstep.scheduler.spec.payback import Payback, acceptance_upper
 from specstep.scheduler.spec.throughput import ThroughputModel
 
 if TYPE_CHECKING:
@@ -26,12 +32,13 @@ class Exploration:
         self.cfg = cfg
         self.costs = costs
         self.model = model
+        self.payback = Payback(model)
         self.tries: Counter[int] = Counter()  # k > 0: tries of k; -bucket: tries of plain in it
         self.next_remeasure: dict[int, int] = {}  # bucket -> its step counter at the next re-measurement
         self.unobserved: deque[int | None] = deque()  # decisions not yet observed: the k each explores (or None)
 
     def unmeasured(self, b: int, forced: np.ndarray, room: np.ndarray, auto: np.ndarray,
-                   px: PendingEffects) -> int | None:
+                   px: PendingEffects, evidence: RequestAcceptance | None = None) -> int | None:
         """What to measure before trusting the cost model: plain decoding three times in this bucket (one noisy
         sample misled both the model and the governor) (when a fixed-k
         request does not make it impossible), then each runnable k a few times in some bucket (cost ratios
@@ -45,9 +52,12 @@ class Exploration:
             return 0
         if not (auto & (room > 0)).any():
             return None  # no auto request can draft: nothing this batch could measure
+        hi = 1.0 if evidence is None else acceptance_upper(evidence.accepted, evidence.trials)
         for k in self.cfg.ks:
             if k == 0 or k < kf:
                 continue
+            if not self.payback.can_pay(b, k, hi):
+                break  # nor any wider k: cheapest first
             # A step still in flight (overlap: decided before the last one was read back) counts as measured.
             pending = int(bool(self.unobserved) and self.unobserved[-1] == k)
             if self.costs.total_samples(k, self.cfg.keeps_draft_kv) + pending < n and self.tries[k] < 3 * n:

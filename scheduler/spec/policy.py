@@ -30,6 +30,10 @@ Objectives: `throughput` maximises tokens per second; `latency` only allows spec
 at most `itl_budget` times a plain step (a step's duration is the gap between a stream's messages, so this
 bounds p99 inter-token latency), explores no k past the first that breaks the budget, and probes rarely.
 
+Carried over: the step costs, across runs, per (model, proposer, host, kernel plan), as a prior
+(`cost_store.StepCostStore`); the acceptance, across the requests an engine serves, per sampling kind (greedy
+requests accept far more than sampled ones of the same model), as the prior a new request starts from.
+
 Where each part lives: `throughput.ThroughputModel` (the choice by expected tokens per second),
 `exploration.Exploration` (what to measure first, and re-measurement), `probes.Probes` (per-request and governor
 probes), `config.PolicyConfig`; this class owns the measurements and composes them.
@@ -43,6 +47,7 @@ from dataclasses import replace
 import numpy as np
 
 from specstep.scheduler.spec.config import OBJECTIVES, PolicyConfig
+from specstep.scheduler.spec.cost_store import StepCostStore
 from specstep.scheduler.spec.costs import StepCosts, bucket
 from specstep.scheduler.spec.decision import Decision, PendingEffects, RequestAcceptance
 from specstep.scheduler.spec.exploration import Exploration
@@ -58,16 +63,22 @@ class AdaptivePolicy:
     exploration and probes; each of those reads what it is handed and writes only its own state, in `commit`."""
 
     PROBE_CATCH_UP = PROBE_CATCH_UP
+    SAVE_EVERY = 256  # measured steps between writes of the cost store
 
-    def __init__(self, cfg: PolicyConfig) -> None:
+    def __init__(self, cfg: PolicyConfig, store: StepCostStore | None = None) -> None:
         self.cfg = cfg
         self.costs = StepCosts(cfg.cost_decay, cfg.cost_shape)
+        self.store = store if cfg.kind != "fixed" else None
+        self.prior_loaded = self.store is not None and self.store.load(self.costs)
+        self.observed = 0
         self.governor = Governor(cfg.governor)
         self.model = ThroughputModel(cfg, self.costs, self.governor)
         self.exploration = Exploration(cfg, self.costs, self.model)
         self.probes = Probes(cfg, self.model)
         self.current_k = cfg.k_max
         self.global_acc = RequestAcceptance()
+        # ... and per sampling kind (sampled: True), the prior a new request of that kind starts from
+        self.kind_acc = {False: RequestAcceptance(), True: RequestAcceptance()}
         # Acceptance of drafts by their lane's limit (what the proposer could draft before the decision): a long
         # n-gram match predicts its continuation far better than a short one (35% of first drafts accepted after
         # a 1-token match, 98% after 16 or more on held-out code), which one estimate per request averages away
@@ -92,6 +103,7 @@ class AdaptivePolicy:
             self.probes.saw(num_accepted)
         if num_draft > 0:
             self.global_acc.update(num_draft, num_accepted, 0.98)
+            self.kind_acc[acc.sampled].update(num_draft, num_accepted, 0.98)
             if limit is not None and limit > 0:
                 self.by_limit.setdefault(limit, RequestAcceptance()).update(num_draft, num_accepted, 0.98)
 
@@ -134,13 +146,25 @@ class AdaptivePolicy:
                     gov.owe(catch_up_s + seconds - plain * tokens / batch)
                     gov.observe(judged_tokens, batch * seconds / plain)
         gov.ran(seconds + catch_up_s)
+        self.observed += 1
+        if self.store is not None and self.observed % self.SAVE_EVERY == 0:
+            self.store.save(self.costs)
+
+    def close(self) -> None:
+        """The engine stops: store what was measured (the next run starts from it)."""
+        if self.store is not None and self.observed:
+            self.store.save(self.costs)
 
     def acceptance_estimate(self, acc: RequestAcceptance, limit: int | None = None) -> float:
         """A request's per-position acceptance as the policy sees it: its own, pulled toward the global one; with
         the lane's limit known, the acceptance of drafts under that limit, pulled toward the request's own."""
-        own = acc.alpha(self.global_acc.alpha(self.cfg.prior_alpha, 2.0))
+        own = acc.alpha(self.kind_prior(acc))
         by = self.by_limit.get(limit) if limit else None
         return own if by is None else by.alpha(own, 2.0)
+
+    def kind_prior(self, acc: RequestAcceptance) -> float:
+        """Where a request's acceptance starts: its sampling kind's so far, pulled toward every request's."""
+        return self.kind_acc[acc.sampled].alpha(self.global_acc.alpha(self.cfg.prior_alpha, 2.0), 2.0)
 
     @property
     def proposer_current(self) -> bool:
@@ -212,7 +236,7 @@ class AdaptivePolicy:
         forced = np.where(auto, 0, np.minimum(fixed_k, room))  # what fixed-k requests draft whatever we decide
         px.governor_counted, probe_due = self.governor.peek()
         px.governor_probe = probe_due
-        k_explore = self.exploration.unmeasured(b, forced, room, auto, px)
+        k_explore = self.exploration.unmeasured(b, forced, room, auto, px, self.global_acc)
         if k_explore is not None:
             return model.decision(self.exploration.explore(k_explore, auto, forced, room), auto, "explore")
         if not self.governor.on and not probe_due:
@@ -222,8 +246,8 @@ class AdaptivePolicy:
         if best is None:  # nothing measured fits (latency budget): only the fixed-k requests draft
             return model.decision(forced, auto, "model")
         px.current_k = best.k
-        if probe_due:  # governor off: speculate with everyone at the best k the model sees, to re-measure
-            return self.probes.governor_probe(b, lanes, behind)
+        if probe_due:  # governor off: speculate with everyone at a k that could pay, to re-measure
+            return self.probes.governor_probe(b, lanes, behind, self.global_acc)
         # Re-measure only while speculating: when the choice is plain, measuring drafts is what probes do, and
         # they are rate-limited by epsilon.
         stale = None
@@ -233,7 +257,7 @@ class AdaptivePolicy:
             nd = np.where(auto, np.minimum(stale, room), forced)
             return model.decision(nd, auto, "remeasure", best.expected_tokens, best.expected_cost)
         prior = self.global_acc.alpha(cfg.prior_alpha, 2.0)
-        return self.probes.with_probes(accs, best, b, lanes, behind, prior, px)
+        return self.probes.with_probes(accs, best, b, lanes, behind, prior, px, self.kind_acc)
 
     def _alpha(self, accs: list[RequestAcceptance], limits: np.ndarray | None = None) -> np.ndarray:
         per_lane = [None] * len(accs) if limits is None else limits.tolist()

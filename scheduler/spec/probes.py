@@ -3,8 +3,13 @@
 Per request: one that has not drafted for its probe interval drafts so its acceptance estimate can recover; a
 probe that did not pay backs off (probe_every doubling to probe_max). Inside a speculating step that is a few
 more verify rows; when nobody speculates it is a whole speculative step and a catch-up. The governor's probe
-while off: everyone at the best k the model sees. A probe from plain decoding drafts with a subset of lanes when
-catching up every stale draft would cost more than the probe can tell.
+while off: everyone at the best k that could pay (else the best k the model sees). A probe from plain decoding
+drafts with a subset of lanes when catching up every stale draft would cost more than the probe can tell.
+
+Every probe is priced by the host's measured costs (`payback.Payback`): it drafts only at a k that could pay back
+at the acceptance its evidence still allows (the upper bound, the evidence ageing while it does not draft), none
+wider than the first k not measured yet, and waits where none could: where verify is dear, a request that
+accepted nothing probes rarely.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from specstep.scheduler.spec.decision import Decision, PendingEffects, RequestAcceptance
+from specstep.scheduler.spec.payback import Payback, acceptance_upper, aged_upper
 from specstep.scheduler.spec.throughput import Lanes, ThroughputModel, rate
 
 if TYPE_CHECKING:
@@ -26,6 +32,7 @@ class Probes:
     def __init__(self, cfg: PolicyConfig, model: ThroughputModel) -> None:
         self.cfg = cfg
         self.model = model
+        self.payback = Payback(model)
         self.since_probe = 0  # steps since auto requests last drafted (the global probe clock)
         self.catch_up_rate: float | None = None  # seconds per token a stale draft catches up (EMA)
         self.lanes_seen = [0, 0]  # this step's probing lanes and their accepted drafts (`saw`)
@@ -57,11 +64,22 @@ class Probes:
             self.since_probe = 0 if reset else self.since_probe + 1
 
     # ---- the governor's probe ------------------------------------------------------------------------------
-    def governor_probe(self, b: int, ln: Lanes, behind: np.ndarray | None) -> Decision:
-        """The governor's probe while off: everyone at the best k the model sees (n-gram pays per row: the
-        smallest k is enough to see whether acceptance came back), a subset of lanes when catch-up is dear."""
+    def upper(self, acc: RequestAcceptance, kind_acc: dict[bool, RequestAcceptance] | None) -> float:
+        """A request's acceptance upper bound, its evidence aged by its idle steps; with no evidence of its own,
+        that of the requests of its sampling kind, aged by the steps since anyone drafted."""
+        if acc.trials > 0 or kind_acc is None:
+            return aged_upper(acc, acc.idle_steps, self.probe_max)
+        return aged_upper(kind_acc[acc.sampled], self.since_probe, self.probe_max)
+
+    def governor_probe(self, b: int, ln: Lanes, behind: np.ndarray | None, global_acc: RequestAcceptance) -> Decision:
+        """The governor's probe while off: everyone at the best k among those that could pay back at the
+        batch-wide acceptance's upper bound (n-gram pays per row: the smallest k is enough to see whether
+        acceptance came back), a subset of lanes when catch-up is dear. Where none could, at the best k the model
+        sees: this is the floor's own way back, and the governor bounds its cost by epsilon."""
         model = self.model
         probe_ks = [k for k in model.allowed_ks(b, ln.forced) if k > 0]
+        payable = self.payback.payable(b, probe_ks, acceptance_upper(global_acc.accepted, global_acc.trials))
+        probe_ks = payable or probe_ks
         if self.cfg.cost_shape == "rows":
             probe_ks = probe_ks[:1]
         forced_all = [d for d in model.options(probe_ks, ln.alpha, ln.auto, ln.forced, ln.room, b, ln.threshold,
@@ -75,13 +93,21 @@ class Probes:
 
     # ---- per-request probes --------------------------------------------------------------------------------
     def with_probes(self, accs: list[RequestAcceptance], best: Decision, b: int, ln: Lanes,
-                    behind: np.ndarray | None, prior: float, px: PendingEffects) -> Decision:
+                    behind: np.ndarray | None, prior: float, px: PendingEffects,
+                    kind_acc: dict[bool, RequestAcceptance] | None = None) -> Decision:
         """The model's choice plus per-request probes (`prior`: the batch-wide acceptance a probed request is
         tried at). When nobody speculates a probe is a whole speculative step and a catch-up: the governor judges
         such steps, and once off it rate-limits them to epsilon."""
         nd, auto = best.num_draft, ln.auto
         speculating = bool(nd[auto].any())
         due = self.due(accs, nd, ln, speculating, px)
+        payable: list[int] | None = None
+        if due.any():
+            hi = np.array([self.upper(accs[i], kind_acc) for i in np.flatnonzero(due)])
+            ks = [k for k in self.model.allowed_ks(b, ln.forced) if k > 0 and (not speculating or k <= best.k)]
+            payable = self.payback.payable(b, ks, hi)
+            if not payable:  # none could pay: wait (the evidence ages), the intervals as they are
+                due[:] = False
         if due.any() and not speculating:  # a whole probe step: a subset of lanes speaks for the others
             lanes = self.lanes(b, due, behind)
             for i in np.flatnonzero(due & ~lanes):  # covered by this probe: backed off as after a failed one
@@ -90,7 +116,7 @@ class Probes:
                 px.acceptance[i] = (accs[i], 0, min(2 * interval, self.probe_max))
             due = lanes
         probing = np.zeros(b, dtype=bool)
-        k1 = self.probe_k(b, due, prior, ln) if due.any() else 0
+        k1 = self.probe_k(b, due, prior, ln, payable) if due.any() else 0
         if due.any() and k1:
             px.probe_clock_reset = True
             probing = due
@@ -124,12 +150,14 @@ class Probes:
             due[:] = False
         return due
 
-    def probe_k(self, b: int, due: np.ndarray, prior: float, ln: Lanes) -> int:
-        """The k a probe drafts: the best one for the probed requests if their acceptance were the batch-wide
-        estimate (n-gram's first draft row costs most: probing one token at a time would be the dearest)."""
+    def probe_k(self, b: int, due: np.ndarray, prior: float, ln: Lanes, payable: list[int] | None = None) -> int:
+        """The k a probe drafts, among those that could pay back (`payable`, cheapest first and none past the
+        first unmeasured one): the best one for the probed requests if their acceptance were the batch-wide
+        estimate (a refill's fixed cost, or n-gram's dear first draft row, can make one draft the dearest per token
+        learned)."""
         trial = np.where(due, prior, ln.alpha)
         best, best_rate = 0, 0.0
-        ks = [k for k in self.model.allowed_ks(b, ln.forced) if k > 0]
+        ks = [k for k in self.model.allowed_ks(b, ln.forced) if k > 0 and (payable is None or k in payable)]
         for k, d in zip(ks, self.model.options(ks, trial, due, ln.forced, ln.room, b, ln.threshold, force_all=True)):
             if d is not None and rate(d) > best_rate:
                 best, best_rate = k, rate(d)
