@@ -9,9 +9,9 @@ from tests.helpers import make_checkpoint
 @pytest.fixture(autouse=True)
 def step_costs_apart(tmp_path_factory, monkeypatch):
     """Every test starts without stored step costs and keeps what it measures to itself (an engine otherwise
-    reads and writes the user cache's, and one run's costs would be the next one's prior)."""
-    folder = tmp_path_factory.mktemp("step_costs")
-    monkeypatch.setattr("specstep.scheduler.spec.cost_store.store_folder", lambda: folder)
+    reads and writes the user cache's, and one run's costs would be the next one's prior). An environment
+    variable, so that the servers and CLI runs the tests start see the same folder."""
+    monkeypatch.setenv("SPECSTEP_STEP_COSTS", str(tmp_path_factory.mktemp("step_costs")))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,7 +13,6 @@ import pytest
 
 from specstep.engine.model_source import cache_root
 from specstep.engine.sampling_params import SamplingParams
-from specstep.scheduler.spec import cost_store
 from specstep.scheduler.spec.cost_store import StepCostStore, store_folder
 from specstep.scheduler.spec.decision import RequestAcceptance
 from specstep.scheduler.spec.policy import AdaptivePolicy
@@ -86,8 +85,8 @@ def test_a_bad_file_is_ignored_with_a_warning(tmp_path, caplog, content):
 
 def test_engine_keeps_its_costs_in_the_user_cache(tiny_target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSTEP_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECSTEP_STEP_COSTS")  # (tests keep theirs apart: tests/conftest.py)
     assert store_folder() == cache_root() / "step_costs" == tmp_path / "step_costs"
-    monkeypatch.setattr(cost_store, "store_folder", store_folder)  # (tests keep theirs apart: tests/conftest.py)
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     core = make_core(tiny_target, spec="ngram", spec_policy="adaptive", overlap=False)
     assert not core.policy.prior_loaded
@@ -98,6 +97,8 @@ def test_engine_keeps_its_costs_in_the_user_cache(tiny_target, tmp_path, monkeyp
     again = make_core(tiny_target, spec="ngram", spec_policy="adaptive", overlap=False)
     assert again.policy.prior_loaded
     again.close()
+    monkeypatch.setenv("SPECSTEP_STEP_COSTS", str(tmp_path / "elsewhere"))
+    assert store_folder() == tmp_path / "elsewhere"
     fixed = make_core(tiny_target, spec="ngram", spec_policy="fixed", overlap=False)
     assert fixed.policy.store is None
 

@@ -36,8 +36,9 @@ FOLDER = "step_costs"
 
 
 def store_folder() -> Path:
-    """Where every key's file lives: the user cache's `step_costs` folder."""
-    return cache_root() / FOLDER
+    """Where every key's file lives: `$SPECSTEP_STEP_COSTS` where set, else the user cache's `step_costs`
+    folder. The variable reaches child processes (a server's scheduler), which a patched function would not."""
+    return Path(os.environ.get("SPECSTEP_STEP_COSTS") or cache_root() / FOLDER)
 
 
 def host_id() -> str:
