@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -230,3 +233,23 @@ async def test_sse_framing_on_the_wire(http_server):
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
     assert chunks[-1]["specstep"]["timings"]["total_s"] > 0
 
+
+def test_loadgen_measures_both_apis_side_by_side(http_server, chat_target, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "specstep.scheduler.cli", "loadgen", "--model", str(chat_target),
+           "--address", http_server.address, "--url", f"specstep={http_server.http_url}", "--concurrency", "1,3",
+           "--num-requests", "4", "--prompt-tokens", "16", "--max-tokens", "8", "--warmup", "1",
+           "--output-dir", str(out), "--no-plots", "--quiet"]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((out / "results.json").read_text())
+    assert list(data["settings"]) == ["zmq", "specstep"]
+    for name, s in data["settings"].items():
+        assert [p["label"] for p in s["points"]] == ["c=1", "c=3"]
+        for p in s["points"]:
+            assert p["num_ok"] == p["num_requests"] == 4 and p["errors"] == {}, (name, p)
+            assert p["output_tokens"] == 4 * 8 and p["output_tokens_per_s"] > 0
+            assert p["ttft_p50_ms"] > 0 and p["itl_p99_ms"] >= p["itl_p50_ms"] > 0
+            assert p["server_queue_p50_ms"] is not None  # the `specstep` field's timings came back over HTTP
+    assert data["settings"]["specstep"]["health"]["model"] == chat_target.name
