@@ -253,3 +253,20 @@ def test_loadgen_measures_both_apis_side_by_side(http_server, chat_target, tmp_p
             assert p["ttft_p50_ms"] > 0 and p["itl_p99_ms"] >= p["itl_p50_ms"] > 0
             assert p["server_queue_p50_ms"] is not None  # the `specstep` field's timings came back over HTTP
     assert data["settings"]["specstep"]["health"]["model"] == chat_target.name
+
+
+def test_a_taken_port_is_a_clear_error(tiny_target):
+    """Checked before the scheduler starts: the server exits at once and says what to do."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "specstep.scheduler.cli", "serve", "--model", str(tiny_target),
+                               "--device", "cpu", "--address", "tcp://127.0.0.1:0", "--metrics-port", "-1",
+                               "--http-port", str(port)], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+    assert proc.returncode == 2
+    assert f"error: HTTP on 127.0.0.1:{port}: " in proc.stdout and "--http-port 0 picks a free port" in proc.stdout
+    assert "scheduler" not in proc.stdout + proc.stderr  # nothing was started

@@ -8,6 +8,9 @@ A request's task owns everything about it; errors (a rejection, the scheduler dy
 and a client's abort or the shutdown deadline cancels it. Outputs that pile up while a task waits are merged
 into one Delta. A client that disappears is noticed on the next send (ROUTER_MANDATORY) and its request
 aborted. No torch in this process.
+
+The OpenAI-compatible HTTP API (scheduler/server/http/) runs on the same loop and serves its requests through
+the same steps (`admit`, `submit`, `outputs`, `forget`), each in its HTTP handler's task.
 """
 
 from __future__ import annotations

@@ -226,5 +226,6 @@ async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
             raise
         code = ErrorCode.TOO_LARGE if e.status == 413 else ErrorCode.INVALID_PARAMS
         _, body = error_body(ProtocolError(code, f"{request.method} {request.path}: {e.reason}"))
-        body["error"]["code"] = e.reason.lower().replace(" ", "_")
+        if e.status != 413:  # 413 keeps too_large, as a ZMQ client would get it
+            body["error"]["code"] = e.reason.lower().replace(" ", "_")
         return _json(e.status, body)
