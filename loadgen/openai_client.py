@@ -84,8 +84,8 @@ class OpenAIClient:
                 if not line.startswith(b"data: "):
                     continue
                 data = line[6:].strip()
-                if data == b"[DONE]":
-                    break
+                if data == b"[DONE]":  # read on to the end of the body: the connection is then kept for reuse
+                    continue
                 event = msgspec.json.decode(data)
                 if "error" in event:
                     res.error = Error(HTTP_ERROR, str(event["error"].get("message")), req.request_id)

@@ -235,6 +235,7 @@ async def test_sse_framing_on_the_wire(http_server):
 
 
 def test_loadgen_measures_both_apis_side_by_side(http_server, chat_target, tmp_path):
+    before = aborted(asyncio.run(stats(http_server)))
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "specstep.scheduler.cli", "loadgen", "--model", str(chat_target),
            "--address", http_server.address, "--url", f"specstep={http_server.http_url}", "--concurrency", "1,3",
@@ -253,6 +254,7 @@ def test_loadgen_measures_both_apis_side_by_side(http_server, chat_target, tmp_p
             assert p["ttft_p50_ms"] > 0 and p["itl_p99_ms"] >= p["itl_p50_ms"] > 0
             assert p["server_queue_p50_ms"] is not None  # the `specstep` field's timings came back over HTTP
     assert data["settings"]["specstep"]["health"]["model"] == chat_target.name
+    assert aborted(asyncio.run(stats(http_server))) == before  # every request ran to its end
 
 
 def test_a_taken_port_is_a_clear_error(tiny_target):

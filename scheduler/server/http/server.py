@@ -156,10 +156,10 @@ class OpenAIServer:
             return self._error(e, renamed)
         st.task = asyncio.current_task()  # cancelled by the frontend on shutdown, by aiohttp on a disconnect
         resp: web.StreamResponse | None = None
+        final: Final | None = None  # once set, the request is over: a disconnect after it aborts nothing
         try:
             await self.frontend.submit(st)
             if not msg.stream:
-                final = None
                 async for out in self.frontend.outputs(st):
                     final = out
                 return _json(200, shape.response(final))
@@ -168,6 +168,7 @@ class OpenAIServer:
             first = True
             async for out in self.frontend.outputs(st):
                 if isinstance(out, Final):
+                    final = out
                     await resp.write(shape.last_chunks(out, first))
                 elif out.text or (shape.return_token_ids and out.token_ids):
                     await resp.write(shape.chunk(out.text, out.token_ids, first))
@@ -177,14 +178,16 @@ class OpenAIServer:
         except ProtocolError as e:
             return await self._fail(resp, e, renamed)
         except asyncio.CancelledError:
-            if st.cancel_reason != "shutdown":  # the client went away
-                self.frontend.observe_abort(st)
+            if st.cancel_reason != "shutdown" or final is not None:  # the client went away, or all was sent
+                if final is None:
+                    self.frontend.observe_abort(st)
                 raise
             asyncio.current_task().uncancel()
             return await self._fail(resp, ProtocolError(ErrorCode.SHUTTING_DOWN, "the server shut down before the "
                                                         "request finished"), renamed)
         except ConnectionError:  # the client went away between two writes
-            self.frontend.observe_abort(st)
+            if final is None:
+                self.frontend.observe_abort(st)
             return resp
         except Exception as e:  # a bug must not leave the client waiting forever
             log.exception("internal error serving request %r", msg.request_id)
