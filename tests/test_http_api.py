@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 
 import openai
 import pytest
@@ -31,8 +32,12 @@ def ids_of(obj) -> list[int]:
     return obj.model_extra["token_ids"]
 
 
-def test_models_and_ready_line(http_server, client, chat_target):
+def test_models_health_and_ready_line(http_server, client, chat_target):
     assert [m.id for m in client.models.list().data] == [chat_target.name]
+    with urllib.request.urlopen(http_server.http_url + "/health") as r:
+        health = json.loads(r.read())
+    assert (r.status, health["status"], health["model"], health["address"]) == (200, "ok", chat_target.name,
+                                                                                http_server.address)
     ready = next(line for line in http_server.log().splitlines() if line.startswith("specstep serve: ready"))
     assert ready.endswith(f" on {http_server.address} and {http_server.http_url}")
 
@@ -272,3 +277,20 @@ def test_a_taken_port_is_a_clear_error(tiny_target):
     assert proc.returncode == 2
     assert f"error: HTTP on 127.0.0.1:{port}: " in proc.stdout and "--http-port 0 picks a free port" in proc.stdout
     assert "scheduler" not in proc.stdout + proc.stderr  # nothing was started
+
+
+def test_loadgen_starts_a_server_and_measures_it_over_both_apis(tiny_target, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "specstep.scheduler.cli", "loadgen", "--model", str(tiny_target), "--setting", "off",
+           "--api", "both", "--server-args", "--device cpu --kv-cache-tokens 4096 --metrics-port -1",
+           "--concurrency", "2", "--num-requests", "2", "--prompt-tokens", "16", "--max-tokens", "4", "--warmup", "0",
+           "--output-dir", str(out), "--no-plots", "--quiet"]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((out / "results.json").read_text())
+    assert list(data["settings"]) == ["off/zmq", "off/openai"]
+    for s in data["settings"].values():
+        assert s["health"]["spec"] == "none" and s["serve_args"][-2:] == ["--spec", "none"]
+        (p,) = s["points"]
+        assert (p["num_ok"], p["output_tokens"], p["errors"]) == (2, 8, {})
