@@ -1,6 +1,7 @@
 """`specstep serve`: the frontend in this process, the scheduler in a supervised child process.
 
-Protocol: docs/protocol.md. This process never imports torch; the scheduler process does.
+Protocol: docs/protocol.md; the OpenAI-compatible HTTP API: docs/http.md. This process never imports torch; the
+scheduler process does.
 """
 
 from __future__ import annotations
