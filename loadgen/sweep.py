@@ -51,13 +51,16 @@ async def sweep(args, settings: list[tuple[str, list[str]]], loads: list[float],
         except (RuntimeError, TimeoutError) as e:
             console.print(f"[red]{name}: the server did not start[/]\n{e}")
             return 1
-        targets = []
-        if args.api in ("zmq", "both"):
-            targets.append((name if args.api == "zmq" else f"{name}/zmq", Router([address])))
-        if args.api in ("openai", "both"):
-            targets.append((name if args.api == "openai" else f"{name}/openai",
-                            _openai_router(server.http_url, args.openai_model)))
-        try:
+        try:  # from here on, whatever happens, the server is stopped
+            if args.api != "zmq" and server.http_url is None:
+                console.print(f"[red]{name}: the server serves no HTTP API (--http-port -1 in its arguments?)[/]")
+                return 1
+            targets = []
+            if args.api in ("zmq", "both"):
+                targets.append((name if args.api == "zmq" else f"{name}/zmq", Router([address])))
+            if args.api in ("openai", "both"):
+                targets.append((name if args.api == "openai" else f"{name}/openai",
+                                _openai_router(server.http_url, args.openai_model)))
             measured = await _measure(args, targets, loads, workload, console)
         except NoReplicaError as e:
             console.print(f"[red]{name}: {e}[/]")

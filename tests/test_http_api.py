@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -294,3 +295,16 @@ def test_loadgen_starts_a_server_and_measures_it_over_both_apis(tiny_target, tmp
         assert s["health"]["spec"] == "none" and s["serve_args"][-2:] == ["--spec", "none"]
         (p,) = s["points"]
         assert (p["num_ok"], p["output_tokens"], p["errors"]) == (2, 8, {})
+
+
+def test_loadgen_over_http_to_a_server_without_it_says_so_and_stops_it(tiny_target, tmp_path):
+    cmd = [sys.executable, "-m", "specstep.scheduler.cli", "loadgen", "--model", str(tiny_target), "--setting",
+           "nohttp=--spec none --http-port -1", "--api", "openai", "--server-args", "--device cpu --metrics-port -1",
+           "--concurrency", "1", "--num-requests", "1", "--output-dir", str(tmp_path), "--no-plots", "--quiet"]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1 and "nohttp: the server serves no HTTP API" in proc.stdout + proc.stderr
+    scheduler = int(re.search(r"scheduler process 1 ready \(pid (\d+)\)", (tmp_path / "server-nohttp.log")
+                              .read_text())[1])
+    with pytest.raises(ProcessLookupError):  # stopped, not left running
+        os.kill(scheduler, 0)
