@@ -1,22 +1,23 @@
 """`specstep loadgen`: throughput / latency sweeps against `specstep serve`, acting as an upstream router.
 
-Against running servers (`--address`, one or several replicas), or across server settings in one command: each
-`--setting` starts its own server, runs every load point, and stops it. Examples:
+Against running servers (`--address`, one or several replicas; `--url`, OpenAI-compatible servers), or across
+server settings in one command: each `--setting` starts its own server, runs every load point, and stops it.
+Examples:
 
     specstep loadgen --address tcp://127.0.0.1:5555 --concurrency 1,4,16,32
     specstep loadgen --address tcp://10.0.0.1:5555 --address tcp://10.0.0.2:5555 --concurrency 8,32
     specstep loadgen --setting off --setting ngram --setting "mtp-k2=--spec mtp --num-spec-tokens 2" \\
         --workload mix --mode open --rate 2,4,8
+    specstep loadgen --address tcp://127.0.0.1:5555 --url specstep=http://127.0.0.1:8000 \\
+        --url llama.cpp=http://127.0.0.1:8080 --concurrency 1,4,16
+    specstep loadgen --setting mtp --api both --concurrency 1,4,16
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import shlex
 import sys
-import time
-from pathlib import Path
 
 from specstep.engine.engine_config import SPEC_KINDS
 from specstep.loadgen.workloads import WORKLOADS
@@ -31,6 +32,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a replica not ok within --startup-timeout, or after a --timeout, is skipped until its "
                         "HEALTH is ok again (checked before each load point). Results are also given per "
                         "address (docs/replicas.md)")
+    s.add_argument("--url", action="append", default=[], metavar="[NAME=]URL",
+                   help="an OpenAI-compatible server to measure over HTTP (/v1/completions, streamed): specstep's "
+                        "HTTP API, llama.cpp's llama-server, vLLM. Repeat it to measure several side by side (each "
+                        "load point runs on each in turn, --address servers too); NAME labels its results "
+                        "(default: the URL). docs/http.md")
+    s.add_argument("--api", choices=["zmq", "openai", "both"], default="zmq",
+                   help="how to reach servers started by --setting: the ZMQ protocol, the OpenAI-compatible HTTP "
+                        "API, or both (each load point over ZMQ, then over HTTP, on the same server; results "
+                        "NAME/zmq and NAME/openai). Default: %(default)s")
+    s.add_argument("--openai-model", default=None,
+                   help="model name sent to --url servers (default: the first the server lists in /v1/models)")
     s.add_argument("--setting", action="append", default=[], metavar="NAME[=SERVE ARGS]",
                    help="start `specstep serve SERVE ARGS` and measure it; NAME alone may be off or a proposer "
                         f"({', '.join(SPEC_KINDS)}). Repeat for a sweep across settings (default: off)")
@@ -83,6 +95,20 @@ def parse_addresses(values: list[str]) -> list[str]:
     return addresses
 
 
+def parse_urls(values: list[str]) -> list[tuple[str, str]]:
+    """(name, url) per --url: `NAME=URL`, or the URL naming itself."""
+    out = []
+    for v in values:
+        name, sep, url = v.partition("=")
+        name, url = (name.strip(), url.strip()) if sep and not name.startswith("http") else (v.strip(), v.strip())
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--url {v!r}: give an http:// or https:// URL")
+        out.append((name, url))
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError("--url: two servers have the same name")
+    return out
+
+
 def parse_loads(text: str, what: str) -> list[float]:
     try:
         loads = [float(x) for x in text.split(",") if x.strip()]
@@ -96,9 +122,14 @@ def parse_loads(text: str, what: str) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     try:
         args.address = parse_addresses(args.address)
-        settings = [parse_setting(s) for s in args.setting] or ([] if args.address else [parse_setting("off")])
-        if args.address and args.setting:
-            raise ValueError("give --address or --setting, not both")
+        args.url = parse_urls(args.url)
+        running = bool(args.address or args.url)
+        settings = [parse_setting(s) for s in args.setting] or ([] if running else [parse_setting("off")])
+        if running and args.setting:
+            raise ValueError("give --address / --url or --setting, not both")
+        if args.api != "zmq" and running:
+            raise ValueError("--api is for servers started by --setting; running servers are named by --address "
+                             "(ZMQ) and --url (HTTP)")
         loads = parse_loads(args.concurrency if args.mode == "closed" else args.rate,
                             "concurrency" if args.mode == "closed" else "rate")
         from specstep.loadgen.workloads import Workload
@@ -114,143 +145,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import uvloop
 
-    return uvloop.run(_sweep(args, settings, loads, workload))
+    from specstep.loadgen.sweep import sweep
 
-
-async def _sweep(args, settings: list[tuple[str, list[str]]], loads: list[float], workload) -> int:
-    from rich.console import Console
-
-    from specstep.loadgen import report
-    from specstep.loadgen.router import NoReplicaError
-    from specstep.loadgen.server import ServerProcess
-
-    console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)  # logs: do not squeeze the table
-    from specstep.engine.model_source import default_target, resolve_model
-
-    # A GGUF is converted once, here, for the servers and the prompts.
-    args.model = str(resolve_model(args.model or default_target().reference))
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict] = {}
-    config = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
-    targets = [(name, extra) for name, extra in settings] or [("server", None)]
-    for name, extra in targets:
-        server = None
-        serve_args = None
-        if extra is not None:
-            serve_args = ["--model", args.model, *shlex.split(args.server_args), *extra]
-            console.print(f"[bold]{name}[/]: starting specstep serve {shlex.join(serve_args)}")
-            server = ServerProcess(serve_args, log_path=out_dir / f"server-{name}.log")
-            try:
-                addresses = [await asyncio.get_running_loop().run_in_executor(None, server.start,
-                                                                              args.startup_timeout)]
-            except (RuntimeError, TimeoutError) as e:
-                console.print(f"[red]{name}: the server did not start[/]\n{e}")
-                return 1
-        else:
-            addresses = args.address
-        try:
-            results[name] = await _measure(args, name, addresses, loads, workload, console)
-            results[name]["serve_args"] = serve_args
-        except NoReplicaError as e:
-            console.print(f"[red]{name}: {e}[/]")
-            return 1
-        finally:
-            if server is not None:
-                server.stop()
-    paths = report.write(out_dir, config, results, plots=not args.no_plots)
-    console.print(report.table(results))
-    if any(len(s["replicas"]) > 1 for s in results.values()):
-        console.print(report.address_table(results))
-    if args.workload == "long-prompt":
-        console.print(report.long_prompt_table(results))
-    console.print("wrote " + ", ".join(str(p) for p in paths))
-    return 0
-
-
-async def _measure(args, name: str, addresses: list[str], loads: list[float], workload, console) -> dict:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from specstep.loadgen.metrics import summarize
-    from specstep.loadgen.router import Router
-    from specstep.loadgen.runner import LoadPoint, run_point
-    from specstep.loadgen.workloads import build_requests
-
-    router = Router(addresses)
-    reported: dict[str, str] = {}
-    try:
-        await router.connect(args.startup_timeout)
-        _report_down(console, name, router, reported)
-        health = router.health[router.live[0]]  # prompts are built for this one's vocabulary
-        if any((h.model, h.vocab_size) != (health.model, health.vocab_size) for h in router.health.values()):
-            console.print(f"[yellow]{name}: the replicas serve different models: "
-                          + ", ".join(f"{a}: {h.model} ({h.vocab_size} tokens)" for a, h in router.health.items())
-                          + "[/]")
-        model_dir = args.model if Path(args.model).is_dir() else None
-        points = []
-        if args.warmup:  # `--warmup` requests for every replica
-            n = args.warmup * len(router.live)
-            warm = build_requests(workload, n, health.vocab_size, model_dir)
-            await run_point(router, LoadPoint("closed", n), warm, f"{name}-warmup", timeout_s=args.timeout)
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, disable=args.quiet) as progress:
-            for load in loads:
-                point = LoadPoint(args.mode, load)
-                n = args.num_requests or (max(8, 3 * int(load)) if args.mode == "closed" else max(16, int(10 * load)))
-                reqs = build_requests(workload, n, health.vocab_size, model_dir)
-                await router.refresh(60)
-                _report_down(console, name, router, reported)
-                tag = f"{name}-{point.label}-{time.monotonic_ns()}"
-                if args.workload == "long-prompt":
-                    points.append(await _long_prompt_point(args, router, point, reqs, health, tag))
-                    continue
-                task = progress.add_task(f"{name} {point.label}", total=n)
-                run = await run_point(router, point, reqs, tag, on_done=lambda _r, t=task: progress.advance(t),
-                                      timeout_s=args.timeout, seed=args.seed)
-                points.append(summarize(run, router.addresses))
-        stats = await router.stats()
-        _report_down(console, name, router, reported)
-        replicas = {a: {"health": _plain(router.health.get(a)), "server_stats": _plain(stats.get(a)),
-                        "down": router.down.get(a)} for a in router.addresses}
-        first = next(a for a in router.addresses if a in router.health)
-        # `health` and `server_stats`: the first replica's (the only one's, against one server).
-        return {"health": replicas[first]["health"], "points": points,
-                "server_stats": replicas[first]["server_stats"], "replicas": replicas}
-    finally:
-        router.close()
-
-
-def _report_down(console, name: str, router, reported: dict[str, str]) -> None:
-    """Print each replica newly down, or down for a new reason, or back up."""
-    for address in router.addresses:
-        why = router.down.get(address)
-        if why is not None and reported.get(address) != why:
-            console.print(f"[red]{name}: replica {address} is down, no requests go to it: {why}[/]")
-        elif why is None and address in reported:
-            console.print(f"{name}: replica {address} is back")
-        if why is None:
-            reported.pop(address, None)
-        else:
-            reported[address] = why
-
-
-async def _long_prompt_point(args, router, point, stream_reqs, health, tag: str) -> dict:
-    from specstep.loadgen.long_prompt import (
-        LongPromptLoad,
-        long_requests,
-        run_long_prompt_point,
-        summarize_long_prompt,
-    )
-    from specstep.loadgen.metrics import summarize
-
-    load = LongPromptLoad(args.long_prompt_tokens, args.long_prompts)
-    lp = await run_long_prompt_point(router, int(point.load), stream_reqs,
-                                     long_requests(load, health.vocab_size, args.seed), tag, args.timeout)
-    return summarize(lp.run, router.addresses) | summarize_long_prompt(lp)
-
-
-def _plain(obj):
-    """A reply struct as a dict of its fields (the wire form is positional arrays)."""
-    if hasattr(obj, "__struct_fields__"):
-        return {f: _plain(getattr(obj, f)) for f in obj.__struct_fields__}
-    return obj
+    return uvloop.run(sweep(args, settings, loads, workload))

@@ -56,6 +56,13 @@ class Result:
         return self.final is not None
 
     @property
+    def num_output_tokens(self) -> int:
+        """Tokens received; from the reported usage where the tokens themselves do not come back (OpenAI's API)."""
+        if self.token_ids or self.final is None:
+            return len(self.token_ids)
+        return self.final.usage.completion_tokens
+
+    @property
     def ttft(self) -> float | None:
         return self.chunk_times[0] - self.start if self.chunk_times else None
 

@@ -27,7 +27,7 @@ def summarize(run: RunResult, addresses: list[str] | None = None) -> dict:
     `per_address`, each server's share (every one of `addresses`, if given, even one that got nothing)."""
     ok = [r for r in run.results if r.ok]
     errors = Counter(str(r.error.code) for r in run.results if r.error is not None)
-    out_tokens = sum(len(r.token_ids) for r in ok)
+    out_tokens = sum(r.num_output_tokens for r in ok)
     drafted = sum(r.final.spec.drafted_tokens for r in ok)
     accepted = sum(r.final.spec.accepted_tokens for r in ok)
     steps = sum(r.final.spec.spec_steps for r in ok)
@@ -51,7 +51,8 @@ def summarize(run: RunResult, addresses: list[str] | None = None) -> dict:
     summary |= percentiles([r.ttft for r in ok if r.ttft is not None], "ttft")
     summary |= percentiles([g for r in ok for g in r.itls], "itl")
     summary |= percentiles([r.end - r.start for r in ok], "latency")
-    summary |= percentiles([r.final.timings.queue_s for r in ok], "server_queue")
+    # Servers that report no timings (OpenAI-compatible peers: total_s 0) have no server-side queue time.
+    summary |= percentiles([r.final.timings.queue_s for r in ok if r.final.timings.total_s > 0], "server_queue")
     summary["per_address"] = per_address(run.results, addresses or [])
     return summary
 
@@ -68,7 +69,7 @@ def per_address(results: list[Result], addresses: list[str]) -> dict[str, dict]:
         out[address] = {
             "num_requests": len(rs),
             "num_ok": len(ok),
-            "output_tokens": sum(len(r.token_ids) for r in ok),
+            "output_tokens": sum(r.num_output_tokens for r in ok),
             "errors": dict(Counter(str(r.error.code) for r in rs if r.error is not None)),
         }
         out[address] |= percentiles([r.ttft for r in ok if r.ttft is not None], "ttft")

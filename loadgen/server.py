@@ -12,16 +12,20 @@ from pathlib import Path
 
 from specstep.scheduler.launch import module_command
 
-_LISTENING = re.compile(r"listening on (\S+)")
+_LISTENING = re.compile(r"serve: listening on (\S+)")
+_HTTP_LISTENING = re.compile(r"HTTP listening on (\S+)")
 
 
 class ServerProcess:
-    """`specstep serve ARGS --address tcp://127.0.0.1:0`; `start()` returns the bound address once ready."""
+    """`specstep serve ARGS --address tcp://127.0.0.1:0`; `start()` returns the bound address once ready. The HTTP
+    API is off unless `http` (then on a free port: `http_url`), so servers started side by side never collide."""
 
     def __init__(self, args: list[str], host: str = "127.0.0.1", log_path: str | Path | None = None,
                  cwd: str | Path | None = None, env: dict[str, str] | None = None,
-                 launcher: list[str] | None = None) -> None:
+                 launcher: list[str] | None = None, http: bool = False) -> None:
         self.args = list(args)
+        self.http = http
+        self.http_url: str | None = None
         self.cwd = cwd  # where it runs: nothing there can shadow the installed code (see scheduler/launch.py)
         self.extra_env = dict(env or {})
         # What runs `specstep` (an installed console script, say); by default this interpreter, cwd-proof.
@@ -38,15 +42,18 @@ class ServerProcess:
         if self.proc is not None and self.proc.poll() is None and self.address is not None:
             return self.address  # already running (e.g. started by `with`): never start a second server
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1", **self.extra_env)
+        http = [] if "--http-port" in self.args else ["--http-port", "0" if self.http else "-1"]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [*self.launcher, "serve", "--address", f"tcp://{self.host}:0", *self.args],
+                [*self.launcher, "serve", "--address", f"tcp://{self.host}:0", *http, *self.args],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             text = self.log()
             if self.address is None and (m := _LISTENING.search(text)):
                 self.address = m.group(1)
+            if self.http_url is None and (m := _HTTP_LISTENING.search(text)):
+                self.http_url = m.group(1)
             if self.address is not None and "specstep serve: ready" in text:
                 return self.address
             if self.proc.poll() is not None:

@@ -15,7 +15,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 SUBCOMMANDS = {
     "generate": ("specstep.scheduler.generate_cmd", "offline batched generation from prompts or JSONL"),
-    "serve": ("specstep.scheduler.serve_cmd", "serve the ZeroMQ protocol (frontend + scheduler process)"),
+    "serve": ("specstep.scheduler.serve_cmd", "serve the ZeroMQ protocol and an OpenAI-compatible HTTP API "
+                                                "(frontend + scheduler process)"),
     "loadgen": ("specstep.loadgen.cli", "load generator: throughput/latency sweeps against a server"),
     "trace": ("specstep.traces.cli", "analyse a trace file written with --trace"),
     "train-defaults": ("specstep.training.defaults", "train the embedded default tokenizer, target and draft"),

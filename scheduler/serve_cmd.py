@@ -1,6 +1,7 @@
 """`specstep serve`: the frontend in this process, the scheduler in a supervised child process.
 
-Protocol: docs/protocol.md. This process never imports torch; the scheduler process does.
+Protocol: docs/protocol.md; the OpenAI-compatible HTTP API: docs/http.md. This process never imports torch; the
+scheduler process does.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--metrics-port", type=int, default=9400,
                    help="Prometheus /metrics on 127.0.0.1:PORT (0: any free port, -1: off; a taken port only warns; "
                         "default: %(default)s). Metrics: docs/metrics.md")
+    s.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on "
+                        "--http-host:PORT (0: any free port, -1: off; the URL is printed in the 'listening' and "
+                        "'ready' lines; default: %(default)s). docs/http.md")
+    s.add_argument("--http-host", default="127.0.0.1",
+                   help="address the HTTP API binds (default: %(default)s, loopback only)")
     s.add_argument("--log-level", default="INFO", help="default: %(default)s")
 
 
@@ -70,13 +77,16 @@ def run(args: argparse.Namespace) -> int:
     import uvloop
 
     from specstep.scheduler.server.frontend import Frontend, FrontendConfig
+    from specstep.scheduler.server.http.chat_template import load_chat_template
 
     fcfg = FrontendConfig(address=args.address, engine=dataclasses.asdict(cfg), model_name=name, model_origin=origin,
                           max_tokens=args.max_tokens_limit, max_prompt_len=args.max_prompt_len,
                           trace=args.trace, startup_timeout_s=args.startup_timeout,
                           max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                           drain_timeout_s=args.drain_timeout, max_inflight=args.max_inflight,
-                          metrics_port=None if args.metrics_port < 0 else args.metrics_port)
+                          metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                          http_host=args.http_host, http_port=None if args.http_port < 0 else args.http_port,
+                          chat_template=load_chat_template(args.model) if args.http_port >= 0 else None)
     printer = lambda line: print(line, flush=True)
     return uvloop.run(Frontend(fcfg, tokenizer).serve(printer))
 
@@ -94,6 +104,9 @@ def _check(args: argparse.Namespace) -> tuple[EngineConfig, object]:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SpecstepError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.http_port > 65535:
+        raise SpecstepError(f"--http-port must be a port (0-65535), 0 for any free one or -1 for off, got "
+                            f"{args.http_port}")
     if args.max_restarts < 0:
         raise SpecstepError("--max-restarts must be >= 0")
     if cfg.attention == "flashinfer":  # the scheduler would fail at start-up: say it now (without torch here)

@@ -8,6 +8,9 @@ A request's task owns everything about it; errors (a rejection, the scheduler dy
 and a client's abort or the shutdown deadline cancels it. Outputs that pile up while a task waits are merged
 into one Delta. A client that disappears is noticed on the next send (ROUTER_MANDATORY) and its request
 aborted. No torch in this process.
+
+The OpenAI-compatible HTTP API (scheduler/server/http/) runs on the same loop and serves its requests through
+the same steps (`admit`, `submit`, `outputs`, `forget`), each in its HTTP handler's task.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,14 +29,18 @@ import zmq
 import zmq.asyncio
 
 from specstep.engine.tokenizer import Tokenizer
+from specstep.scheduler.server.http.chat_template import ChatTemplate
+from specstep.scheduler.server.http.server import OpenAIServer
 from specstep.scheduler.server.inflight import InflightRequests
 from specstep.scheduler.server.metrics import ServerMetrics
 from specstep.scheduler.server.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
+    Delta,
     EngineAbort,
     Error,
     ErrorCode,
+    Final,
     GenerateRequest,
     HealthReply,
     HealthRequest,
@@ -71,6 +79,9 @@ class FrontendConfig:
     drain_timeout_s: float = 60.0
     max_inflight: int = 4096
     metrics_port: int | None = None  # Prometheus /metrics on 127.0.0.1 (0: any free port; None: off)
+    http_host: str = "127.0.0.1"  # the OpenAI-compatible HTTP API's address (scheduler/server/http/)
+    http_port: int | None = None  # its port (0: any free port; None: off)
+    chat_template: ChatTemplate | None = None  # the model's, for /v1/chat/completions (None: it has none)
 
 
 class Frontend:
@@ -85,6 +96,7 @@ class Frontend:
         self._done: asyncio.Event | None = None
         self.queries = QueryReplies(self._reply)
         self.metrics_port: int | None = None
+        self.http: OpenAIServer | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     async def serve(self, on_listening=print) -> int:
@@ -101,6 +113,18 @@ class Frontend:
         loop.add_signal_handler(signal.SIGINT, self._on_sigint)
         router_task = asyncio.create_task(self._router_loop())
         on_listening(f"specstep serve: listening on {self.address}")
+        if self.cfg.http_port is not None:
+            self.http = OpenAIServer(self, self.cfg.model_name, self.cfg.chat_template)
+            try:
+                url = await self.http.start(self.cfg.http_host, self.cfg.http_port)
+            except OSError as e:
+                on_listening(f"specstep serve: error: HTTP on {self.cfg.http_host}:{self.cfg.http_port}: {e} "
+                             "(--http-port 0 picks a free port, -1 turns HTTP off)")
+                router_task.cancel()
+                self.router.close(linger=0)
+                self.ctx.destroy(linger=0)
+                return 2
+            on_listening(f"specstep serve: OpenAI-compatible HTTP listening on {url}")
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(self.cfg.metrics_port)
             if self.metrics_port is not None:
@@ -116,11 +140,13 @@ class Frontend:
                 code = 1
         else:
             on_listening(_ready_line(self.supervisor.ready, self.cfg.model_origin or self.cfg.model_name,
-                                     self.address))
+                                     self.address, self.http.url if self.http is not None else None))
             await self._done.wait()
             code = 0
         router_task.cancel()
         poll_task.cancel()
+        if self.http is not None:
+            await self.http.stop()
         await self.supervisor.stop(drain=False, timeout_s=5.0)
         self.router.close(linger=0)
         self.ctx.destroy(linger=0)
@@ -181,7 +207,7 @@ class Frontend:
                 if self.queries.pending(identity):  # replies to one client's queries go out in order
                     self.queries.queue(identity, self._health_async)
                 else:
-                    self._reply(identity, self._health())
+                    self._reply(identity, self.health())
             elif isinstance(msg, StatsRequest):
                 self.queries.queue(identity, self._stats_reply)
         except ProtocolError as e:
@@ -193,16 +219,65 @@ class Frontend:
         if self.requests.get(identity, msg.request_id) is not None:
             raise ProtocolError(ErrorCode.DUPLICATE_REQUEST_ID, f"request_id: {msg.request_id!r} is already in "
                                 "flight on this connection; that request continues", msg.request_id)
+        st = self.admit(identity, msg)
+        st.task = asyncio.get_running_loop().create_task(self._serve_request(st))
+        st.task.add_done_callback(lambda _, st=st: self._on_task_done(st))
+
+    # ---- one request, whichever frontend it came through (ZMQ here, HTTP in scheduler/server/http/) --------
+    def admit(self, identity: bytes, msg: GenerateRequest) -> RequestStream:
+        """Register a request (SHUTTING_DOWN / OVERLOADED as ProtocolError). The caller sets `st.task`, the task
+        that serves it (cancelled on abort and shutdown), and calls `forget(st)` when it ends."""
         if self.draining:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the server is shutting down", msg.request_id)
         if len(self.requests) >= self.cfg.max_inflight:
             raise ProtocolError(ErrorCode.OVERLOADED, f"{len(self.requests)} requests in flight; retry later",
                                 msg.request_id)
-        st = self.requests.add(identity, msg, time.monotonic())
-        st.task = asyncio.get_running_loop().create_task(self._serve_request(st))
-        st.task.add_done_callback(lambda _, st=st: self._on_task_done(st))
+        return self.requests.add(identity, msg, time.monotonic())
 
-    def _health(self) -> HealthReply:
+    async def limits(self) -> Limits:
+        """The limits requests are validated against (waits for a ready scheduler)."""
+        return Limits.from_ready(await self.supervisor.wait_ready(), self.cfg.max_tokens)
+
+    async def submit(self, st: RequestStream) -> None:
+        """Validate and tokenize the request, then send it to the scheduler (errors as ProtocolError)."""
+        limits = await self.limits()
+        # Tokenizing a long prompt takes a while: off the event loop, which serves every other client.
+        ereq = await asyncio.get_running_loop().run_in_executor(None, validate_generate, st.msg, limits,
+                                                                self.tokenizer, st.engine_id)
+        st.started(ereq, self.tokenizer, time.monotonic())
+        st.incarnation = self.supervisor.send(ereq)
+        if st.incarnation == 0:
+            raise ProtocolError(ErrorCode.ENGINE_DIED, "the scheduler process died; retry")
+
+    async def outputs(self, st: RequestStream) -> AsyncIterator[Delta | Final]:
+        """A submitted request's Deltas (when it streams), then its Final; errors as ProtocolError."""
+        while True:
+            items = [await st.queue.get()]
+            while not st.queue.empty():  # merge whatever piled up into one delta
+                items.append(st.queue.get_nowait())
+            with self.tracer.range(DETOKENIZE):
+                final = st.consume(items, time.monotonic(), self.metrics)
+                delta = st.delta() if final is None and st.msg.stream else None
+            if final is not None:
+                self.metrics.observe_final(final)
+                yield final
+                return
+            if delta is not None:
+                yield delta
+
+    def observe_abort(self, st: RequestStream) -> Final:
+        """A client's abort (an ABORT message, or an HTTP client gone): counted as a request ended "abort"."""
+        final = st.final("abort", time.monotonic())
+        self.metrics.observe_final(final)
+        return final
+
+    def forget(self, st: RequestStream) -> None:
+        """The request is over for its client: drop it, and abort it in the scheduler if still running there."""
+        self.requests.remove(st)
+        if st.incarnation and not st.engine_done and st.incarnation == self.supervisor.incarnation:
+            self.supervisor.send(EngineAbort([st.engine_id]))  # frees its KV pages in the scheduler at once
+
+    def health(self) -> HealthReply:
         """Always every field: before the first ready, the scheduler's ("" / 0) are placeholders."""
         ready = self.supervisor.ready
         status = self._status()
@@ -218,7 +293,7 @@ class Frontend:
         return "ok" if self.supervisor.state == "ready" else self.supervisor.state
 
     async def _health_async(self) -> HealthReply:
-        return self._health()
+        return self.health()
 
     async def _stats_reply(self) -> StatsReply:
         engine = await self.supervisor.stats()
@@ -242,30 +317,12 @@ class Frontend:
         with self.tracer.range(SEND):
             return send_now(self.router, [identity, *encode(msg)])
 
-    # ---- one request ---------------------------------------------------------------------------------------
+    # ---- one ZMQ request -------------------------------------------------------------------------------------
     async def _serve_request(self, st: RequestStream) -> None:
         try:
-            ready = await self.supervisor.wait_ready()
-            # Tokenizing a long prompt takes a while: off the event loop, which serves every other client.
-            ereq = await asyncio.get_running_loop().run_in_executor(
-                None, validate_generate, st.msg, Limits.from_ready(ready, self.cfg.max_tokens), self.tokenizer,
-                st.engine_id)
-            st.started(ereq, self.tokenizer, time.monotonic())
-            st.incarnation = self.supervisor.send(ereq)
-            if st.incarnation == 0:
-                raise ProtocolError(ErrorCode.ENGINE_DIED, "the scheduler process died; retry")
-            while True:
-                items = [await st.queue.get()]
-                while not st.queue.empty():  # merge whatever piled up into one delta
-                    items.append(st.queue.get_nowait())
-                with self.tracer.range(DETOKENIZE):
-                    final = st.consume(items, time.monotonic(), self.metrics)
-                    delta = st.delta() if final is None and st.msg.stream else None
-                if final is not None:
-                    self.metrics.observe_final(final)
-                    self._reply(st.identity, final)
-                    return
-                if delta is not None and not self._reply(st.identity, delta):
+            await self.submit(st)
+            async for msg in self.outputs(st):
+                if not self._reply(st.identity, msg) and isinstance(msg, Delta):
                     log.info("client of request %r is gone; aborting it", st.request_id)
                     return
         except ProtocolError as e:
@@ -278,13 +335,11 @@ class Frontend:
             self._reply(st.identity, Error(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}: {e}",
                                            st.request_id))
         finally:
-            self._forget(st)
+            self.forget(st)
 
     def _reply_cancelled(self, st: RequestStream) -> None:
         if st.cancel_reason == "abort":
-            final = st.final("abort", time.monotonic())
-            self.metrics.observe_final(final)
-            self._reply(st.identity, final)
+            self._reply(st.identity, self.observe_abort(st))
         else:
             self._reply(st.identity, Error(ErrorCode.SHUTTING_DOWN, "the server shut down before the request "
                                            "finished", st.request_id))
@@ -294,22 +349,18 @@ class Frontend:
         `_serve_request`, so its handlers did not run: answer the client and forget the request here."""
         if self.requests.get(st.identity, st.request_id) is st:
             self._reply_cancelled(st)
-            self._forget(st)
-
-    def _forget(self, st: RequestStream) -> None:
-        self.requests.remove(st)
-        if st.incarnation and not st.engine_done and st.incarnation == self.supervisor.incarnation:
-            self.supervisor.send(EngineAbort([st.engine_id]))  # frees its KV pages in the scheduler at once
+            self.forget(st)
 
 
-def _ready_line(ready: Ready, model: str, address: str) -> str:
+def _ready_line(ready: Ready, model: str, address: str, http_url: str | None = None) -> str:
     extra = f"; {ready.kv_cache}" if ready.kv_cache else ""
     extra += f"; {ready.graphs}" if ready.graphs else ""
     extra += f"; {ready.prefill}" if ready.prefill else ""
     extra += f"; {ready.kernels}" if ready.kernels else ""
     if ready.tensor_parallel_size > 1:
         extra += f"; tensor-parallel {ready.tensor_parallel_size} ranks"
-    return f"specstep serve: ready ({model}; spec {ready.spec}, {ready.num_pages} KV pages{extra}) on {address}"
+    on = f"{address} and {http_url}" if http_url else address
+    return f"specstep serve: ready ({model}; spec {ready.spec}, {ready.num_pages} KV pages{extra}) on {on}"
 
 
 def _save_trace(recorder: TraceRecorder, path: Path) -> None:
