@@ -168,13 +168,13 @@ def measure_cpu(target: nn.Module, shapes: Sequence[StepShape], roots: Sequence[
                 utilization: float | None, carry: int = 0, ranks: int = 1) -> MemoryFigures:
     """CPU figures: `available` is host RAM measured before the weights were loaded (so they come out of it);
     `ranks`: tensor-parallel ranks sharing the host (the default KV cap is the server's, split between them)."""
-    elem = target.embed_tokens.weight.element_size()
+    elem = target.dtype.itemsize
     weights = resident_bytes(*roots)
     cfg, att = target.rank_cfg, target.attention
     workspace, rows = DEFAULT_WORKSPACE, None
     if isinstance(att, TorchAttention):  # its batch-invariant path's row padding is measured for this CPU
         workspace = att.workspace
-        rows = att.min_rows(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, target.embed_tokens.weight.dtype,
+        rows = att.min_rows(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, target.dtype,
                             torch.device("cpu"))
     activations = max(step_peak_bytes(cfg, s, elem, workspace, rows) for s in shapes) + carry  # this rank's share
     return MemoryFigures("cpu", available, utilization or CPU_DEFAULT_UTILIZATION, weights, weights, activations,
@@ -184,7 +184,7 @@ def measure_cpu(target: nn.Module, shapes: Sequence[StepShape], roots: Sequence[
 def warm_up(target: nn.Module, shape: StepShape, page_size: int, device: torch.device) -> None:
     """One forward of `shape` over a pool of the dummy page alone (every key read and write lands there), then
     sampling at its logit rows: the memory a real step of this shape allocates."""
-    dtype = target.embed_tokens.weight.dtype
+    dtype = target.dtype
     # This rank's KV heads (tensor parallelism: a shard's keys are [T, Hkv / N, D]).
     pool = KVPool(target.rank_cfg, target.cfg.num_layers, 1, page_size, dtype, device)
     table = [DUMMY_PAGE] * (shape.width // page_size)

@@ -132,7 +132,7 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
                       stream=make_stream(step_engine.device, cfg.overlap), tracer=tracer)
     info = EngineInfo(num_pages=num_pages, page_size=cfg.page_size, max_model_len=max_len,
                       vocab_size=target.cfg.vocab_size, device=str(step_engine.device),
-                      dtype=str(target.embed_tokens.weight.dtype).replace("torch.", ""),
+                      dtype=str(target.dtype).replace("torch.", ""),
                       spec=cfg.spec, eos_token_ids=tuple(eos),
                       graphs=parts.capture.to_dict() if parts.capture is not None else None,
                       attention=parts.attention, memory=parts.memory,
@@ -157,7 +157,7 @@ def build_step_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER, tp: TPGro
                                              for m in target.modules()):
         raise ConfigError(f"--activations {cfg.activations} runs in the GGUF kernel: {cfg.model} is not a GGUF "
                           f"checkpoint it reads ({target.gguf_note or 'no GGUF blocks'})")
-    dtype = target.embed_tokens.weight.dtype
+    dtype = target.dtype
     kv_dtype = cache_dtype(cfg, dtype, device)
     max_len = min(cfg.max_model_len or target.cfg.max_position_embeddings, target.cfg.max_position_embeddings)
     # Pools of the dummy page only until memory is planned: the proposer's state, the attention backends and a
@@ -295,7 +295,7 @@ def step_cost_store(cfg: EngineConfig, engine: StepEngine,
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cost_store.host_id()
     key = {"model": str(Path(cfg.model).resolve()), "spec": cfg.spec,
            "draft": str(Path(cfg.draft_path).resolve()) if cfg.draft_path else "", "host": where,
-           "kernels": describe_cpu_kernels(engine.target), "dtype": str(engine.target.embed_tokens.weight.dtype),
+           "kernels": describe_cpu_kernels(engine.target), "dtype": str(engine.target.dtype),
            "threads": str(torch.get_num_threads()), "stream": "overlap" if cfg.overlap else "inline",
            "graphs": ",".join(map(str, graph_ks)) if graph_ks else "eager", "attention": cfg.attention,
            "k_max": str(cfg.num_spec_tokens), "draft_vocab": str(cfg.draft_vocab),

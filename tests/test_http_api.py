@@ -21,6 +21,7 @@ from specstep.scheduler.server.protocol import GenerateRequest
 # ruff: noqa: F811
 from tests.http_fixtures import aborted, chat_target, http_server, stats, wait_idle  # noqa: F401
 from tests.server_fixtures import LIMIT, MAX_TOKENS, expected, prompts, reference, tokenizer  # noqa: F401
+from tests.test_metrics import engine_vs_counters
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +196,8 @@ async def test_a_client_gone_mid_stream_aborts_its_request(http_server):
         await c.close()
     idle = await wait_idle(http_server)  # every page free, integrity checked
     assert aborted(idle) == aborted(before) + 1
+    engine, counters = engine_vs_counters(idle.engine, idle.metrics)
+    assert engine == counters  # the scheduler's finished and the counters' requests: one each
     assert idle.engine.num_output_tokens - before.engine.num_output_tokens < LIMIT  # stopped, not run to its end
 
 
@@ -212,6 +215,8 @@ async def test_a_client_gone_while_waiting_aborts_its_request(http_server):
     writer.close()
     idle = await wait_idle(http_server)
     assert aborted(idle) == aborted(before) + 1
+    engine, counters = engine_vs_counters(idle.engine, idle.metrics)
+    assert engine == counters
     assert idle.engine.num_output_tokens - before.engine.num_output_tokens < LIMIT
 
 

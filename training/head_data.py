@@ -40,9 +40,9 @@ class PagedRunner:
 
     def __init__(self, target: LlamaForCausalLM, max_windows: int, seq_len: int, head: MTPHead | None = None):
         self.target = target
-        self.device = target.embed_tokens.weight.device
+        self.device = target.device
         self.max_windows = max_windows
-        dtype = target.embed_tokens.weight.dtype
+        dtype = target.dtype
         self.pages_per_window = -(-seq_len // PAGE_SIZE)
         num_pages = 1 + max_windows * self.pages_per_window  # page 0 is the dummy page
         self.pool = KVPool(target.cfg, target.cfg.num_layers, num_pages, PAGE_SIZE, dtype, self.device)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specstep.engine.errors import ConfigError, SpecstepError
 from specstep.engine.native import load_kernel
 
 HERE = Path(__file__).parent
@@ -44,8 +45,9 @@ SIGNATURES = {
 TABLE_BIT = 1 << 16  # kernels.cpp's: a table row's handle in a C++ caller's `fmt` field
 
 
-class KernelError(RuntimeError):
-    """The kernel layer cannot run here, has no such row, or rejected its arguments."""
+class KernelError(SpecstepError, RuntimeError):
+    """The kernel layer cannot run here, has no such row, or rejected its arguments (a SpecstepError: the CLI
+    reports it as a message, not a traceback)."""
 
 
 @cache
@@ -74,14 +76,20 @@ def isa_runs(isa: str) -> bool:
     return bool(_lib().sk_isa_runs(isa.encode()))
 
 
+def pinned_isa() -> str:
+    """`SPECSTEP_CPU_ISA` ("" where unset): the one parser of it, for this layer and the Q4_1 / Q8_0 kernel."""
+    chosen = os.environ.get(ISA_ENV, "")
+    if chosen and chosen not in (*ISAS, "amx"):
+        raise ConfigError(f"{ISA_ENV}={chosen!r}: one of {', '.join(ISAS)} or amx")
+    return chosen
+
+
 def host_isa() -> str:
     """The ISA the kernels run in here: `SPECSTEP_CPU_ISA` if set (an error where it cannot run), else the widest
     the CPU has."""
-    chosen = os.environ.get(ISA_ENV, "")
+    chosen = pinned_isa()
     chosen = {"amx": "avx512"}.get(chosen, chosen)  # (AMX pins the Q4_1 / Q8_0 kernel's tiles: no rows here)
     if chosen:
-        if chosen not in ISAS:
-            raise KernelError(f"{ISA_ENV}={chosen!r}: one of {', '.join(ISAS)} (or amx)")
         if not isa_runs(chosen):
             raise KernelError(f"{ISA_ENV}={chosen}: this CPU cannot run it")
         return chosen

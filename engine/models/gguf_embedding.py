@@ -20,11 +20,13 @@ class GGUFEmbedding(nn.Module):
         super().__init__()
         self.fmt, self.num_embeddings, self.embedding_dim = fmt, blocks.shape[0], embedding_dim
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        # Decided once: the kernel layer's table of names is built by ctypes calls, too dear for every lookup.
+        self._in_table = not kernel_layer.unavailable() and fmt in kernel_layer.formats()
 
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
         from specstep.engine.models.gguf_linear import dequantize
 
-        if self.fmt in kernel_layer.formats():
+        if self._in_table:
             return torch.from_numpy(kernel_layer.dequantize(self.fmt, rows, threads=1)).view(-1, self.embedding_dim)
         return dequantize(self.fmt, rows, self.embedding_dim)
 

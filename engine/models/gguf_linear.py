@@ -192,14 +192,16 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         if required:
             raise ConfigError(f"{flag}: the GGUF kernel cannot run here: {why}")
         return f"fp32 weights (GGUF kernel unavailable: {why})"
+    if kernel_layer.pinned_isa() and activations in ("int8", "auto"):
+        flag = f"{kernel_layer.ISA_ENV}={kernel_layer.pinned_isa()}"
+    activations = _pinned_isa(activations)  # before the checks: a pinned ISA the host lacks is refused by them
     if activations == "int8-tiles" and tiles_unavailable():
-        raise ConfigError(f"{flag}: AMX tiles cannot run here: {tiles_unavailable()} (--activations int8-lanes "
+        raise ConfigError(f"{flag}: AMX tiles cannot run here: {tiles_unavailable()} ({kernel_layer.ISA_ENV}=avx2 "
                           "runs in AVX2 lanes)")
     if activations == "int8-vnni" and vnni_unavailable():
-        raise ConfigError(f"{flag}: AVX-512 VNNI lanes cannot run here: {vnni_unavailable()} (--activations "
-                          "int8-lanes runs in AVX2 lanes)")
+        raise ConfigError(f"{flag}: AVX-512 VNNI lanes cannot run here: {vnni_unavailable()} "
+                          f"({kernel_layer.ISA_ENV}=avx2 runs in AVX2 lanes)")
     host_note = ""
-    activations = _pinned_isa(activations)
     if activations in ("int8", "auto"):  # the host's fastest: AMX tiles, else AVX-512 VNNI lanes, else AVX2 lanes
         if not tiles_unavailable():
             activations = "int8-tiles"
@@ -297,13 +299,9 @@ _OLD_KERNEL_INT8 = {"amx": "int8-tiles", "avx512": "int8-vnni", "avx2": "int8-la
 def _pinned_isa(activations: str) -> str:
     """`int8` / `auto` where `SPECSTEP_CPU_ISA` pins an ISA: the older kernel's form on it (`amx` is that kernel's
     only: the kernel layer has no AMX rows)."""
-    import os
-
-    isa = os.environ.get(kernel_layer.ISA_ENV, "")
+    isa = kernel_layer.pinned_isa()
     if activations not in ("int8", "auto") or not isa:
         return activations
-    if isa not in _OLD_KERNEL_INT8:
-        raise ConfigError(f"{kernel_layer.ISA_ENV}={isa!r}: one of {', '.join(_OLD_KERNEL_INT8)}")
     return _OLD_KERNEL_INT8[isa]
 
 

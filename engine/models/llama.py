@@ -137,6 +137,16 @@ class LlamaForCausalLM(nn.Module):
         # on CPU); not a module: it points at these layers' weights.
         self.native = None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype: the final norm's (the embedding may be a GGUF table of blocks, whose `weight`
+        dequantises the whole table)."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, x.dtype)

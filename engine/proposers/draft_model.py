@@ -27,7 +27,7 @@ class DraftModelProposer(ModelProposer):
             raise CheckpointError(
                 f"draft vocabulary ({draft.cfg.vocab_size}) differs from the target's ({target_vocab}); "
                 "a draft model must share the target's tokenizer")
-        super().__init__(pool, target_vocab, draft.cfg.hidden_size, max_slots, device, draft.embed_tokens.weight.dtype)
+        super().__init__(pool, target_vocab, draft.cfg.hidden_size, max_slots, device, draft.dtype)
         self.model = draft
         self.reduced_head = reduced_head  # the draft's lm_head rows for its draft vocabulary
 

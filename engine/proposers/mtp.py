@@ -34,7 +34,7 @@ class MTPProposer(ModelProposer):
                  device: torch.device, reduced_head: ReducedLMHead | None = None) -> None:
         # The head concatenates the target's hidden states (and embeddings) with its own: one dtype for all, or
         # the concatenation promotes and the head's linears see a dtype their weights are not in.
-        dtype = target.embed_tokens.weight.dtype
+        dtype = target.dtype
         if head.fc.weight.dtype != dtype:
             raise CheckpointError(f"the MTP head is in {head.fc.weight.dtype}, the target in {dtype}: load both "
                                   "in one dtype")

@@ -259,6 +259,7 @@ class Frontend:
                 final = st.consume(items, time.monotonic(), self.metrics)
                 delta = st.delta() if final is None and st.msg.stream else None
             if final is not None:
+                st.counted = True
                 self.metrics.observe_final(final)
                 yield final
                 return
@@ -266,15 +267,21 @@ class Frontend:
                 yield delta
 
     def observe_abort(self, st: RequestStream) -> Final:
-        """A client's abort (an ABORT message, or an HTTP client gone): counted as a request ended "abort"."""
+        """A client's abort (an ABORT message, or an HTTP client gone): counted as a request ended "abort" (once:
+        a request already counted is not counted again)."""
         final = st.final("abort", time.monotonic())
-        self.metrics.observe_final(final)
+        if not st.counted:
+            st.counted = True
+            self.metrics.observe_final(final)
         return final
 
     def forget(self, st: RequestStream) -> None:
         """The request is over for its client: drop it, and abort it in the scheduler if still running there."""
         self.requests.remove(st)
         if st.incarnation and not st.engine_done and st.incarnation == self.supervisor.incarnation:
+            # The scheduler counts an aborted request as finished; so do the metrics, whatever path ended it
+            # here (a client gone, an internal error), so that STATS and the counters agree.
+            self.observe_abort(st)
             self.supervisor.send(EngineAbort([st.engine_id]))  # frees its KV pages in the scheduler at once
 
     def health(self) -> HealthReply:

@@ -41,6 +41,7 @@ class RequestStream:
     incarnation: int = 0  # the scheduler incarnation it was sent to (0 = not sent)
     engine_done: bool = False  # the scheduler has finished or forgotten it (no abort needed)
     cancel_reason: str = ""  # "abort" | "shutdown" once cancelled
+    counted: bool = False  # its Final (or abort) is in the server's metrics
     text: TextStream | None = None
     num_prompt: int = 0
     num_output: int = 0
