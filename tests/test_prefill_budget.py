@@ -332,7 +332,9 @@ def test_serve_calibrates_a_budget_by_default(tiny_target):
     assert budget is not None and MIN_BUDGET <= budget.tokens <= cfg.max_prefill_tokens
     assert budget.multiple == serve_cmd.MAX_STEP_LATENCY and budget.decode_s > 0 and budget.model.fixed > 0
     text = generate_cmd.ready_text(info)
-    assert f"chunked prefill {budget.tokens} prompt tokens a step" in text and "calibrated" in text
+    assert "chunked prefill calibrated to an ITL target of 3 x the running streams' decode step" in text
+    assert f"{budget.tokens} prompt tokens a step" in text and f"{budget.efficient} with none" in text
+    assert budget.efficient >= MIN_BUDGET
     core.close()
 
 

@@ -28,7 +28,7 @@ from specstep.engine.step_context import Chain
 from specstep.engine.step_engine import StepEngine, StepOutput
 from specstep.engine.stream import DeviceStream, InlineStream, StepHandle
 from specstep.scheduler.core.page_allocator import PageAllocator
-from specstep.scheduler.core.scheduler import ModelFacts, Scheduler, SchedulerConfig
+from specstep.scheduler.core.scheduler import ModelFacts, Pacing, Scheduler, SchedulerConfig
 from specstep.scheduler.core.step_plan import StepKind, StepPlan
 from specstep.scheduler.core.stopping import RequestOutput
 from specstep.scheduler.spec.policy import AdaptivePolicy, PolicyConfig
@@ -59,6 +59,8 @@ class EngineCore:
         self.tracer = tracer
         self.inflight: InFlight | None = None
         self.chained_steps = 0  # decode steps built while the previous one ran (overlap)
+        self.steps_run = 0  # steps launched: prefill, mixed and decode (chained ones included)
+        self.mixed_steps = 0  # of them, mixed: decode rows and prompt chunks in one step
         policy = policy or AdaptivePolicy(PolicyConfig(kind="fixed", k_max=config.num_spec_tokens,
                                                        keeps_draft_kv=step_engine.has_draft_model))
         self.scheduler = Scheduler(ModelFacts.of(step_engine), allocator, config, policy, eos_token_ids, tracer)
@@ -109,6 +111,10 @@ class EngineCore:
     def chunked(self) -> bool:
         return self.scheduler.chunks is not None
 
+    def pacing(self) -> Pacing | None:
+        """The chunked-prefill pacer's figures at the current batch (None: whole-prompt prefill)."""
+        return self.scheduler.pacing(self.mixed_steps / self.steps_run if self.steps_run else 0.0)
+
     def add_request(self, req) -> None:
         self.scheduler.add_request(req)
 
@@ -145,6 +151,8 @@ class EngineCore:
                 plan = self.scheduler.schedule()
             if plan.kind is StepKind.NONE:
                 return list(plan.finished)
+            self.steps_run += 1
+            self.mixed_steps += plan.kind is StepKind.MIXED
             if plan.kind is StepKind.PREFILL:
                 return self._prefill(plan)
             if plan.kind is StepKind.MIXED:
@@ -162,6 +170,7 @@ class EngineCore:
             if plan is not None:
                 nxt = self._launch(plan, 0.0, cur)
                 self.chained_steps += 1
+                self.steps_run += 1
         outputs = self._complete(cur)
         self.inflight = nxt
         return outputs

@@ -160,9 +160,9 @@ def choose_budget(model: StepCostModel, decode_s: float, multiple: float, max_to
     tokens = max(min(MIN_BUDGET, max_tokens),
                  min(model.tokens_within((multiple - 1) * decode_s - model.fixed, 0), max_tokens))
     efficient = min(knee, max_tokens) if knee else efficient_tokens(model.fixed, model, max_tokens)
-    how = (f"{tokens} prompt tokens a step at context 0 beside one stream, {efficient} with none "
-           f"(compute-efficient: a token's cost stops falling there), calibrated: a mixed step "
-           f"<= {multiple:g} x the running batch's decode step ({decode_s * 1e3:.1f} ms at batch 1 at start-up), "
+    how = (f"calibrated to an ITL target of {multiple:g} x the running streams' decode step "
+           f"({multiple * decode_s * 1e3:.1f} ms at batch 1 at start-up): {tokens} prompt tokens a step at context 0 "
+           f"beside one stream, {efficient} with none (compute-efficient: a token's cost stops falling there); "
            f"prompt forwards {model.fixed * 1e3:.1f} ms + {model.per_token * 1e3:.2f} ms/token + "
            f"{model.per_key * 1e6:.3f} us/token/key + {model.per_context * 1e6:.1f} us/key of context beyond it "
            f"(measured in {measured_s:.1f} s)")

@@ -27,7 +27,7 @@ chunks between 3 and 100 tokens, and the streams' p99 gap ran to 5-7x their medi
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -49,6 +49,19 @@ IRLS_ROUNDS = 6  # one reweighting left a 10 s burst among 32 steps moving the c
 TYPICAL_Q, TYPICAL_CTX = 32.0, 2048.0
 
 Chunks = list[tuple[int, int]]  # (tokens, context) of a mixed step's prompt chunks
+
+
+@dataclass(frozen=True, slots=True)
+class Pacing:
+    """Why prompts advance as they do, at the current batch (STATS, gauges): the prompt tokens a step takes at
+    context 0 beside the running streams (with none: the compute-efficient size), the streams' ITL target (a
+    mixed step's longest planned gap; 0 with a fixed budget), the compute-efficient prompt forward, and the share
+    of steps run so far that were mixed."""
+
+    budget_tokens: int
+    itl_target_s: float
+    efficient_tokens: int
+    mixed_share: float
 
 
 def features(chunks: Chunks) -> np.ndarray:
@@ -110,7 +123,11 @@ class PrefillPacer:
         model = StepCostModel(self.budget.model.fixed, *theta[1:].tolist())
         self._live = replace(self.budget, model=model)
         if len(y) >= MIN_SPREAD_STEPS:
-            self._efficient = efficient_tokens(self._overhead, model, self.budget.max_tokens)
+            # Within a doubling of the measured knee: a window of like-sized forwards cannot tell the overhead
+            # from the tokens well enough to move it further (on a tiny model it ran to max_prefill_tokens)
+            e = self.budget.efficient
+            live = efficient_tokens(self._overhead, model, self.budget.max_tokens)
+            self._efficient = min(max(live, e // 2, 1), 2 * e, self.budget.max_tokens)
 
     def itl_target(self, decode_s: float | None) -> float | None:
         """The longest gap a mixed step may give the running streams: `multiple` x their decode step (`decode_s`;

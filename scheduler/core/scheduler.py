@@ -23,7 +23,7 @@ from specstep.scheduler.core.draft_lanes import draft_lag, draft_room, stale_lan
 from specstep.scheduler.core.page_allocator import PageAllocator
 from specstep.scheduler.core.postprocess import Postprocessor
 from specstep.scheduler.core.prefill_budget import PrefillBudget
-from specstep.scheduler.core.prefill_pacer import PrefillPacer
+from specstep.scheduler.core.prefill_pacer import Pacing, PrefillPacer
 from specstep.scheduler.core.request import FinishReason, Request, Status
 from specstep.scheduler.core.request_queues import RequestQueues
 from specstep.scheduler.core.step_plan import StepKind, StepPlan
@@ -199,6 +199,16 @@ class Scheduler:
         return StepPlan(StepKind.MIXED, decode=tuple(running), prompts=tuple(chunks),
                         with_proposer=tuple(r.prefill_with_proposer for r, _ in chunks), decision=decision,
                         catch_up=stale_lanes(running, decision) if decision is not None else (), decode_s=decode_s)
+
+    def pacing(self, mixed_share: float) -> Pacing | None:
+        if self.chunks is None:
+            return None
+        pacer, b = self.chunks.pacer, len(self.queues.running)
+        d = self.last_decision
+        decode_s = self.decode_step_s(d) if d is not None and len(d.num_draft) == b else self.plain_decode_s()
+        verify = b + (int(d.num_draft.sum()) if d is not None and len(d.num_draft) == b else 0)
+        return Pacing(pacer.budget_tokens(verify, decode_s), pacer.itl_target(decode_s) or 0.0, pacer.efficient,
+                      mixed_share)
 
     def decode_step_s(self, decision: Decision | None) -> float | None:
         """The running batch's decode step as decided, priced by the policy's live step costs (None: not timed
