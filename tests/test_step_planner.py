@@ -31,7 +31,9 @@ def decode_cost(b: int, num_draft: np.ndarray | None, refill: bool, tokens: int)
 
 
 class ForwardSim(SimStepEngine):
-    """Prompt forwards cost FORWARD's (what start-up measured); it records each one's chunks."""
+    """Prompt forwards cost `forward`'s (what start-up measured); it records each one's chunks."""
+
+    forward: StepCostModel = FORWARD
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -40,15 +42,18 @@ class ForwardSim(SimStepEngine):
     def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
         q_lens = list(q_lens) if q_lens is not None else [len(s.token_ids) - s.num_computed for s in seqs]
         self.forwards.append(q_lens)
-        self.clock.now += FORWARD.fixed + sum(FORWARD.chunk_cost(q, s.num_computed) for s, q in zip(seqs, q_lens))
+        m = self.forward
+        self.clock.now += m.fixed + sum(m.chunk_cost(q, s.num_computed) for s, q in zip(seqs, q_lens))
         return torch.ones(len(seqs), dtype=torch.long)
 
 
-def make_core(proposer: str | None = None, k: int = 0, overlap: bool = False, budget=None, max_batch_size=16):
+def make_core(proposer: str | None = None, k: int = 0, overlap: bool = False, forward: StepCostModel = FORWARD,
+              max_batch_size=16):
     clock = SimClock()
     engine = ForwardSim(Scenario(cost=decode_cost, alpha=lambda rid, n: 0.7), clock,
                         SimProposer(proposer) if proposer else None)
-    budget = budget or choose_budget(FORWARD, decode_cost(1, None, False, 0), MULTIPLE, 4096)
+    engine.forward = forward
+    budget = choose_budget(forward, decode_cost(1, None, False, 0), MULTIPLE, 4096)
     policy = AdaptivePolicy(PolicyConfig(kind="fixed", k_max=k, keeps_draft_kv=engine.has_draft_model))
     core = EngineCore(engine, PageAllocator(8192, 16),
                       SchedulerConfig(max_batch_size=max_batch_size, prefill_budget=budget, num_spec_tokens=k,
@@ -97,6 +102,28 @@ def test_decode_rows_first_then_chunks_of_several_prompts_fill_the_budget():
     chunks = [q for _, q in plan.prompts]
     assert len(chunks) == 3 and chunks[:2] == [40, 40]  # several prompts share the step
     assert abs(sum(chunks) - room / FORWARD.per_token) <= 1  # the prompt forward fills the room
+
+
+def test_prompt_forwards_keep_the_compute_efficient_size_where_the_itl_target_leaves_less():
+    """A prompt forward whose fixed cost (60 ms) eats most of what the streams' target leaves: chunks of what is
+    left (~40 tokens) would pay it for few tokens each. The forward keeps the compute-efficient size (256: a
+    token's cost stops falling there), several prompts sharing it; the streams' gap is one such forward."""
+    forward = StepCostModel(fixed=0.06, per_token=1e-3)
+    core, engine, clock = make_core("mtp", k=2, forward=forward)
+    pacer = core.scheduler.chunks.pacer
+    assert pacer.efficient == 256
+    for i in range(2):
+        core.add_request(request(f"s{i}", 8, 1000))
+    while len(core.running) < 2:
+        core.step()
+    for _ in range(6):
+        core.step()
+    for i in range(3):
+        core.add_request(request(f"p{i}", 200, 1000))
+    plan = core.scheduler.schedule()
+    assert (MULTIPLE - 1) * plan.decode_s - forward.fixed < forward.chunk_cost(64, 0)  # the target leaves < 64
+    assert plan.decision.num_draft.tolist() == [2, 2]
+    assert [q for _, q in plan.prompts] == [200, 56]
 
 
 def test_the_itl_target_holds_under_steady_arrivals():

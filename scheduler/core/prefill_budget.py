@@ -153,13 +153,12 @@ class PrefillBudget:
 def choose_budget(model: StepCostModel, decode_s: float, multiple: float, max_tokens: int,
                   measured_s: float = 0.0, knee: int | None = None) -> PrefillBudget:
     """A mixed step may cost `multiple` x its batch's decode step: the decode step, then a prompt forward whose
-    chunks cost at most (multiple - 1) decode steps less the forward's fixed cost. `tokens`: what that leaves
-    beside one decoding request at context 0, at least MIN_BUDGET and at most `max_tokens`. With no stream to
-    protect, prompts take the compute-efficient size: `knee`, where the measured curve flattened
-    (`curve_knee`), else the model's (`efficient_tokens`)."""
-    tokens = max(min(MIN_BUDGET, max_tokens),
-                 min(model.tokens_within((multiple - 1) * decode_s - model.fixed, 0), max_tokens))
+    chunks cost at most (multiple - 1) decode steps less the forward's fixed cost, and never less than the
+    compute-efficient size: `knee`, where the measured curve flattened (`curve_knee`), else the model's
+    (`efficient_tokens`). `tokens`: what that leaves beside one decoding request at context 0, at most
+    `max_tokens`. With no stream to protect, prompts take the compute-efficient size."""
     efficient = min(knee, max_tokens) if knee else efficient_tokens(model.fixed, model, max_tokens)
+    tokens = max(efficient, min(model.tokens_within((multiple - 1) * decode_s - model.fixed, 0), max_tokens))
     how = (f"calibrated to an ITL target of {multiple:g} x the running streams' decode step "
            f"({multiple * decode_s * 1e3:.1f} ms at batch 1 at start-up): {tokens} prompt tokens a step at context 0 "
            f"beside one stream, {efficient} with none (compute-efficient: a token's cost stops falling there); "

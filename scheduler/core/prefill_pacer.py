@@ -5,9 +5,10 @@ forward over the step's chunks. The streams see a gap of both, so the pacer hold
 
     room for chunks = (multiple - 1) x decode step - overhead - HEADROOM x the fit's median residual
 
-where the decode step is the batch's step as decided, priced by the speculation policy's live step costs, and
-with no stream running there is no gap to protect: prompts take the compute-efficient size (`efficient`, where
-a token's cost stops falling), several prompts sharing it.
+where the decode step is the batch's step as decided, priced by the speculation policy's live step costs, with
+the compute-efficient size (`efficient`, where a token's cost stops falling) as its floor: smaller chunks would
+pay the forward's fixed cost for few tokens and lose throughput, whatever they saved the streams. With no stream
+running there is no gap to protect: prompts take that size, several prompts sharing it.
 
 The start-up fit times single prompt forwards on an idle engine; serving moves what they really cost (a
 neighbour's load; contexts far beyond the probes). So the pacer refits the prompt forward's cost model on what
@@ -21,7 +22,7 @@ top of the start-up model: a scale and an overhead fitted against its modelled c
 off. A 1-16 token chunk late in a 4,000-token prompt is almost all context read (per_context x ctx) and an early
 one almost all tokens; when the probes misjudged one term the scale swung between 0.5 and 16 from step to step,
 chunks between 3 and 100 tokens, and the streams' p99 gap ran to 5-7x their median (SmolLM2, AVX2 host).
-`chunk` / `chunk_cost` price chunks with the live model, and `efficient` follows it.
+`chunk` / `chunk_cost` price chunks with the live model.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from specstep.scheduler.core.prefill_budget import MIN_BUDGET, PrefillBudget, StepCostModel, efficient_tokens
+from specstep.scheduler.core.prefill_budget import PrefillBudget, StepCostModel
 
 MIN_CHUNK_SHARE = 4  # a step's first prompt chunk may take a quarter of an empty step's room, whatever is left
 WINDOW = 32  # prompt forwards the live model is fitted over
@@ -80,7 +81,6 @@ class PrefillPacer:
         self._overhead = m.fixed if budget.multiple is not None else 0.0
         self._spread = 0.0  # median absolute residual of the live fit, seconds
         self._live = budget  # the budget priced with the live model
-        self._efficient = budget.efficient
 
     @property
     def model(self) -> StepCostModel:
@@ -94,9 +94,10 @@ class PrefillPacer:
 
     @property
     def efficient(self) -> int:
-        """The compute-efficient prompt forward in tokens at context 0 (start-up's measured curve, then the live
-        model's); 0 for a fixed budget."""
-        return self._efficient
+        """The compute-efficient prompt forward in tokens at context 0, from start-up's measured curve (0 for a
+        fixed budget). Not refitted: a window of like-sized forwards cannot tell the fixed cost from the tokens'
+        (the fit moves along that line), and the size follows from their ratio; the live model prices it."""
+        return self.budget.efficient
 
     def _refit(self) -> None:
         # Each term in units of a typical step's (the coefficients: seconds of it), so the prior's pull and the
@@ -122,12 +123,6 @@ class PrefillPacer:
         self._spread = mad if len(y) >= MIN_SPREAD_STEPS else 0.0
         model = StepCostModel(self.budget.model.fixed, *theta[1:].tolist())
         self._live = replace(self.budget, model=model)
-        if len(y) >= MIN_SPREAD_STEPS:
-            # Within a doubling of the measured knee: a window of like-sized forwards cannot tell the overhead
-            # from the tokens well enough to move it further (on a tiny model it ran to max_prefill_tokens)
-            e = self.budget.efficient
-            live = efficient_tokens(self._overhead, model, self.budget.max_tokens)
-            self._efficient = min(max(live, e // 2, 1), 2 * e, self.budget.max_tokens)
 
     def itl_target(self, decode_s: float | None) -> float | None:
         """The longest gap a mixed step may give the running streams: `multiple` x their decode step (`decode_s`;
@@ -138,14 +133,18 @@ class PrefillPacer:
     def room(self, num_decode: int, decode_s: float | None) -> float:
         """The cost prompt chunks may add to a step beside `num_decode` decode rows. Fixed: the tokens the rows
         leave. Calibrated, with streams running: their ITL target less their decode step and the prompt
-        forward's live overhead, and never less than MIN_BUDGET tokens' cost at context 0; with none, the
-        compute-efficient size's cost."""
+        forward's live overhead, and never less than the compute-efficient size's cost at context 0; with none,
+        that size's cost."""
         b = self.budget
         if b.multiple is None:
             return b.tokens - num_decode
+        efficient = self.chunk_cost(self.efficient, 0)
         if num_decode == 0:
-            return self.chunk_cost(self._efficient, 0)
-        return max(self._stream_room(decode_s), self.chunk_cost(min(MIN_BUDGET, b.max_tokens), 0))
+            return efficient
+        # Below the compute-efficient size each chunk pays the forward's fixed cost for few tokens: where the ITL
+        # target leaves less (a small batch; the fixed cost itself past the target), prefill keeps that size, and
+        # the streams' gap is what one efficient forward adds to their step.
+        return max(self._stream_room(decode_s), efficient)
 
     def _stream_room(self, decode_s: float | None) -> float:
         d = decode_s or self.budget.decode_s
