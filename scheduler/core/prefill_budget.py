@@ -80,15 +80,6 @@ def efficient_tokens(fixed: float, model: StepCostModel, max_tokens: int) -> int
     return q
 
 
-def curve_knee(samples: list[tuple[int, float]]) -> int:
-    """The measured form of `efficient_tokens`: over (tokens, seconds) at context 0 in ascending size, the first
-    size whose next one costs a token no less than (1 - EFFICIENT_GAIN) of its own."""
-    for (q0, t0), (q1, t1) in zip(samples, samples[1:]):
-        if t1 / q1 >= (1.0 - EFFICIENT_GAIN) * t0 / q0:
-            return q0
-    return samples[-1][0]
-
-
 def fit_costs(samples: list[tuple[int, int, float]]) -> StepCostModel:
     """Least squares over (chunk tokens, context, seconds). Noise on a shared host can make a term negative:
     it is dropped (0) and the rest refitted, so every term stays a cost."""
@@ -151,13 +142,14 @@ class PrefillBudget:
 
 
 def choose_budget(model: StepCostModel, decode_s: float, multiple: float, max_tokens: int,
-                  measured_s: float = 0.0, knee: int | None = None) -> PrefillBudget:
+                  measured_s: float = 0.0, measured_up_to: int | None = None) -> PrefillBudget:
     """A mixed step may cost `multiple` x its batch's decode step: the decode step, then a prompt forward whose
     chunks cost at most (multiple - 1) decode steps less the forward's fixed cost, and never less than the
-    compute-efficient size: `knee`, where the measured curve flattened (`curve_knee`), else the model's
-    (`efficient_tokens`). `tokens`: what that leaves beside one decoding request at context 0, at most
+    compute-efficient size (`efficient_tokens` of the fitted model: the fit pools every probe, where the knee of
+    the raw curve moved with one noisy probe, 16 instead of 128 on a loaded host), never past the largest size
+    timed (`measured_up_to`). `tokens`: what that leaves beside one decoding request at context 0, at most
     `max_tokens`. With no stream to protect, prompts take the compute-efficient size."""
-    efficient = min(knee, max_tokens) if knee else efficient_tokens(model.fixed, model, max_tokens)
+    efficient = efficient_tokens(model.fixed, model, min(measured_up_to or max_tokens, max_tokens))
     tokens = max(efficient, min(model.tokens_within((multiple - 1) * decode_s - model.fixed, 0), max_tokens))
     how = (f"calibrated to an ITL target of {multiple:g} x the running streams' decode step "
            f"({multiple * decode_s * 1e3:.1f} ms at batch 1 at start-up): {tokens} prompt tokens a step at context 0 "
@@ -231,6 +223,5 @@ def resolve_budget(cfg: EngineConfig, engine, num_pages: int, max_len: int) -> P
     if cfg.chunked_prefill == "fixed":
         return PrefillBudget.fixed_tokens(cfg.max_num_batched_tokens)
     costs = measure_step_costs(engine, num_pages, cfg.page_size, max_len, max_tokens=cfg.max_prefill_tokens)
-    curve = [(q, t) for q, ctx, t in costs.chunks if ctx == 0]
     return choose_budget(fit_costs(list(costs.chunks)), costs.decode_s, cfg.max_step_latency,
-                         cfg.max_prefill_tokens, costs.measured_s, curve_knee(curve) if len(curve) > 1 else None)
+                         cfg.max_prefill_tokens, costs.measured_s, max(q for q, ctx, _ in costs.chunks if ctx == 0))
