@@ -201,6 +201,7 @@ class Scheduler:
                         catch_up=stale_lanes(running, decision) if decision is not None else (), decode_s=decode_s)
 
     def pacing(self, mixed_share: float) -> Pacing | None:
+        """The pacer's figures for the running batch as last decided (None: whole-prompt prefill)."""
         if self.chunks is None:
             return None
         pacer, b = self.chunks.pacer, len(self.queues.running)
