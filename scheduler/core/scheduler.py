@@ -180,6 +180,8 @@ class Scheduler:
         included), then prompt chunks up to the pacer's budget. None if no prompt chunk runs, or the decode rows'
         pages need a preemption (the decode path plans that step)."""
         running = self.queues.running
+        if not self.queues.prefilling and not self.queues.waiting:
+            return None  # no prompt to chunk: not worth deciding the decode rows twice
         decision = None
         if running:
             decision = self.decide(running)
