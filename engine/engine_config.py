@@ -168,23 +168,25 @@ class EngineConfig:
     max_batch_size: int = option(64, "most requests decoding at once", check=_positive, rule=">= 1")
     max_prefill_tokens: int = option(4096, "most prompt tokens in a whole-prompt prefill step, and the ceiling of a "
                                            "calibrated chunked-prefill budget", check=_positive, rule=">= 1")
-    # Chunked prefill (`scheduler/core/prefill_budget.py`): every running request decodes one token in each step and
-    # prompt chunks fill the rest of its budget, as in vLLM. max_num_batched_tokens N: a fixed budget of N
-    # tokens a step (0: off). Unset: calibrated at start-up (and paced live, `scheduler/core/prefill_pacer.py`) so a
-    # mixed step costs at most max_step_latency of the running batch's plain decode steps, or off when that is
+    # Chunked prefill (`scheduler/core/prefill_budget.py`): every running request runs its decode step (speculative
+    # or not) in each step and prompt chunks fill the rest of its budget, as in vLLM. max_num_batched_tokens N: a
+    # fixed budget of N tokens a step (0: off). Unset: calibrated at start-up (and paced live,
+    # `scheduler/core/prefill_pacer.py`) so a mixed step costs at most max_step_latency of the running batch's
+    # decode steps, never below the compute-efficient prompt forward (docs/scheduling.md), or off when that is
     # unset too (the library's and `generate`'s default; `serve` sets it). Off: a prompt is prefilled whole in a
     # step of its own while running requests wait. A budget below the running batch is allowed: prompts still
     # get a share of every step (`PrefillBudget.chunk`).
     max_num_batched_tokens: int | None = option(
-        None, "chunked prefill with a fixed budget of N tokens a step: running requests decode one token each and "
-              "prompts are prefilled in chunks beside them; 0: off", metavar="N", shown=_chunking_shown,
+        None, "chunked prefill with a fixed budget of N tokens a step: running requests decode (their drafts "
+              "count) and prompts are prefilled in chunks beside them; 0: off", metavar="N", shown=_chunking_shown,
         check=lambda v: v >= 0, rule=">= 0 (0: off)",
         aliases=(Alias("--no-chunked-prefill", 0, _no_chunking_help),))
     max_step_latency: float | None = option(
         None, "chunked prefill with a budget calibrated at start-up (a few seconds on CPU) and kept true from the "
               "engine's own step times: a step mixing prompt chunks with decoding costs at most X of the running "
-              "batch's plain decode steps, so running streams keep about X times their usual inter-token gap while "
-              "a long prompt is prefilled; larger X: faster prefill, longer gaps. --max-num-batched-tokens "
+              "batch's decode steps (never less than one compute-efficient prompt forward), so running streams "
+              "keep about X times their usual inter-token gap while a long prompt is prefilled; larger X: faster "
+              "prefill, longer gaps. --max-num-batched-tokens "
               "overrides it (default: {default}). The ready line reports the budget", metavar="X",
         shown=_latency_shown, defaults={"serve": SERVE_MAX_STEP_LATENCY}, library_shown="unset: chunked prefill off",
         check=lambda v: v > 1.0, rule="> 1 (decode steps)")

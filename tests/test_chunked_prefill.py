@@ -14,6 +14,7 @@ import torch
 
 from specstep.engine.sampling_params import SamplingParams
 from specstep.scheduler.core.request import Request, Status
+from specstep.scheduler.core.step_plan import StepKind
 from tests.fixtures_models import make_mtp_head
 from tests.helpers import make_core
 
@@ -44,27 +45,36 @@ def core_for(target, proposers, name: str, budget: int | None, **cfg):
 
 
 class StepLog:
-    """Wraps the step engine's prefill to record what each prefill/mixed step held."""
+    """Wraps the scheduler to record what each prefill/mixed step held."""
 
     def __init__(self, core) -> None:
-        self.steps: list[tuple[int, list[int], list[bool]]] = []  # (decode rows, chunk lengths, chunk final)
-        inner = core.engine.prefill
+        # (decode rows, chunk lengths, chunk final, verify tokens of the decode rows, decode rows that drafted)
+        self.steps: list[tuple[int, list[int], list[bool], int, int]] = []
+        inner = core.scheduler.schedule
 
-        def prefill(seqs, with_proposer=True, q_lens=None, num_decode=0):
-            if q_lens is not None:
-                chunks = list(q_lens)[num_decode:]
-                final = [s.num_computed + q == len(s.token_ids) for s, q in zip(seqs[num_decode:], chunks)]
-                self.steps.append((num_decode, chunks, final))
-            return inner(seqs, with_proposer, q_lens, num_decode)
-        core.engine.prefill = prefill
+        def schedule():
+            plan = inner()
+            if plan.kind is StepKind.MIXED:
+                chunks = [q for _, q in plan.prompts]
+                final = [r.num_computed + q == len(r.token_ids) for r, q in plan.prompts]
+                nd = plan.decision.num_draft if plan.decision is not None else []
+                self.steps.append((len(plan.decode), chunks, final, int(sum(nd)) + len(nd), int((nd > 0).sum())
+                                   if len(nd) else 0))
+            return plan
+        core.scheduler.schedule = schedule
 
     @property
     def mixed(self) -> int:
-        return sum(1 for d, c, _ in self.steps if d and c)
+        return sum(1 for d, c, *_ in self.steps if d and c)
+
+    @property
+    def speculative_mixed(self) -> int:
+        """Mixed steps whose decode rows carried drafts."""
+        return sum(1 for d, c, _, _, drafting in self.steps if d and c and drafting)
 
     @property
     def partial_chunks(self) -> int:
-        return sum(f.count(False) for _, _, f in self.steps)
+        return sum(f.count(False) for _, _, f, *_ in self.steps)
 
 
 def run_staggered(core, prompt_list, params, seeds=None) -> list[Request]:
@@ -99,9 +109,12 @@ def test_chunked_prefill_is_token_identical_to_whole_prefill(tiny_target, propos
     reqs = run_staggered(core, prompts(), GREEDY)
     assert [r.output_token_ids for r in reqs] == reference[name] == reference["none"]
     assert log.mixed > 0 and log.partial_chunks > 0, "no step mixed decodes with a part of a prompt"
-    assert all(sum(c) + d <= budget for d, c, _ in log.steps)
+    # prompt chunks fill what the decode rows' verify tokens leave; when they leave nothing, a quarter (the floor)
+    assert all(sum(c) <= max(budget - verify, budget // 4, 1) for _, c, _, verify, _ in log.steps)
     if name != "none":
         assert sum(r.stats.drafted for r in reqs) > 0
+        # speculation goes on in mixed steps: the decode rows verify their drafts beside the prompt chunks
+        assert log.speculative_mixed > 0, "no mixed step speculated"
     if name == "draft_self":  # its KV after chunked prefills is exact: every draft is the target's own token
         assert all(r.stats.accepted == r.stats.drafted for r in reqs)
 
@@ -135,13 +148,15 @@ def test_seeded_sampling_is_unchanged_by_chunking(tiny_target, proposers, name):
     assert outs[0] == outs[1]
 
 
-def test_preemption_mid_prefill_frees_everything_and_output_is_unchanged(tiny_target, proposers, reference):
-    """A KV cache too small for every request at once: running requests that need pages preempt the prompts
-    part-way through their chunks (then the newest running requests); every output still equals the plain one."""
-    core = core_for(tiny_target, proposers, "mtp", 6, kv_cache_tokens=96)
+@pytest.mark.parametrize("name", ["mtp", "ngram"])
+def test_preemption_mid_prefill_frees_everything_and_output_is_unchanged(tiny_target, proposers, reference, name):
+    """A KV cache too small for every request at once: running requests that need pages (their drafts' too)
+    preempt the prompts part-way through their chunks (then the newest running requests); pages stay owned
+    exactly once after every step (`run_staggered`), and every output still equals the plain one."""
+    core = core_for(tiny_target, proposers, name, 6, kv_cache_tokens=80)
     log = StepLog(core)
     reqs = run_staggered(core, prompts(), GREEDY)
-    assert core.num_preemptions > 0 and log.partial_chunks > 0
+    assert core.num_preemptions > 0 and log.partial_chunks > 0 and log.speculative_mixed > 0
     assert [r.output_token_ids for r in reqs] == reference["none"]
 
 

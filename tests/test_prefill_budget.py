@@ -18,10 +18,12 @@ from specstep.scheduler.build import build_engine
 from specstep.scheduler.core.engine_core import EngineCore, SchedulerConfig
 from specstep.scheduler.core.page_allocator import PageAllocator
 from specstep.scheduler.core.prefill_budget import (
+    CHUNKS,
     MIN_BUDGET,
     PrefillBudget,
     StepCostModel,
     choose_budget,
+    efficient_tokens,
     fit_costs,
     measure_step_costs,
 )
@@ -58,6 +60,12 @@ def test_a_late_chunk_pays_for_its_context_whatever_its_size():
     assert budget.chunk(0.0, 4000, remaining=1000) == 0
 
 
+def test_tokens_within_stays_exact_for_a_vanishing_attention_term():
+    # a live fit's per_key of 1e-25 beside 1 ms a token: the chunk is the token count, not 0 by cancellation
+    assert StepCostModel(per_token=1e-3, per_key=1e-25).tokens_within(0.1, 0) == 100
+    assert StepCostModel(per_key=1e-4).tokens_within(0.01, 0) == 10  # attention alone: sqrt(rest / per_key)
+
+
 def test_fit_drops_a_term_noise_made_negative():
     # Longer context measured *cheaper* (a noisy neighbour): no negative attention cost, the rest refitted.
     fit = fit_costs([(8, 0, 0.10), (32, 0, 0.25), (32, 1024, 0.24)])
@@ -77,20 +85,22 @@ def test_tokens_within_is_the_largest_chunk_that_fits():
 
 
 def test_budget_fills_the_multiple_beside_one_decoding_request():
-    decode = 0.08
-    for multiple in (2.5, 4.0, 8.0):
+    decode = 0.2
+    for multiple in (3.0, 4.0, 8.0):
         b = choose_budget(MODEL, decode, multiple, max_tokens=4096)
-        room = (multiple - 1) * decode  # a mixed step costs the decode step plus its chunks
+        # a mixed step costs the decode step plus a prompt forward: its fixed cost, then its chunks
+        room = (multiple - 1) * decode - MODEL.fixed
         assert MODEL.chunk_cost(b.tokens, 0) <= room < MODEL.chunk_cost(b.tokens + 1, 0)
         assert "calibrated" in b.describe() and f"{b.tokens} prompt tokens" in b.describe()
-    assert choose_budget(MODEL, decode, 1.1, max_tokens=4096).tokens == MIN_BUDGET  # the floor
+    # the floor: the compute-efficient size (MODEL: 32), where the target leaves less
+    assert choose_budget(MODEL, decode, 1.1, max_tokens=4096).tokens == 32
     assert choose_budget(MODEL, decode, 50.0, max_tokens=300).tokens == 300  # at most a whole-prefill step
 
 
 def test_a_calibrated_chunk_fills_the_room_at_every_context():
-    b = choose_budget(MODEL, 0.08, 2.5, max_tokens=4096)
-    for decode_s in (None, 0.2):
-        room = 1.5 * (decode_s or 0.08)
+    b = choose_budget(MODEL, 0.2, 2.5, max_tokens=4096)
+    for decode_s in (None, 0.3):
+        room = 1.5 * (decode_s or 0.2) - MODEL.fixed  # what the prompt forward's fixed cost leaves
         for decode_rows in (1, 4):
             left, floor = PrefillPacer(b).plan(decode_rows, decode_s)
             assert left == pytest.approx(room)  # the batch's own decode step already holds its rows
@@ -125,31 +135,32 @@ def _mixed_steps(n: int, seed: int = 0) -> list[list[tuple[int, int]]]:
 
 
 def test_pacer_follows_the_batchs_decode_step_and_what_mixed_steps_really_cost():
-    b = choose_budget(MODEL, 0.08, 2.5, max_tokens=4096)
+    b = choose_budget(MODEL, 0.2, 2.5, max_tokens=4096)
     pacer = PrefillPacer(b)
-    assert pacer.room(4, None) == pytest.approx(1.5 * 0.08)  # before the engine timed a decode step: start-up's
-    assert pacer.room(4, 0.2) == pytest.approx(1.5 * 0.2)  # the running batch's own
+    # before the engine timed a decode step: start-up's; the prompt forward's fixed cost as start-up fitted it
+    assert pacer.room(4, None) == pytest.approx(1.5 * 0.2 - MODEL.fixed)
+    assert pacer.room(4, 0.3) == pytest.approx(1.5 * 0.3 - MODEL.fixed)  # the running batch's own
     # Serving, a chunk's context read costs 3x what the start-up probes said, its tokens what they said, and a
-    # mixed step 50 ms more than its decode step: a scale on the start-up model cannot say which term is off
-    # (a late 4-token chunk is mostly read, an early 64-token one mostly tokens); the live model does.
+    # prompt forward 50 ms of its own: a scale on the start-up model cannot say which term is off (a late
+    # 4-token chunk is mostly read, an early 64-token one mostly tokens); the live model does.
     true = dataclasses.replace(MODEL, per_context=3 * MODEL.per_context)
     for chunks in _mixed_steps(WINDOW):
-        pacer.observe(chunks, 0.2 + 0.05 + sum(true.chunk_cost(q, c) for q, c in chunks), decode_s=0.2)
-    for q, ctx in ((4, 3500), (64, 0), (32, 2000), (16, 1000)):  # what a step costs beyond its decode step
+        pacer.observe(chunks, 0.05 + sum(true.chunk_cost(q, c) for q, c in chunks))
+    for q, ctx in ((4, 3500), (64, 0), (32, 2000), (16, 1000)):  # what a prompt forward costs
         assert pacer.overhead + pacer.chunk_cost(q, ctx) == pytest.approx(0.05 + true.chunk_cost(q, ctx), rel=0.04)
     for ctx in (0, 2000, 3500):  # the chunk that fills the room costs the room, at every context
-        room = pacer.room(4, 0.2)
+        room = pacer.room(4, 0.4)
         q = pacer.chunk(room, ctx, remaining=10_000)
-        assert 0.05 + true.chunk_cost(q, ctx) <= 1.5 * 0.2 * 1.04 < 0.05 + true.chunk_cost(q + 2, ctx) + 0.03
+        assert 0.05 + true.chunk_cost(q, ctx) <= 1.5 * 0.4 * 1.04 < 0.05 + true.chunk_cost(q + 2, ctx) + 0.03
     before = pacer.model
-    pacer.observe([(8, 3000)], 10.0, 0.2)  # one step slowed by a neighbour barely moves it
+    pacer.observe([(8, 3000)], 10.0)  # one step slowed by a neighbour barely moves it
     assert pacer.model.per_context == pytest.approx(before.per_context, rel=0.1)
     assert pacer.model.per_token == pytest.approx(before.per_token, rel=0.1)
-    for chunks in _mixed_steps(WINDOW):  # however slow the steps, a step keeps room for MIN_BUDGET tokens
-        pacer.observe(chunks, 1000.0, 0.2)
-    assert pacer.room(4, 0.2) == pytest.approx(pacer.chunk_cost(MIN_BUDGET, 0))
+    for chunks in _mixed_steps(WINDOW):  # however slow the steps, a step keeps room for the efficient size
+        pacer.observe(chunks, 1000.0)
+    assert pacer.room(4, 0.2) == pytest.approx(pacer.chunk_cost(pacer.efficient, 0)) and pacer.efficient >= 16
     fixed = PrefillPacer(PrefillBudget.fixed_tokens(20))
-    fixed.observe([(4, 0)], 9.0, 0.2)
+    fixed.observe([(4, 0)], 9.0)
     assert fixed.room(4, 0.5) == fixed.room(4, None) == 16
 
 
@@ -160,23 +171,24 @@ def test_pacer_keeps_headroom_for_the_slow_steps():
     quiet, noisy = PrefillPacer(b), PrefillPacer(b)
     rng = np.random.default_rng(1)
     for chunks in _mixed_steps(WINDOW):
-        cost = 0.2 + sum(MODEL.chunk_cost(q, c) for q, c in chunks)
-        quiet.observe(chunks, cost, 0.2)
-        noisy.observe(chunks, cost * (1 + 0.2 * rng.standard_normal()), 0.2)
-    assert noisy.room(4, 0.2) < quiet.room(4, 0.2) - HEADROOM * 0.5 * noisy._spread
+        cost = MODEL.fixed + sum(MODEL.chunk_cost(q, c) for q, c in chunks)
+        quiet.observe(chunks, cost)
+        noisy.observe(chunks, cost * (1 + 0.2 * rng.standard_normal()))
+    assert noisy.room(4, 0.3) < quiet.room(4, 0.3) - HEADROOM * 0.5 * noisy._spread
     within = []
     for chunks in _mixed_steps(200, seed=2):
         ctx = chunks[0][1]
-        q = noisy.chunk(noisy.room(4, 0.2), ctx, remaining=10_000)
-        within.append(0.2 + MODEL.chunk_cost(q, ctx) * (1 + 0.2 * rng.standard_normal()) <= 2.5 * 0.2)
+        q = noisy.chunk(noisy.room(4, 0.3), ctx, remaining=10_000)
+        forward = MODEL.fixed + MODEL.chunk_cost(q, ctx)
+        within.append(0.3 + forward * (1 + 0.2 * rng.standard_normal()) <= 2.5 * 0.3)
     assert np.mean(within) >= 0.9  # planned to the bound without headroom: ~0.5
 
 
 class MixedSim(SimStepEngine):
-    """Mixed steps cost the batch's decode step plus 3 ms a prompt token (3x what the fit below says)."""
+    """A mixed step's prompt forward costs 2 ms plus 3 ms a prompt token (3x what the fit below says)."""
 
     def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
-        self.clock.now += self.scenario.cost(num_decode, None, False, 0) + 3e-3 * (sum(q_lens) - num_decode)
+        self.clock.now += 0.002 + 3e-3 * sum(q_lens)
         return torch.ones(len(seqs), dtype=torch.long)
 
 
@@ -187,7 +199,8 @@ def test_mixed_steps_cost_the_multiple_of_the_streams_decode_step_when_the_fit_i
     clock = SimClock()
     decode = lambda b, nd, refill, tokens: 0.05 + 0.001 * b  # noqa: E731
     engine = MixedSim(Scenario(cost=decode, alpha=lambda rid, n: 0.0), clock, None)
-    budget = choose_budget(StepCostModel(fixed=0.02, per_token=1e-3), decode(1, None, False, 0), 2.5, 4096)
+    budget = choose_budget(StepCostModel(fixed=0.002, per_token=1e-3), decode(1, None, False, 0), 2.5, 4096)
+    assert budget.efficient == 16  # the fixed cost is small: the target, not the floor, sizes the chunks
     core = EngineCore(engine, PageAllocator(8192, 16), SchedulerConfig(max_batch_size=8, prefill_budget=budget,
                                                                        max_model_len=100_000), clock=clock)
     params = SamplingParams(temperature=1.0, max_tokens=10_000, ignore_eos=True)
@@ -204,19 +217,17 @@ def test_mixed_steps_cost_the_multiple_of_the_streams_decode_step_when_the_fit_i
         costs.append(clock.now - before)
     target = 2.5 * decode(4, None, False, 0)
     assert len(costs) > 20
-    # The live model learns the 3x within a dozen steps (the prior is worth one step; a token is 2% of the room)
+    # The live model learns the 3x within a dozen steps (the prior is worth one step; a token is 4% of the room)
     assert all(c <= 1.05 * target for c in costs[:12]), costs
-    assert all(0.95 * target <= c <= target * (1 + 1e-9) for c in costs[12:-1]), costs  # the last: what was left
+    assert all(0.95 * target <= c <= target * (1 + 1e-9) for c in costs[14:-1]), costs  # the last: what was left
 
 
 class ReadSim(SimStepEngine):
-    """Mixed steps cost the batch's decode step plus READ_MODEL's cost of each prompt chunk: a chunk pays for
-    reading its context whatever its size (the start-up fit and the live one agree on it)."""
+    """A mixed step's prompt forward costs READ_MODEL's: a chunk pays for reading its context whatever its size
+    (the start-up fit and the live one agree on it)."""
 
     def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
-        chunks = zip(seqs[num_decode:], q_lens[num_decode:])
-        self.clock.now += self.scenario.cost(num_decode, None, False, 0) + sum(
-            READ_MODEL.chunk_cost(q, s.num_computed) for s, q in chunks)
+        self.clock.now += READ_MODEL.fixed + sum(READ_MODEL.chunk_cost(q, s.num_computed) for s, q in zip(seqs, q_lens))
         return torch.ones(len(seqs), dtype=torch.long)
 
 
@@ -290,9 +301,17 @@ def test_measured_costs_give_the_budget_the_costs_imply():
     eng = TimedEngine()
     costs = measure_step_costs(eng, num_pages=400, page_size=16, max_len=2048, repeats=3, clock=eng.clock)
     assert costs.decode_s == pytest.approx(0.08)  # medians: the slow first round is outvoted
-    assert len(costs.chunks) == 4 and all(eng.shapes.count(s) == 3 for s in set(eng.shapes))
-    b = choose_budget(fit_costs(list(costs.chunks)), costs.decode_s, 2.5, 4096)
-    assert b.tokens == choose_budget(MODEL, 0.08, 2.5, 4096).tokens
+    assert len(costs.chunks) == len(CHUNKS) and all(eng.shapes.count(s) == 3 for s in set(eng.shapes))
+    b = choose_budget(fit_costs(list(costs.chunks)), costs.decode_s, 3.0, 4096)
+    assert b.tokens == choose_budget(MODEL, 0.08, 3.0, 4096).tokens
+    # The cost curve at context 0 is timed past where a token's cost stops falling: the size the true costs call
+    # compute-efficient (MODEL: 0.05 s fixed over 6 ms a token: 32, doubling saves < 10% beyond)
+    assert max(q for q, ctx, _ in costs.chunks if ctx == 0) > 2 * 32
+    assert b.efficient == efficient_tokens(MODEL.fixed, MODEL, 4096) == 32
+    assert efficient_tokens(MODEL.fixed, MODEL, 20) == MIN_BUDGET  # never past the largest prompt forward
+    # nor past the largest size timed: a fixed cost that dwarfs the tokens' would call for ever larger forwards
+    flat = StepCostModel(fixed=1.0, per_token=1e-6)
+    assert choose_budget(flat, 0.08, 3.0, 4096, measured_up_to=512).efficient == 512
 
 
 def test_measuring_fits_a_small_kv_cache():
@@ -317,7 +336,9 @@ def test_serve_calibrates_a_budget_by_default(tiny_target):
     assert budget is not None and MIN_BUDGET <= budget.tokens <= cfg.max_prefill_tokens
     assert budget.multiple == serve_cmd.MAX_STEP_LATENCY and budget.decode_s > 0 and budget.model.fixed > 0
     text = generate_cmd.ready_text(info)
-    assert f"chunked prefill {budget.tokens} prompt tokens a step" in text and "calibrated" in text
+    assert "chunked prefill calibrated to an ITL target of 3 x the running streams' decode step" in text
+    assert f"{budget.tokens} prompt tokens a step" in text and f"{budget.efficient} with none" in text
+    assert budget.efficient >= MIN_BUDGET
     core.close()
 
 

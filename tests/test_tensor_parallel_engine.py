@@ -226,7 +226,7 @@ def test_a_dead_follower_ends_an_idle_leader(tiny_target):
 
 @pytest.mark.parametrize("spec", ["mtp", "self"])
 def test_chunked_prefill_and_preemption_at_tp2(checkpoints, spec):
-    """Mixed steps (prompt chunks beside decoding rows) and preemption by recompute (a 96-token KV cache): the
+    """Mixed steps (prompt chunks beside decoding rows) and preemption by recompute (an 80-token KV cache): the
     followers' mirrors follow re-prefilled requests, and the output equals TP = 1's."""
     target, head = checkpoints[0]["gqa"]
     draft = str(head) if spec == "mtp" else str(target)
@@ -235,7 +235,7 @@ def test_chunked_prefill_and_preemption_at_tp2(checkpoints, spec):
     outs, preemptions = [], []
     for tp in (1, 2):
         core = make_core(target, spec=spec, draft=draft, num_spec_tokens=3, spec_policy="fixed", max_batch_size=4,
-                         tensor_parallel_size=tp, page_size=4, kv_cache_tokens=96, max_num_batched_tokens=7)
+                         tensor_parallel_size=tp, page_size=4, kv_cache_tokens=80, max_num_batched_tokens=7)
         outs.append([r.output_token_ids for r in run_to_completion(core, PROMPTS, params)])
         preemptions.append(core.num_preemptions)
         core.close()

@@ -1,6 +1,7 @@
 """Chunked prefill mixed with decoding (`scheduler/core/prefill_budget.py`): which prompt chunks share a step with
-the running requests, each of which decodes one token in it. A prompt part-way through its chunks is
-`Status.PREFILLING` in the scheduler's `prefilling` list: it holds a slot and the pages of the chunks run so far.
+the running requests, which run their decode step in it (speculative where the policy decides so). A prompt
+part-way through its chunks is `Status.PREFILLING` in the scheduler's `prefilling` list: it holds a slot and the
+pages of the chunks run so far.
 """
 
 from __future__ import annotations
@@ -25,15 +26,16 @@ class ChunkPlanner:
         self.max_batch_size = max_batch_size
         self.step_tokens = step_tokens  # positions a decode step over n known tokens writes (the allocator's rule)
 
-    def plan(self, num_decode: int, prefilling: list[Request], waiting: deque[Request], decode_s: float | None,
-             admit: Callable[[Request], None]) -> list[Chunk]:
-        """What is left of the step's budget after its `num_decode` decode rows (`PrefillBudget`: tokens, or a
-        cost `PrefillPacer` keeps true against `decode_s`, the batch's plain decode step) goes to prompts,
+    def plan(self, num_decode: int, decode_tokens: int, prefilling: list[Request], waiting: deque[Request],
+             decode_s: float | None, admit: Callable[[Request], None]) -> list[Chunk]:
+        """What is left of the step's budget after its `num_decode` decode rows, which verify `decode_tokens`
+        tokens (their drafts and the token after them; `PrefillBudget`: tokens, or a cost `PrefillPacer` keeps
+        true against `decode_s`, the batch's decode step as decided) goes to prompts,
         those part-way through first (oldest first), then new admissions (`admit` moves a waiting prompt into
         `prefilling`). The step's first chunk gets a floor even when the decode rows take the whole budget, so
         prompts are never starved. Pages are reserved per chunk. A prompt is admitted only if all of it fits
         beside the other unfinished prefills, so prefills never block each other."""
-        left, floor = self.pacer.plan(num_decode, decode_s)
+        left, floor = self.pacer.plan(decode_tokens, decode_s)
         chunks: list[Chunk] = []
         # A prompt with other prompts behind it (part-way through, or waiting for a slot) takes at most half of
         # what is left: a short prompt arriving behind a long one is done within a few steps, not after all of

@@ -2,8 +2,8 @@
 stream, chains decode steps, and hands each step's results back.
 
 `step()` returns the outputs of one finished step. Prefill steps, and with a token budget the mixed steps of
-chunked prefill, run synchronously. Decode steps are pipelined when the stream overlaps (CPU worker thread or
-CUDA stream):
+chunked prefill (the batch's decode step, then a prompt forward over the step's chunks), run synchronously.
+Decode steps are pipelined when the stream overlaps (CPU worker thread or CUDA stream):
 
     scheduler thread:  [plan+build N+1] [wait N][process N]  [plan+build N+2] [wait N+1][process N+1]
     device stream:     ......... step N ..........][......... step N+1 ..........][......... step N+2 ...
@@ -28,7 +28,7 @@ from specstep.engine.step_context import Chain
 from specstep.engine.step_engine import StepEngine, StepOutput
 from specstep.engine.stream import DeviceStream, InlineStream, StepHandle
 from specstep.scheduler.core.page_allocator import PageAllocator
-from specstep.scheduler.core.scheduler import ModelFacts, Scheduler, SchedulerConfig
+from specstep.scheduler.core.scheduler import ModelFacts, Pacing, Scheduler, SchedulerConfig
 from specstep.scheduler.core.step_plan import StepKind, StepPlan
 from specstep.scheduler.core.stopping import RequestOutput
 from specstep.scheduler.spec.policy import AdaptivePolicy, PolicyConfig
@@ -59,6 +59,8 @@ class EngineCore:
         self.tracer = tracer
         self.inflight: InFlight | None = None
         self.chained_steps = 0  # decode steps built while the previous one ran (overlap)
+        self.steps_run = 0  # steps launched: prefill, mixed and decode (chained ones included)
+        self.mixed_steps = 0  # of them, mixed: decode rows and prompt chunks in one step
         policy = policy or AdaptivePolicy(PolicyConfig(kind="fixed", k_max=config.num_spec_tokens,
                                                        keeps_draft_kv=step_engine.has_draft_model))
         self.scheduler = Scheduler(ModelFacts.of(step_engine), allocator, config, policy, eos_token_ids, tracer)
@@ -109,6 +111,10 @@ class EngineCore:
     def chunked(self) -> bool:
         return self.scheduler.chunks is not None
 
+    def pacing(self) -> Pacing | None:
+        """The chunked-prefill pacer's figures at the current batch (None: whole-prompt prefill)."""
+        return self.scheduler.pacing(self.mixed_steps / self.steps_run if self.steps_run else 0.0)
+
     def add_request(self, req) -> None:
         self.scheduler.add_request(req)
 
@@ -146,6 +152,8 @@ class EngineCore:
                 plan = self.scheduler.schedule()
             if plan.kind is StepKind.NONE:
                 return list(plan.finished)
+            self.steps_run += 1
+            self.mixed_steps += plan.kind is StepKind.MIXED
             if plan.kind is StepKind.PREFILL:
                 return self._prefill(plan)
             if plan.kind is StepKind.MIXED:
@@ -163,6 +171,7 @@ class EngineCore:
             if plan is not None:
                 nxt = self._launch(plan, 0.0, cur)
                 self.chained_steps += 1
+                self.steps_run += 1
         outputs = self._complete(cur)
         self.inflight = nxt
         return outputs
@@ -177,20 +186,26 @@ class EngineCore:
             return self.results.finish_prefill(plan, tokens)
 
     def _mixed(self, plan: StepPlan) -> list[RequestOutput]:
-        """One forward over the running requests' next tokens (plain sampling, refill dropped) and the prompt
-        chunks."""
-        decode = list(plan.decode)
-        seqs = decode + [r for r, _ in plan.prompts]
-        q_lens = [1] * len(decode) + [q for _, q in plan.prompts]
-        with_proposer = [False] * len(decode) + list(plan.with_proposer)
+        """The running batch's decode step as decided (drafts, verify, acceptance, refill: speculation goes on
+        while prompts prefill), then one prompt forward over the chunks, in stream order. The streams' tokens
+        are counted as a decode step's; the prompt forward's own time goes to the pacer."""
+        outputs: list[RequestOutput] = []
+        cur = self._launch(plan, self._catch_up(plan), None) if plan.decode else None
+        if cur is not None and not self.overlap:  # inline: the decode step ran at launch; timed as any other
+            outputs += self._complete(cur)
+            cur = None
+        seqs = [r for r, _ in plan.prompts]
+        q_lens = [q for _, q in plan.prompts]
         start = self.clock()
         handle = self.stream.submit(ranges.PREFILL,
-                                    lambda: self.engine.prefill(seqs, with_proposer, q_lens, len(decode)))
+                                    lambda: self.engine.prefill(seqs, list(plan.with_proposer), q_lens))
+        if cur is not None:  # the prompt forward is queued behind it: its outputs are processed meanwhile
+            outputs += self._complete(cur)
         with self.tracer.range(ranges.WAIT):
             tokens = handle.wait().tolist()
-        seconds = self.clock() - start
+        seconds = handle.device_seconds() if self.overlap else self.clock() - start
         with self.tracer.range(ranges.PROCESS_OUTPUT):
-            return self.results.finish_mixed(plan, tokens, seconds)
+            return outputs + self.results.finish_chunks(plan, tokens, seconds)
 
     def _catch_up(self, plan: StepPlan) -> float:
         """The proposer skipped tokens while its refill was dropped; resync before it drafts. Its cost is charged

@@ -41,17 +41,13 @@ class Postprocessor:
         return [self._start_decoding(req, tok, w, now) for (req, _), tok, w in zip(plan.prompts, tokens,
                                                                                      plan.with_proposer)]
 
-    def finish_mixed(self, plan: StepPlan, tokens: list[int], seconds: float) -> list[RequestOutput]:
-        """A mixed step ran in `seconds`: the decode rows got a token each, and a prompt whose last chunk ran
-        starts decoding."""
-        self.pacer.observe([(q, r.num_computed) for r, q in plan.prompts], seconds, plan.decode_s)
+    def finish_chunks(self, plan: StepPlan, tokens: list[int], seconds: float) -> list[RequestOutput]:
+        """A mixed step's prompt forward ran in `seconds` (its decode step went through `finish_decode`): a
+        prompt whose last chunk ran starts decoding with the token sampled after it."""
+        self.pacer.observe([(q, r.num_computed) for r, q in plan.prompts], seconds)
         now = time.monotonic()
         outputs = []
-        for req, tok in zip(plan.decode, tokens):
-            req.stats.record(0, 0)
-            req.num_computed = len(req.token_ids)
-            outputs.append(self._append(req, [tok]))
-        for (req, q), tok, with_proposer in zip(plan.prompts, tokens[len(plan.decode):], plan.with_proposer):
+        for (req, q), tok, with_proposer in zip(plan.prompts, tokens, plan.with_proposer):
             req.num_computed += q
             if req.num_computed == len(req.token_ids):
                 outputs.append(self._start_decoding(req, tok, with_proposer, now))

@@ -34,6 +34,10 @@ from specstep.engine.sampling_params import SamplingParams
 from specstep.scheduler.core.request import Request
 
 MIN_BUDGET = 16  # a calibrated budget's floor, in tokens at context 0: smaller chunks pay the fixed cost per token
+# A prompt forward is compute-efficient from the size where doubling it saves less than this share of a token's
+# cost: beyond it the forward's fixed costs (the weights' pass, launches) are spread thin and bigger steps only
+# lengthen the streams' gaps.
+EFFICIENT_GAIN = 0.10
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +60,24 @@ class StepCostModel:
         a, b = self.per_key, self.per_token + self.per_key * ctx
         if a <= 0 and b <= 0:
             return 1 << 30
-        q = int(rest / b) if a <= 0 else int((-b + math.sqrt(b * b + 4 * a * rest)) / (2 * a))
+        # The root of a q^2 + b q = rest in the form that stays exact when a is tiny beside b (a live fit's
+        # per_key of 1e-25: (-b + sqrt(b^2 + 4 a rest)) / 2a cancels to 0 there)
+        q = int(rest / b) if a <= 0 else int(2 * rest / (b + math.sqrt(b * b + 4 * a * rest)))
         while q > 0 and self.chunk_cost(q, ctx) > left * (1 + 1e-12):  # float rounding at the boundary
             q -= 1
         return q
+
+
+def efficient_tokens(fixed: float, model: StepCostModel, max_tokens: int) -> int:
+    """The compute-efficient prompt forward at context 0: the smallest size (MIN_BUDGET doubled) whose doubling
+    lowers a token's cost, (fixed + chunk_cost(q, 0)) / q, by less than EFFICIENT_GAIN; at most `max_tokens`."""
+    def per_token(n: int) -> float:
+        return (fixed + model.chunk_cost(n, 0)) / n
+
+    q = min(MIN_BUDGET, max_tokens)
+    while 2 * q <= max_tokens and per_token(2 * q) < (1.0 - EFFICIENT_GAIN) * per_token(q):
+        q *= 2
+    return q
 
 
 def fit_costs(samples: list[tuple[int, int, float]]) -> StepCostModel:
@@ -73,8 +91,11 @@ def fit_costs(samples: list[tuple[int, int, float]]) -> StepCostModel:
         del columns["per_context"]  # one size at a context: reading it cannot be told from attending to it
     if len(set(q.tolist())) < 2:
         columns.pop("fixed")  # one size (a tiny KV pool): a cost per token only
+    # Relative residuals: a 512-token forward's noise must not swamp what a 16-token one says of the fixed cost
+    w = 1.0 / np.maximum(t, 1e-9)
     while True:
-        x, *_ = np.linalg.lstsq(np.stack(list(columns.values()), axis=1), t, rcond=None)
+        a = np.stack(list(columns.values()), axis=1) * w[:, None]
+        x, *_ = np.linalg.lstsq(a, t * w, rcond=None)
         coef = dict(zip(columns, x.tolist()))
         negative = [name for name, v in coef.items() if v < 0]
         if not negative or len(columns) == 1:
@@ -95,6 +116,7 @@ class PrefillBudget:
     max_tokens: int  # no chunk is larger
     multiple: float | None = None  # calibrated: the bound, in decode steps; None: a fixed token budget
     decode_s: float = 0.0  # calibrated: the decode step at batch 1 timed at start-up
+    efficient: int = 0  # calibrated: the compute-efficient prompt forward at start-up (`efficient_tokens`)
 
     @classmethod
     def fixed_tokens(cls, tokens: int) -> PrefillBudget:
@@ -120,23 +142,32 @@ class PrefillBudget:
 
 
 def choose_budget(model: StepCostModel, decode_s: float, multiple: float, max_tokens: int,
-                  measured_s: float = 0.0) -> PrefillBudget:
-    """A mixed step may cost `multiple` x a decode step: beside one decoding request at context 0 that leaves
-    (multiple - 1) decode steps for prompt tokens, at least MIN_BUDGET of them and at most `max_tokens`."""
-    tokens = max(min(MIN_BUDGET, max_tokens), min(model.tokens_within((multiple - 1) * decode_s, 0), max_tokens))
-    how = (f"{tokens} prompt tokens a step at context 0, calibrated: a mixed step <= {multiple:g} x the running "
-           f"batch's decode step ({decode_s * 1e3:.1f} ms at batch 1 at start-up), prompt chunks "
-           f"{model.per_token * 1e3:.2f} ms/token + {model.per_key * 1e6:.3f} us/token/key + "
-           f"{model.per_context * 1e6:.1f} us/key of context beyond it "
+                  measured_s: float = 0.0, measured_up_to: int | None = None) -> PrefillBudget:
+    """A mixed step may cost `multiple` x its batch's decode step: the decode step, then a prompt forward whose
+    chunks cost at most (multiple - 1) decode steps less the forward's fixed cost, and never less than the
+    compute-efficient size (`efficient_tokens` of the fitted model: the fit pools every probe, where the knee of
+    the raw curve moved with one noisy probe, 16 instead of 128 on a loaded host), never past the largest size
+    timed (`measured_up_to`). `tokens`: what that leaves beside one decoding request at context 0, at most
+    `max_tokens`. With no stream to protect, prompts take the compute-efficient size."""
+    efficient = efficient_tokens(model.fixed, model, min(measured_up_to or max_tokens, max_tokens))
+    tokens = max(efficient, min(model.tokens_within((multiple - 1) * decode_s - model.fixed, 0), max_tokens))
+    how = (f"calibrated to an ITL target of {multiple:g} x the running streams' decode step "
+           f"({multiple * decode_s * 1e3:.1f} ms at batch 1 at start-up): {tokens} prompt tokens a step at context 0 "
+           f"beside one stream, {efficient} with none (compute-efficient: a token's cost stops falling there); "
+           f"prompt forwards {model.fixed * 1e3:.1f} ms + {model.per_token * 1e3:.2f} ms/token + "
+           f"{model.per_key * 1e6:.3f} us/token/key + {model.per_context * 1e6:.1f} us/key of context beyond it "
            f"(measured in {measured_s:.1f} s)")
-    return PrefillBudget(tokens, model, how, max_tokens, multiple, decode_s)
+    return PrefillBudget(tokens, model, how, max_tokens, multiple, decode_s, efficient)
 
 
 # ---- timing (the real step engine) -------------------------------------------------------------------------
 DECODE_CONTEXT = 128
-# (tokens, context): two sizes at context 0 for fixed / per_token, and the same two far in, which tell per_key
-# (grows with the size) from per_context (does not)
-CHUNKS = ((8, 0), (32, 0), (8, 1024), (32, 1024))
+# (tokens, context): the cost curve at context 0, doubling up to past where a token's cost stops falling on the
+# hosts measured (SmolLM2: ~128-256 on a 2-core AVX-512 host), which fixes fixed / per_token and the
+# compute-efficient size; and two sizes far in, which tell per_key (grows with the size) from per_context (does
+# not). Sizes past max_prefill_tokens or the KV cache are skipped.
+CURVE = (16, 32, 64, 128, 256, 512)
+CHUNKS = (*((q, 0) for q in CURVE), (8, 1024), (32, 1024))
 MARGIN = 8  # positions past a probe's tokens that a step may write (the proposer's look-ahead)
 
 
@@ -148,14 +179,15 @@ class StepCosts:
 
 
 def measure_step_costs(engine, num_pages: int, page_size: int, max_len: int, repeats: int = 3,
-                       clock: Callable[[], float] = time.perf_counter) -> StepCosts:
+                       max_tokens: int = 1 << 30, clock: Callable[[], float] = time.perf_counter) -> StepCosts:
     """Time a plain decode step at batch 1 and prompt chunks of the real engine, each shape once per round so
     that a noisy neighbour slows them alike; medians of `repeats` rounds (no warm-up round: the memory plan's
     warm-up already ran these forwards, and on SmolLM2 on CPU a first round measured no slower; a median of
     three outlasts one slow call). Runs before any request: it writes KV into pages 1.. and the proposer's slot
     0, which the first requests overwrite."""
     room = min((num_pages - 1) * page_size, max_len) - MARGIN  # pages 1.. (page 0 is the dummy page)
-    shapes = list(dict.fromkeys((q, max(0, min(ctx, room - q))) for q, ctx in CHUNKS if q <= room))
+    shapes = list(dict.fromkeys((q, max(0, min(ctx, room - q))) for q, ctx in CHUNKS
+                                if q <= min(room, max_tokens)))
     decode_ctx = max(1, min(DECODE_CONTEXT, room - 1))
     pages = list(range(1, num_pages))
     params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -190,6 +222,6 @@ def resolve_budget(cfg: EngineConfig, engine, num_pages: int, max_len: int) -> P
         return None
     if cfg.chunked_prefill == "fixed":
         return PrefillBudget.fixed_tokens(cfg.max_num_batched_tokens)
-    costs = measure_step_costs(engine, num_pages, cfg.page_size, max_len)
+    costs = measure_step_costs(engine, num_pages, cfg.page_size, max_len, max_tokens=cfg.max_prefill_tokens)
     return choose_budget(fit_costs(list(costs.chunks)), costs.decode_s, cfg.max_step_latency,
-                         cfg.max_prefill_tokens, costs.measured_s)
+                         cfg.max_prefill_tokens, costs.measured_s, max(q for q, ctx, _ in costs.chunks if ctx == 0))

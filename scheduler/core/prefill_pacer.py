@@ -1,41 +1,44 @@
 """Keeping a calibrated chunked-prefill budget true while serving (`PrefillBudget.multiple`).
 
-The start-up fit times single prompt chunks on an idle engine at contexts up to ~1,000; serving moves what a
-mixed step really costs (a neighbour's load; a mixed step's decode rows and attention parts; contexts far
-beyond the probes). So the pacer bounds a mixed step by the running batch's own plain decode step (the
-speculation policy's live step costs: the gap the streams see) and refits the chunk cost model on what recent
-mixed steps really cost beyond that decode step, in the start-up model's own terms:
-
-    step seconds - decode step = overhead + sum over chunks of per_token q + per_key q (ctx + q) + per_context ctx
-
-a ridge regression over the last WINDOW mixed steps pulled towards the start-up model (worth PRIOR_STEPS
-steps), robust to a neighbour's burst (one Huber reweighting), every term kept a cost (>= 0). Why not a
-correction on top of the start-up model: a scale and an overhead fitted against its modelled cost (the pacer
-before this one) cannot tell which term is off. A 1-16 token chunk late in a 4,000-token prompt is almost all
-context read (per_context x ctx) and an early one almost all tokens; when the probes misjudged one term the
-scale swung between 0.5 and 16 from step to step, chunks between 3 and 100 tokens, and the streams' p99 gap
-ran to 5-7x their median (SmolLM2, AVX2 host).
-
-The room the scheduler fills is then
+A mixed step runs the running batch's decode step (speculative where the policy decides so) and then one prompt
+forward over the step's chunks. The streams see a gap of both, so the pacer holds the prompt forward to
 
     room for chunks = (multiple - 1) x decode step - overhead - HEADROOM x the fit's median residual
 
-and `chunk` / `chunk_cost` price chunks with the live model.
+where the decode step is the batch's step as decided, priced by the speculation policy's live step costs, with
+the compute-efficient size (`efficient`, where a token's cost stops falling) as its floor: smaller chunks would
+pay the forward's fixed cost for few tokens and lose throughput, whatever they saved the streams. With no stream
+running there is no gap to protect: prompts take that size, several prompts sharing it.
+
+The start-up fit times single prompt forwards on an idle engine; serving moves what they really cost (a
+neighbour's load; contexts far beyond the probes). So the pacer refits the prompt forward's cost model on what
+recent ones really cost, in the start-up model's own terms:
+
+    prompt forward seconds = overhead + sum over chunks of per_token q + per_key q (ctx + q) + per_context ctx
+
+a ridge regression over the last WINDOW forwards pulled towards the start-up model (worth PRIOR_STEPS steps),
+robust to a neighbour's burst (one Huber reweighting), every term kept a cost (>= 0). Why not a correction on
+top of the start-up model: a scale and an overhead fitted against its modelled cost cannot tell which term is
+off. A 1-16 token chunk late in a 4,000-token prompt is almost all context read (per_context x ctx) and an early
+one almost all tokens; when the probes misjudged one term the scale swung between 0.5 and 16 from step to step,
+chunks between 3 and 100 tokens, and the streams' p99 gap ran to 5-7x their median (SmolLM2, AVX2 host).
+`chunk` / `chunk_cost` price chunks with the live model.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from specstep.scheduler.core.prefill_budget import MIN_BUDGET, PrefillBudget, StepCostModel
+from specstep.scheduler.core.prefill_budget import PrefillBudget, StepCostModel
 
 MIN_CHUNK_SHARE = 4  # a step's first prompt chunk may take a quarter of an empty step's room, whatever is left
-WINDOW = 32  # mixed steps the live model is fitted over
-# What the start-up model weighs in the live fit, in mixed steps: enough to keep the first steps' fit sane, little
-# enough not to bias a full window (1 of 33). Nothing is known of the overhead at start-up: its pull is weaker.
+WINDOW = 32  # prompt forwards the live model is fitted over
+# What the start-up model weighs in the live fit, in prompt forwards: enough to keep the first steps' fit sane,
+# little enough not to bias a full window (1 of 33). The overhead is the start-up fit's least sure term: its pull
+# is weaker.
 PRIOR_STEPS = np.array([0.25, 1.0, 1.0, 1.0])
 # The bound is on the streams' slow gaps: a step planned to the bound runs past it half the time (p99 ~1.1x the
 # bound, measured). So the room keeps HEADROOM median residuals free, once the fit has seen a few steps.
@@ -49,6 +52,19 @@ TYPICAL_Q, TYPICAL_CTX = 32.0, 2048.0
 Chunks = list[tuple[int, int]]  # (tokens, context) of a mixed step's prompt chunks
 
 
+@dataclass(frozen=True, slots=True)
+class Pacing:
+    """Why prompts advance as they do, at the current batch (STATS, gauges): the prompt tokens a step takes at
+    context 0 beside the running streams (with none: the compute-efficient size), the streams' ITL target (a
+    mixed step's longest planned gap; 0 with a fixed budget), the compute-efficient prompt forward, and the share
+    of steps run so far that were mixed."""
+
+    budget_tokens: int
+    itl_target_s: float
+    efficient_tokens: int
+    mixed_share: float
+
+
 def features(chunks: Chunks) -> np.ndarray:
     """[1, sum q, sum q (ctx + q), sum ctx]: the live model's terms for one mixed step."""
     q = np.array([c[0] for c in chunks], dtype=np.float64)
@@ -59,23 +75,29 @@ def features(chunks: Chunks) -> np.ndarray:
 class PrefillPacer:
     def __init__(self, budget: PrefillBudget) -> None:
         self.budget = budget
-        self._steps: deque[tuple[np.ndarray, float]] = deque(maxlen=WINDOW)  # (features, extra seconds)
+        self._steps: deque[tuple[np.ndarray, float]] = deque(maxlen=WINDOW)  # (features, seconds)
         m = budget.model
-        self._prior = np.array([0.0, m.per_token, m.per_key, m.per_context])
-        self._overhead = 0.0
+        self._prior = np.array([m.fixed, m.per_token, m.per_key, m.per_context])
+        self._overhead = m.fixed if budget.multiple is not None else 0.0
         self._spread = 0.0  # median absolute residual of the live fit, seconds
         self._live = budget  # the budget priced with the live model
 
     @property
     def model(self) -> StepCostModel:
-        """The live chunk cost model (the start-up one until mixed steps were seen)."""
+        """The live chunk cost model (the start-up one until prompt forwards were seen)."""
         return self._live.model
 
     @property
     def overhead(self) -> float:
-        """Seconds a mixed step costs beyond its decode step and its chunks (its decode rows take the prompt
-        path)."""
+        """Seconds a prompt forward costs beyond its chunks' `chunk_cost` (the weights' pass, launches)."""
         return self._overhead
+
+    @property
+    def efficient(self) -> int:
+        """The compute-efficient prompt forward in tokens at context 0, from start-up's measured curve (0 for a
+        fixed budget). Not refitted: a window of like-sized forwards cannot tell the fixed cost from the tokens'
+        (the fit moves along that line), and the size follows from their ratio; the live model prices it."""
+        return self.budget.efficient
 
     def _refit(self) -> None:
         # Each term in units of a typical step's (the coefficients: seconds of it), so the prior's pull and the
@@ -92,8 +114,8 @@ class PrefillPacer:
             theta, *_ = np.linalg.lstsq(a, b, rcond=None)
             r = np.abs(y - x @ theta)
             mad = float(np.median(r)) or 1e-12
-            # A burst is a residual beyond HUBER MADs and beyond a tenth of a typical step's extra (an exact fit's
-            # MAD is ~0: it would cut every step)
+            # A burst is a residual beyond HUBER MADs and beyond a tenth of a typical forward's cost (an exact
+            # fit's MAD is ~0: it would cut every step)
             cut = max(HUBER * mad, 0.1 * float(np.median(np.abs(y))))
             w = np.minimum(1.0, cut / np.maximum(r, 1e-12))
         theta = np.maximum(theta, 0.0) / s
@@ -102,21 +124,46 @@ class PrefillPacer:
         model = StepCostModel(self.budget.model.fixed, *theta[1:].tolist())
         self._live = replace(self.budget, model=model)
 
+    def itl_target(self, decode_s: float | None) -> float | None:
+        """The longest gap a mixed step may give the running streams: `multiple` x their decode step (`decode_s`;
+        None before one was timed: start-up's, at batch 1). None for a fixed budget."""
+        b = self.budget
+        return None if b.multiple is None else b.multiple * (decode_s or b.decode_s)
+
     def room(self, num_decode: int, decode_s: float | None) -> float:
         """The cost prompt chunks may add to a step beside `num_decode` decode rows. Fixed: the tokens the rows
-        leave. Calibrated: (multiple - 1) x the batch's plain decode step (`decode_s`; None before one was timed:
-        start-up's, at batch 1) less the live overhead, and never less than MIN_BUDGET tokens' cost at
-        context 0."""
+        leave. Calibrated, with streams running: their ITL target less their decode step and the prompt
+        forward's live overhead, and never less than the compute-efficient size's cost at context 0; with none,
+        that size's cost."""
         b = self.budget
         if b.multiple is None:
             return b.tokens - num_decode
-        room = (b.multiple - 1.0) * (decode_s or b.decode_s) - self._overhead - HEADROOM * self._spread
-        return max(room, self.chunk_cost(min(MIN_BUDGET, b.max_tokens), 0))
+        efficient = self.chunk_cost(self.efficient, 0)
+        if num_decode == 0:
+            return efficient
+        # Below the compute-efficient size each chunk pays the forward's fixed cost for few tokens: where the ITL
+        # target leaves less (a small batch; the fixed cost itself past the target), prefill keeps that size, and
+        # the streams' gap is what one efficient forward adds to their step.
+        return max(self._stream_room(decode_s), efficient)
+
+    def _stream_room(self, decode_s: float | None) -> float:
+        d = decode_s or self.budget.decode_s
+        return (self.budget.multiple - 1.0) * d - self._overhead - HEADROOM * self._spread
 
     def plan(self, num_decode: int, decode_s: float | None) -> tuple[float, float]:
-        """(the room for prompt chunks, the floor of the step's first chunk: a quarter of an empty step's room,
-        so prompts advance whatever the decode rows take)."""
-        return self.room(num_decode, decode_s), self.room(0, decode_s) / MIN_CHUNK_SHARE
+        """(the room for prompt chunks, the floor of the step's first chunk: a quarter of the streams' room, so
+        prompts advance whatever the decode rows take)."""
+        room = self.room(num_decode, decode_s)
+        if self.budget.multiple is None:
+            return room, self.room(0, decode_s) / MIN_CHUNK_SHARE
+        return room, max(self._stream_room(decode_s), 0.0) / MIN_CHUNK_SHARE
+
+    def budget_tokens(self, num_decode: int, decode_s: float | None) -> int:
+        """The prompt tokens a step takes at context 0 beside `num_decode` streams (the figure users see)."""
+        b = self.budget
+        if b.multiple is None:
+            return max(0, b.tokens - num_decode)
+        return min(max(self.model.tokens_within(self.room(num_decode, decode_s), 0), 1), b.max_tokens)
 
     def chunk(self, left: float, ctx: int, remaining: int, floor: float | None = None) -> int:
         return self._live.chunk(left, ctx, remaining, floor)
@@ -124,10 +171,8 @@ class PrefillPacer:
     def chunk_cost(self, q: int, ctx: int) -> float:
         return self._live.chunk_cost(q, ctx)
 
-    def observe(self, chunks: Chunks, seconds: float, decode_s: float | None) -> None:
-        """A mixed step with these prompt chunks took `seconds`; its batch's decode step was `decode_s` (as
-        passed to `plan`)."""
-        b = self.budget
-        if b.multiple is not None and chunks:
-            self._steps.append((features(chunks), seconds - (decode_s or b.decode_s)))
+    def observe(self, chunks: Chunks, seconds: float) -> None:
+        """A prompt forward over these chunks took `seconds`."""
+        if self.budget.multiple is not None and chunks:
+            self._steps.append((features(chunks), seconds))
             self._refit()

@@ -23,7 +23,7 @@ from specstep.scheduler.core.draft_lanes import draft_lag, draft_room, stale_lan
 from specstep.scheduler.core.page_allocator import PageAllocator
 from specstep.scheduler.core.postprocess import Postprocessor
 from specstep.scheduler.core.prefill_budget import PrefillBudget
-from specstep.scheduler.core.prefill_pacer import PrefillPacer
+from specstep.scheduler.core.prefill_pacer import Pacing, PrefillPacer
 from specstep.scheduler.core.request import FinishReason, Request, Status
 from specstep.scheduler.core.request_queues import RequestQueues
 from specstep.scheduler.core.step_plan import StepKind, StepPlan
@@ -176,16 +176,50 @@ class Scheduler:
         return batch
 
     def _schedule_mixed(self) -> StepPlan | None:
-        """A mixed step, or None if no prompt chunk runs (decode alone: its own reservation preempts as needed)."""
-        if not self.reserve_pages(self.queues.running, np.zeros(len(self.queues.running), np.int64)):
-            return None
-        decode_s = self.plain_decode_s()
-        chunks = self.chunks.plan(len(self.queues.running), self.queues.prefilling, self.queues.waiting, decode_s,
+        """A mixed step: the running batch's decode step as `_schedule_decode` would plan it (speculation
+        included), then prompt chunks up to the pacer's budget. None if no prompt chunk runs, or the decode rows'
+        pages need a preemption (the decode path plans that step)."""
+        running = self.queues.running
+        if not self.queues.prefilling and not self.queues.waiting:
+            return None  # no prompt to chunk: not worth deciding the decode rows twice
+        decision = None
+        if running:
+            decision = self.decide(running)
+            if not self.reserve_pages(running, decision.num_draft):
+                if not decision.num_draft.any():
+                    return None
+                decision = replace(decision, num_draft=np.zeros_like(decision.num_draft), k=0, probing=None,
+                                   catch_up=None)
+                if not self.reserve_pages(running, decision.num_draft):
+                    return None
+        decode_s = self.decode_step_s(decision)
+        verify = int(decision.num_draft.sum()) + len(running) if decision is not None else 0
+        chunks = self.chunks.plan(len(running), verify, self.queues.prefilling, self.queues.waiting, decode_s,
                                   self._admit_chunked)
         if not chunks:
             return None
-        return StepPlan(StepKind.MIXED, decode=tuple(self.queues.running), prompts=tuple(chunks),
-                        with_proposer=tuple(r.prefill_with_proposer for r, _ in chunks), decode_s=decode_s)
+        return StepPlan(StepKind.MIXED, decode=tuple(running), prompts=tuple(chunks),
+                        with_proposer=tuple(r.prefill_with_proposer for r, _ in chunks), decision=decision,
+                        catch_up=stale_lanes(running, decision) if decision is not None else (), decode_s=decode_s)
+
+    def pacing(self, mixed_share: float) -> Pacing | None:
+        """The pacer's figures for the running batch as last decided (None: whole-prompt prefill)."""
+        if self.chunks is None:
+            return None
+        pacer, b = self.chunks.pacer, len(self.queues.running)
+        d = self.last_decision
+        decode_s = self.decode_step_s(d) if d is not None and len(d.num_draft) == b else self.plain_decode_s()
+        verify = b + (int(d.num_draft.sum()) if d is not None and len(d.num_draft) == b else 0)
+        return Pacing(pacer.budget_tokens(verify, decode_s), pacer.itl_target(decode_s) or 0.0, pacer.efficient,
+                      mixed_share)
+
+    def decode_step_s(self, decision: Decision | None) -> float | None:
+        """The running batch's decode step as decided, priced by the policy's live step costs (None: not timed
+        yet, or no stream runs): the gap the streams see, which a mixed step is held to a multiple of."""
+        b = len(self.queues.running)
+        if decision is None or not b:
+            return None
+        return self.policy.costs.predict(b, decision.num_draft, decision.refill) or self.plain_decode_s()
 
     def plain_decode_s(self) -> float | None:
         """The running batch's plain decode step as the policy last timed it (None: not yet): what the streams'

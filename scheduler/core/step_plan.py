@@ -20,7 +20,7 @@ from specstep.scheduler.spec.decision import Decision
 class StepKind(str, enum.Enum):
     NONE = "none"  # nothing to run (idle, or requests finished while scheduling: `StepPlan.finished`)
     PREFILL = "prefill"  # whole prompts
-    MIXED = "mixed"  # chunked prefill: every running request decodes one token beside prompt chunks
+    MIXED = "mixed"  # chunked prefill: the running batch's decode step (speculative or plain), then prompt chunks
     DECODE = "decode"  # the running batch: plain or speculative
 
 
@@ -30,13 +30,13 @@ class StepPlan:
     decode: tuple[Request, ...] = ()  # requests decoding in this step (decode and mixed steps), in row order
     prompts: tuple[tuple[Request, int], ...] = ()  # (request, prompt tokens this step) after the decode rows
     with_proposer: tuple[bool, ...] = ()  # per prompt: the proposer consumes it (off: it catches up later)
-    decision: Decision | None = None  # a decode step's speculation
+    decision: Decision | None = None  # a decode (or mixed) step's speculation; None: no decode rows
     catch_up: tuple[Request, ...] = ()  # stale drafts to bring current before the step drafts
     # A chained decode step (built while the previous one runs): each row's row in that step, and whether its
     # draft is current after it. None: built from the host state.
     chain_src: np.ndarray | None = None
     chain_refilled: np.ndarray | None = None
-    decode_s: float | None = None  # mixed: the batch's plain decode step, what the pacer holds the step to
+    decode_s: float | None = None  # mixed: the batch's decode step as decided, what the pacer holds the step to
     finished: tuple[RequestOutput, ...] = ()  # requests that ended while scheduling (one filled the KV cache)
 
     @property

@@ -63,6 +63,14 @@ class ServerMetrics:
         self._reasons_seen: set[str] = set()
         self.tp_size = Gauge("specstep_tensor_parallel_size", "Ranks of the engine's tensor-parallel group",
                              registry=r)
+        self.prefill_budget = Gauge("specstep_prefill_budget_tokens", "Prompt tokens a step takes at context 0 "
+                                    "beside the running streams (chunked prefill)", registry=r)
+        self.itl_target = Gauge("specstep_prefill_itl_target_seconds", "Longest gap a mixed step is planned to "
+                                "give the running streams", registry=r)
+        self.prefill_efficient = Gauge("specstep_prefill_efficient_tokens", "Compute-efficient prompt forward, "
+                                       "tokens", registry=r)
+        self.mixed_share = Gauge("specstep_mixed_step_share", "Share of steps that mixed decode rows and prompt "
+                                 "chunks", registry=r)
 
     # ---- feeding -------------------------------------------------------------------------------------------
     def observe_engine_output(self, out: EngineOutput) -> None:
@@ -112,6 +120,10 @@ class ServerMetrics:
         self.governor_switches.set(stats.spec_governor_switches)
         self.requests_off.set(stats.spec_requests_off)
         self.tp_size.set(stats.tensor_parallel_size)
+        self.prefill_budget.set(stats.prefill_budget_tokens)
+        self.itl_target.set(stats.prefill_itl_target_ms / 1e3)
+        self.prefill_efficient.set(stats.prefill_efficient_tokens)
+        self.mixed_share.set(stats.mixed_step_share)
         # A restarted scheduler counts from zero: reasons it has not reported yet are 0, not the old count.
         for reason in self._reasons_seen | stats.spec_decisions.keys():
             self.decisions.labels(reason).set(stats.spec_decisions.get(reason, 0))

@@ -180,6 +180,11 @@ class EngineStats(Wire):
     spec_decisions: dict[str, int] = msgspec.field(default_factory=dict)  # decisions by reason
     spec_requests_off: int = 0  # policy-chosen requests drafting nothing at the last decode step
     tensor_parallel_size: int = 1  # ranks of the engine's tensor-parallel group
+    # chunked prefill's pacer at the current batch (`Pacing`; zeros with whole-prompt prefill)
+    prefill_budget_tokens: int = 0  # prompt tokens a step takes at context 0 beside the running streams
+    prefill_itl_target_ms: float = 0.0  # the longest gap a mixed step is planned to give the streams
+    prefill_efficient_tokens: int = 0  # the compute-efficient prompt forward
+    mixed_step_share: float = 0.0  # of the steps run so far, those mixing decode rows and prompt chunks
 
 
 class StatsReply(Wire):

@@ -230,7 +230,15 @@ class SchedulerLoop:
                            num_finished=self.num_finished, num_output_tokens=self.num_output_tokens,
                            drafted_tokens=self.drafted, accepted_tokens=self.accepted, pid=os.getpid(), tag=tag,
                            spec_policy=core.policy.cfg.kind, k_distribution=_k_distribution(core),
-                           step_costs_ms=core.policy.costs.to_dict(), **_policy_stats(core))
+                           step_costs_ms=core.policy.costs.to_dict(), **_policy_stats(core), **_pacing_stats(core))
+
+
+def _pacing_stats(core: EngineCore) -> dict:
+    p = core.pacing()
+    if p is None:
+        return {}
+    return dict(prefill_budget_tokens=p.budget_tokens, prefill_itl_target_ms=round(p.itl_target_s * 1e3, 3),
+                prefill_efficient_tokens=p.efficient_tokens, mixed_step_share=round(p.mixed_share, 4))
 
 
 def _policy_stats(core: EngineCore) -> dict:

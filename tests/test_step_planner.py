@@ -1,0 +1,192 @@
+"""The token-budget step planner (`scheduler/core/chunked_prefill.py`, `prefill_pacer.py`) over the real
+`EngineCore` and a simulated engine on a virtual clock (no wall time): decode rows first, then chunks of several
+prompts filling the budget the cost model allows; whole prompts up to the compute-efficient size when no stream
+runs; the streams' ITL target held under steady arrivals while speculation goes on in mixed steps; and a request
+that finishes while a chained step still includes it keeps its pages and slot until that step lands."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specstep.engine.sampling_params import SamplingParams
+from specstep.scheduler.core.engine_core import EngineCore, SchedulerConfig
+from specstep.scheduler.core.page_allocator import PageAllocator
+from specstep.scheduler.core.prefill_budget import StepCostModel, choose_budget
+from specstep.scheduler.core.request import Request, Status
+from specstep.scheduler.core.step_plan import StepKind
+from specstep.scheduler.spec.policy import AdaptivePolicy, PolicyConfig
+from tests.sim_engine import Scenario, SimClock, SimProposer, SimStepEngine, SimStream
+
+# A prompt forward: 15 ms fixed (the weights' pass), 1 ms a token; a token's cost stops falling past 64 tokens.
+FORWARD = StepCostModel(fixed=0.015, per_token=1e-3)
+MULTIPLE = 3.0
+
+
+def decode_cost(b: int, num_draft: np.ndarray | None, refill: bool, tokens: int) -> float:
+    """A decode step: 50 ms plus 2 ms a request plus 1 ms a verified draft."""
+    drafts = 0 if num_draft is None else int(np.asarray(num_draft).sum())
+    return 0.05 + 0.002 * b + 0.001 * drafts
+
+
+class ForwardSim(SimStepEngine):
+    """Prompt forwards cost `forward`'s (what start-up measured); it records each one's chunks."""
+
+    forward: StepCostModel = FORWARD
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.forwards: list[list[int]] = []
+
+    def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
+        q_lens = list(q_lens) if q_lens is not None else [len(s.token_ids) - s.num_computed for s in seqs]
+        self.forwards.append(q_lens)
+        m = self.forward
+        self.clock.now += m.fixed + sum(m.chunk_cost(q, s.num_computed) for s, q in zip(seqs, q_lens))
+        return torch.ones(len(seqs), dtype=torch.long)
+
+
+def make_core(proposer: str | None = None, k: int = 0, overlap: bool = False, forward: StepCostModel = FORWARD,
+              max_batch_size=16):
+    clock = SimClock()
+    engine = ForwardSim(Scenario(cost=decode_cost, alpha=lambda rid, n: 0.7), clock,
+                        SimProposer(proposer) if proposer else None)
+    engine.forward = forward
+    budget = choose_budget(forward, decode_cost(1, None, False, 0), MULTIPLE, 4096)
+    policy = AdaptivePolicy(PolicyConfig(kind="fixed", k_max=k, keeps_draft_kv=engine.has_draft_model))
+    core = EngineCore(engine, PageAllocator(8192, 16),
+                      SchedulerConfig(max_batch_size=max_batch_size, prefill_budget=budget, num_spec_tokens=k,
+                                      max_model_len=100_000),
+                      policy=policy, clock=clock, stream=SimStream(clock) if overlap else None)
+    return core, engine, clock
+
+
+def request(rid: str, n: int, max_tokens: int) -> Request:
+    return Request(rid, [1] * n, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True), seed=1)
+
+
+def test_no_streams_take_whole_prompts_up_to_the_compute_efficient_size():
+    """Nothing decodes: no gap to protect. Five 40-token prompts go in forwards of the compute-efficient size
+    (64 tokens for FORWARD: 15 ms fixed over 1 ms a token), several prompts sharing one, not in the
+    streams' small chunks."""
+    core, engine, _ = make_core()
+    pacer = core.scheduler.chunks.pacer
+    assert pacer.efficient == 64
+    for i in range(5):
+        core.add_request(request(f"p{i}", 40, 1))
+    plan = core.scheduler.schedule()
+    assert plan.kind is StepKind.MIXED and not plan.decode
+    assert [q for _, q in plan.prompts] == [40, 24]  # one whole prompt, then what the size leaves of the next
+
+
+def test_decode_rows_first_then_chunks_of_several_prompts_fill_the_budget():
+    """With streams running, a step takes every running request's decode step with its drafts, then prompt
+    chunks of several waiting prompts whose forward fits the streams' ITL target: multiple x their decode step,
+    as the policy prices it (verify rows included)."""
+    core, engine, clock = make_core("mtp", k=2)
+    for i in range(4):
+        core.add_request(request(f"s{i}", 8, 1000))
+    while len(core.running) < 4:
+        core.step()
+    for _ in range(6):  # the policy times the batch's speculative step
+        core.step()
+    for i in range(4):
+        core.add_request(request(f"p{i}", 40, 1000))
+    plan = core.scheduler.schedule()
+    assert plan.kind is StepKind.MIXED and len(plan.decode) == 4
+    assert plan.decision.num_draft.tolist() == [2, 2, 2, 2]  # speculation goes on beside the prompts
+    decode_s = decode_cost(4, plan.decision.num_draft, True, 0)
+    assert plan.decode_s == pytest.approx(decode_s)
+    room = (MULTIPLE - 1) * decode_s - FORWARD.fixed  # what the streams' target leaves the prompt forward
+    chunks = [q for _, q in plan.prompts]
+    assert len(chunks) == 3 and chunks[:2] == [40, 40]  # several prompts share the step
+    assert abs(sum(chunks) - room / FORWARD.per_token) <= 1  # the prompt forward fills the room
+
+
+def test_prompt_forwards_keep_the_compute_efficient_size_where_the_itl_target_leaves_less():
+    """A prompt forward whose fixed cost (60 ms) eats most of what the streams' target leaves: chunks of what is
+    left (~40 tokens) would pay it for few tokens each. The forward keeps the compute-efficient size (256: a
+    token's cost stops falling there), several prompts sharing it; the streams' gap is one such forward."""
+    forward = StepCostModel(fixed=0.06, per_token=1e-3)
+    core, engine, clock = make_core("mtp", k=2, forward=forward)
+    pacer = core.scheduler.chunks.pacer
+    assert pacer.efficient == 256
+    for i in range(2):
+        core.add_request(request(f"s{i}", 8, 1000))
+    while len(core.running) < 2:
+        core.step()
+    for _ in range(6):
+        core.step()
+    for i in range(3):
+        core.add_request(request(f"p{i}", 200, 1000))
+    plan = core.scheduler.schedule()
+    assert (MULTIPLE - 1) * plan.decode_s - forward.fixed < forward.chunk_cost(64, 0)  # the target leaves < 64
+    assert plan.decision.num_draft.tolist() == [2, 2]
+    assert [q for _, q in plan.prompts] == [200, 56]
+
+
+def test_the_itl_target_holds_under_steady_arrivals():
+    """A closed loop of 8 streams (each one's end brings a new 48-token prompt) with speculation on: every step
+    the streams see, mixed or not, costs at most MULTIPLE x their decode step, prompts keep starting, and most
+    steps mix a prompt with speculative decode rows."""
+    core, engine, clock = make_core("mtp", k=2)
+    n = 0
+
+    def arrive() -> None:
+        nonlocal n
+        core.add_request(request(f"r{n}", 48, 24))
+        n += 1
+
+    for _ in range(8):
+        arrive()
+    gaps, mixed, speculative_mixed = [], 0, 0
+    inner = core.scheduler.schedule
+    plans = []
+    core.scheduler.schedule = lambda: plans.append(inner()) or plans[-1]
+    for step in range(400):
+        streams = len(core.running)
+        t0 = clock.now
+        finished = [o for o in core.step() if o.finished]
+        plan = plans[-1]
+        if streams and plan.decode and step > 40:  # past the pacer's first fits
+            true_s = decode_cost(len(plan.decode), plan.decision.num_draft, True, 0)
+            # The target is a multiple of the decode step as the policy prices it (per batch bucket: within ~15%
+            # of the true step here): the prompt forward gets the rest of it.
+            forward = clock.now - t0 - true_s
+            gaps.append((forward / ((MULTIPLE - 1) * (plan.decode_s or true_s)), (clock.now - t0) / true_s))
+            mixed += plan.kind is StepKind.MIXED
+            speculative_mixed += plan.kind is StepKind.MIXED and bool(plan.decision.num_draft.any())
+        for _ in finished:
+            arrive()
+    assert n > 60  # prompts kept starting and finishing
+    assert max(g for g, _ in gaps) <= 1.001, sorted(gaps)[-5:]
+    assert max(g for _, g in gaps) <= MULTIPLE * 1.15 and np.median([g for _, g in gaps]) <= MULTIPLE
+    assert mixed > 0.3 * len(gaps) and speculative_mixed > 0.9 * mixed
+    core.check_integrity()
+
+
+def test_a_finished_request_keeps_its_pages_and_slot_while_a_chained_step_includes_it():
+    """On the overlap path step N+1 is built and launched before step N is read back: a request that finishes in
+    step N still rides in step N+1, whose device work writes its KV pages and its proposer slot. Until that step
+    lands neither may be handed to another request."""
+    core, engine, clock = make_core("mtp", k=2, overlap=True, max_batch_size=4)
+    reqs = [request(f"r{i}", 8, 5 + 3 * i) for i in range(6)]
+    for r in reqs:
+        core.add_request(r)
+    seen = 0
+    while core.has_unfinished():
+        core.step()
+        core.check_integrity()
+        inflight = core.inflight.plan.decode if core.inflight is not None else ()
+        queues = core.scheduler.queues
+        for r in inflight:
+            if r.finished:
+                seen += 1
+                assert r.page_table and not set(r.page_table) & set(core.allocator._free), r.request_id
+                assert r.slot >= 0 and r.slot not in queues.free_slots
+                live = [x for x in (*core.running, *core.prefilling) if x.slot == r.slot]
+                assert not live, f"slot {r.slot} of {r.request_id} handed to {live[0].request_id}"
+    assert seen > 0, "no request finished while a chained step included it"
+    assert all(r.status is Status.FINISHED and not r.page_table and r.slot == -1 for r in reqs)
+    assert core.allocator.num_free == core.allocator.num_usable
