@@ -192,14 +192,15 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         if required:
             raise ConfigError(f"{flag}: the GGUF kernel cannot run here: {why}")
         return f"fp32 weights (GGUF kernel unavailable: {why})"
+    host_note = ""
+    pinned = f"{kernel_layer.ISA_ENV}={_isa_pin()}"
+    activations = _pinned_isa(activations)
     if activations == "int8-tiles" and tiles_unavailable():
-        raise ConfigError(f"{flag}: AMX tiles cannot run here: {tiles_unavailable()} (--activations int8-lanes "
+        raise ConfigError(f"{pinned}: AMX tiles cannot run here: {tiles_unavailable()} ({kernel_layer.ISA_ENV}=avx2 "
                           "runs in AVX2 lanes)")
     if activations == "int8-vnni" and vnni_unavailable():
-        raise ConfigError(f"{flag}: AVX-512 VNNI lanes cannot run here: {vnni_unavailable()} (--activations "
-                          "int8-lanes runs in AVX2 lanes)")
-    host_note = ""
-    activations = _pinned_isa(activations)
+        raise ConfigError(f"{pinned}: AVX-512 VNNI lanes cannot run here: {vnni_unavailable()} "
+                          f"({kernel_layer.ISA_ENV}=avx2 runs in AVX2 lanes)")
     if activations in ("int8", "auto"):  # the host's fastest: AMX tiles, else AVX-512 VNNI lanes, else AVX2 lanes
         if not tiles_unavailable():
             activations = "int8-tiles"
@@ -208,7 +209,7 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         else:
             activations = "int8"
             host_note = f" (AMX tiles: {tiles_unavailable()}; AVX-512 VNNI: {vnni_unavailable()})"
-    activations = {"int8-lanes": "int8"}.get(activations, activations)  # the user's choice -> the kernel's
+    activations = {"int8-lanes": "int8"}.get(activations, activations)  # the AVX2 pin -> the kernel's name
     if not gguf_path.is_file():
         if required:
             raise ConfigError(f"{flag}: {folder} was converted from {gguf_path}, which is gone")
@@ -294,12 +295,16 @@ def _note(model: nn.Module, activations: str, swapped: dict[str, int], nbytes: i
 _OLD_KERNEL_INT8 = {"amx": "int8-tiles", "avx512": "int8-vnni", "avx2": "int8-lanes"}
 
 
+def _isa_pin() -> str:
+    import os
+
+    return os.environ.get(kernel_layer.ISA_ENV, "")
+
+
 def _pinned_isa(activations: str) -> str:
     """`int8` / `auto` where `SPECSTEP_CPU_ISA` pins an ISA: the older kernel's form on it (`amx` is that kernel's
     only: the kernel layer has no AMX rows)."""
-    import os
-
-    isa = os.environ.get(kernel_layer.ISA_ENV, "")
+    isa = _isa_pin()
     if activations not in ("int8", "auto") or not isa:
         return activations
     if isa not in _OLD_KERNEL_INT8:
