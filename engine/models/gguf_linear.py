@@ -173,6 +173,54 @@ def _pieces(name: str, tied: bool) -> list[str]:
     return [f"model.{name}.weight"]
 
 
+def _leading_rows(folder: Path, hf_name: str) -> torch.Tensor:
+    """The converted checkpoint's first CHECK_ROWS rows of `hf_name`, read alone (the model's own copy of the
+    weight may never have been read: `block_params`)."""
+    from safetensors import safe_open
+
+    from specstep.engine.loader import safetensors_files
+
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            if hf_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                return f.get_slice(hf_name)[:CHECK_ROWS].float()
+    raise CheckpointError(f"{folder}: missing tensor {hf_name!r}")
+
+
+def block_params(model: nn.Module, gguf_path: Path) -> frozenset[str]:
+    """The parameters of `model` (built on meta, one rank) that `use_gguf_linears` will read from `gguf_path`'s
+    blocks: the weights of linears whose every piece the file stores in a format a kernel reads, and the
+    embedding's. The loader leaves them unread, so a 7B-class Q4_K_M file never exists as fp32 weights (28 GiB);
+    any that the blocks do not take after all are read afterwards (`fill_unread`)."""
+    from specstep.engine.gguf_checkpoint import tensor_index
+
+    if unavailable() or not gguf_path.is_file():
+        return frozenset()
+    kinds = (*FORMATS, *(() if kernel_layer.unavailable() else kernel_layer.formats()))
+    stored = {_hf(t["name"], gguf_path) for t in tensor_index(gguf_path)["tensors"]
+              if t["type"] in kinds and len(t["shape"]) == 2}
+    tied = bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
+    out = {f"{name}.weight" for name, _, _, _ in _linears(model) if all(p in stored for p in _pieces(name, tied))}
+    if isinstance(getattr(model, "embed_tokens", None), nn.Embedding) and "model.embed_tokens.weight" in stored:
+        out.add("embed_tokens.weight")
+    return frozenset(out)
+
+
+def fill_unread(model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
+    """Read the parameters `block_params` left on meta that no block module took (the fp32 weights, as before)."""
+    from specstep.engine.loader import load_state_dict
+
+    unread = frozenset(name for name, t in model.state_dict().items() if t.is_meta)
+    if unread:
+        load_state_dict(model, folder, dtype, only=unread)
+
+
+def _hf(gguf_name: str, path: Path) -> str:
+    from specstep.engine.gguf_checkpoint import _hf_name
+
+    return _hf_name(gguf_name, path)
+
+
 def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
     return [(f"{prefix}.{child_name}".lstrip("."), parent, child_name, child)
             for prefix, parent in model.named_modules() for child_name, child in parent.named_children()
@@ -233,7 +281,7 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
             if not all(t in table_formats and child.in_features % kernel_layer.block_of(t)[0] == 0 for t in types):
                 continue
             got = dequantize(types[0], blocks[pieces[0]][1][:CHECK_ROWS], child.in_features)
-            if not torch.equal(got, child.weight.detach()[:CHECK_ROWS].float()):
+            if not torch.equal(got, _leading_rows(folder, pieces[0])):
                 raise CheckpointError(f"{gguf_path}: {name}'s blocks do not hold the converted checkpoint's "
                                       "weights (a stale conversion? delete it from the cache)")
             lin = GGUFLinear.split([blocks[p] for p in pieces], child.in_features, child.bias, activations)
@@ -249,7 +297,7 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         if fmt in table_formats and child.in_features % kernel_layer.block_of(fmt)[0]:
             continue  # (a width the format's blocks cannot hold: not written by llama.cpp)
         got = dequantize(fmt, rows[:CHECK_ROWS], child.in_features)
-        if not torch.equal(got, child.weight.detach()[:CHECK_ROWS].float()):
+        if not torch.equal(got, _leading_rows(folder, pieces[0])):
             raise CheckpointError(f"{gguf_path}: {name}'s {fmt} blocks do not hold the converted checkpoint's "
                                   "weights (a stale conversion? delete it from the cache)")
         is_tied = tied and name == "lm_head" and embed is not None
@@ -259,7 +307,7 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         nbytes += rows.numel()
     if not swapped:
         return ""
-    embedding = _use_gguf_embedding(model, blocks)
+    embedding = _use_gguf_embedding(model, blocks, folder)
     return _note(model, activations, swapped, nbytes, host_note) + embedding
 
 
@@ -325,7 +373,7 @@ def _table_note(swapped: dict[str, int], nbytes: int, table: list[GGUFLinear]) -
             "batch-invariant")
 
 
-def _use_gguf_embedding(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) -> str:
+def _use_gguf_embedding(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]], folder: Path) -> str:
     """Swap a one-rank model's token embedding for a `GGUFEmbedding` over the file's blocks (checked against the
     converted checkpoint's leading rows), and a tied `lm_head` onto those blocks alone: no fp32 table stays. The
     ready line's note ("" if not swapped)."""
@@ -339,7 +387,7 @@ def _use_gguf_embedding(model: nn.Module, blocks: dict[str, tuple[str, torch.Ten
     if rows.shape[0] != embed.num_embeddings:
         return ""
     gguf_embed = GGUFEmbedding(fmt, rows, embed.embedding_dim)
-    if not torch.equal(gguf_embed(torch.arange(CHECK_ROWS)), embed.weight.detach()[:CHECK_ROWS].float()):
+    if not torch.equal(gguf_embed(torch.arange(CHECK_ROWS)), _leading_rows(folder, "model.embed_tokens.weight")):
         raise CheckpointError(f"the file's {fmt} embedding does not hold the converted checkpoint's rows (a stale "
                               "conversion? delete it from the cache)")
     model.embed_tokens = gguf_embed
