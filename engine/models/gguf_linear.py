@@ -187,40 +187,6 @@ def _leading_rows(folder: Path, hf_name: str) -> torch.Tensor:
     raise CheckpointError(f"{folder}: missing tensor {hf_name!r}")
 
 
-def block_params(model: nn.Module, gguf_path: Path) -> frozenset[str]:
-    """The parameters of `model` (built on meta, one rank) that `use_gguf_linears` will read from `gguf_path`'s
-    blocks: the weights of linears whose every piece the file stores in a format a kernel reads, and the
-    embedding's. The loader leaves them unread, so a 7B-class Q4_K_M file never exists as fp32 weights (28 GiB);
-    any that the blocks do not take after all are read afterwards (`fill_unread`)."""
-    from specstep.engine.gguf_checkpoint import tensor_index
-
-    if unavailable() or not gguf_path.is_file():
-        return frozenset()
-    kinds = (*FORMATS, *(() if kernel_layer.unavailable() else kernel_layer.formats()))
-    stored = {_hf(t["name"], gguf_path) for t in tensor_index(gguf_path)["tensors"]
-              if t["type"] in kinds and len(t["shape"]) == 2}
-    tied = bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
-    out = {f"{name}.weight" for name, _, _, _ in _linears(model) if all(p in stored for p in _pieces(name, tied))}
-    if isinstance(getattr(model, "embed_tokens", None), nn.Embedding) and "model.embed_tokens.weight" in stored:
-        out.add("embed_tokens.weight")
-    return frozenset(out)
-
-
-def fill_unread(model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
-    """Read the parameters `block_params` left on meta that no block module took (the fp32 weights, as before)."""
-    from specstep.engine.loader import load_state_dict
-
-    unread = frozenset(name for name, t in model.state_dict().items() if t.is_meta)
-    if unread:
-        load_state_dict(model, folder, dtype, only=unread)
-
-
-def _hf(gguf_name: str, path: Path) -> str:
-    from specstep.engine.gguf_checkpoint import _hf_name
-
-    return _hf_name(gguf_name, path)
-
-
 def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
     return [(f"{prefix}.{child_name}".lstrip("."), parent, child_name, child)
             for prefix, parent in model.named_modules() for child_name, child in parent.named_children()
