@@ -22,9 +22,9 @@ HALF_CHOICES = ("auto", "off")
 QUANTIZATION_CHOICES = ("auto", "gguf", "none")
 LAYER_CHOICES = ("auto", "torch")
 # int8: in AMX tiles where the host has AMX-INT8 (block sums), else in AVX-512 VNNI lanes (the same arithmetic) where
-# it has those, else in AVX2 lanes; int8-tiles / int8-vnni / int8-lanes: that one (an error where it cannot run)
+# it has those, else in AVX2 lanes (SPECSTEP_CPU_ISA=amx|avx512|avx2 pins one: an error where it cannot run);
 # auto: int8 where the weights are block-quantised (what llama.cpp computes on them), fp32 elsewhere
-ACTIVATION_CHOICES = ("auto", "fp32", "int8", "int8-tiles", "int8-vnni", "int8-lanes")
+ACTIVATION_CHOICES = ("auto", "fp32", "int8")
 # bf16 must be this much faster than fp32 (decode and verify rows together) to be taken: it changes the numerics.
 BF16_MARGIN = 0.95
 

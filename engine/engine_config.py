@@ -262,7 +262,7 @@ class EngineConfig:
                 "multiplies in integers: faster, not exact against fp32 (speculative output still equals plain "
                 "output under it, bitwise); fp32: exact; auto: int8 where the weights are block-quantised, fp32 "
                 "for 16-bit and fp32 weights. SPECSTEP_CPU_ISA=avx2|avx512|amx pins the kernels' ISA",
-        check=lambda v: v in ACTIVATION_CHOICES, rule="auto, fp32 or int8")
+        choices=ACTIVATION_CHOICES)
     kv_cache_dtype: str = option(
         "auto", "the KV cache's dtype: auto is the model's (float32 on CPU: exact); bfloat16 on CPU holds keys and "
                 "values rounded to bf16 (half the bytes a token: twice the tokens in the same memory, and half "

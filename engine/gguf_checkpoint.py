@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from specstep.engine.errors import CheckpointError
 from specstep.engine.gguf_tokenizer import tokenizer_from_gguf
 from specstep.engine.model_source import cache_root
 
+CHUNK_ROWS = 4096  # rows dequantised at a time while converting
 CONVERTER_VERSION = 1  # bump when the converted folder's contents change, so caches are rebuilt
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -73,24 +75,30 @@ def _field(reader, key: str, default=None):
 
 def convert(gguf_path: Path, out: Path) -> None:
     """Write config.json, model.safetensors, tokenizer.json and generation_config.json into `out`."""
-    from safetensors.torch import save_file
-
     reader = _reader(gguf_path)
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: "
                               f"{', '.join(ARCHITECTURES)}")
     config = _config(reader, arch, gguf_path)
-    tensors = {}
-    for t in reader.tensors:
-        w = torch.from_numpy(np.array(_dequantize(t, gguf_path)))  # a copy: F32 tensors are read-only views
+
+    def weights(t) -> Iterator[np.ndarray]:
         name = _hf_name(t.name, gguf_path)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # rows move: the whole tensor
+            w = torch.from_numpy(np.array(_dequantize(t, gguf_path)))  # a copy: F32 tensors are read-only views
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
-            w = _unpermute(w, heads)
-        tensors[name] = w
-    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+            yield _unpermute(w, heads).numpy()
+        elif len(t.shape) == 2 and t.data.ndim == 2 and t.data.shape[0] == int(t.shape[1]):
+            for start in range(0, t.data.shape[0], CHUNK_ROWS):  # the embedding's fp32 rows are 2.2 GB on a 7B
+                yield _dequantize(t, gguf_path, slice(start, start + CHUNK_ROWS))
+        else:
+            yield _dequantize(t, gguf_path)
+
+    names = [_checked_name(t, gguf_path) for t in reader.tensors]
+    config["tie_word_embeddings"] = "lm_head.weight" not in names
+    _stream_safetensors(out / "model.safetensors",
+                        [(n, [int(d) for d in reversed(t.shape)], lambda t=t: weights(t))
+                         for n, t in zip(names, reader.tensors, strict=True)])
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -98,6 +106,34 @@ def convert(gguf_path: Path, out: Path) -> None:
     (out / "specstep_source.json").write_text(json.dumps(
         {"gguf": str(gguf_path.resolve()), "name": _field(reader, "general.name"),
          "file_type": _field(reader, "general.file_type"), "converter_version": CONVERTER_VERSION}, indent=2) + "\n")
+
+
+def _stream_safetensors(path: Path, tensors: list[tuple[str, list[int], Callable[[], Iterable[np.ndarray]]]]
+                        ) -> None:
+    """An fp32 safetensors file written a part at a time (`tensors`: name, shape, the producer of its fp32 values,
+    in parts of whole rows):
+    the conversion holds one dequantised tensor at once, not the model (a 7B-class file's fp32 weights are 28 GiB).
+    The format: an 8-byte little-endian header length, a JSON header of dtypes, shapes and byte ranges (padded with
+    spaces to 8 bytes), then the tensors' bytes in header order."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, _ in tensors:
+        nbytes = 4 * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, shape, produce in tensors:
+            written = 0
+            for part in produce():
+                w = np.ascontiguousarray(part, dtype="<f4")
+                f.write(w.data)  # (no copy)
+                written += w.size
+            if written != int(np.prod(shape, dtype=np.int64)):
+                raise CheckpointError(f"{path}: tensor {name!r} dequantised to {written} values, expected {shape}")
 
 
 def _cache_key(gguf_path: Path) -> str:
@@ -234,16 +270,27 @@ def _hf_name(name: str, path: Path) -> str:
     raise CheckpointError(f"{path}: unexpected GGUF tensor {name!r} for a Llama-family model")
 
 
-def _dequantize(t, path: Path) -> np.ndarray:
+def _checked_name(t, path: Path) -> str:
+    """A tensor's Hugging Face name; a type the gguf package cannot read is the error named first."""
+    try:
+        return _hf_name(t.name, path)
+    except CheckpointError:
+        _dequantize(t, path)
+        raise
+
+
+def _dequantize(t, path: Path, rows: slice | None = None) -> np.ndarray:
+    """Tensor `t`'s fp32 values [out, in] (`rows`: just those rows of a 2-D tensor)."""
     from gguf import quants
 
     try:
-        w = quants.dequantize(t.data, t.tensor_type)
+        w = quants.dequantize(t.data if rows is None else t.data[rows], t.tensor_type)
     except (NotImplementedError, KeyError):
         raise CheckpointError(f"{path}: tensor {t.name!r} has quantisation type {t.tensor_type.name}, which the "
                               "gguf package cannot dequantise") from None
     # GGUF lists dimensions innermost first; numpy's order is the reverse (= PyTorch's [out, in]).
-    return w.reshape(tuple(int(d) for d in reversed(t.shape))).astype(np.float32, copy=False)
+    shape = tuple(int(d) for d in reversed(t.shape))
+    return w.reshape(shape if rows is None else (-1, shape[1])).astype(np.float32, copy=False)
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -67,14 +67,18 @@ def hf_to_local(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def load_state_dict(module: torch.nn.Module, folder: Path, dtype: torch.dtype) -> None:
+def load_state_dict(module: torch.nn.Module, folder: Path, dtype: torch.dtype, skip: frozenset[str] = frozenset(),
+                    only: frozenset[str] | None = None) -> None:
     """Fill `module` (built on the meta device) from the folder's tensors, merging split projections.
 
     The module's tensor-parallel group (`module.tp`, a single rank if absent) decides which slices are read; the
-    module's own parameters have that rank's shapes."""
+    module's own parameters have that rank's shapes. `skip`: parameters left on meta, unread (a GGUF file's
+    blocks supply them); `only`: read just these (the ones a first pass skipped and the blocks did not take)."""
     cfg = getattr(module, "cfg", None)
     tp = getattr(module, "tp", SINGLE).config
-    expected = {k: v for k, v in module.state_dict().items()}
+    expected = {k: v for k, v in module.state_dict().items()
+                if k not in skip and (only is None or k in only)}
+    wanted = set(expected) if only is not None else None
     tied = hasattr(module, "lm_head") and getattr(cfg, "tie_word_embeddings", False)
     if tied:
         expected.pop("lm_head.weight", None)
@@ -90,6 +94,8 @@ def load_state_dict(module: torch.nn.Module, folder: Path, dtype: torch.dtype) -
                     continue  # some tied checkpoints still store it; the embedding is the source of truth
                 merged = next(((m, p) for m, parts in _MERGED.items() for p in parts if f".{p}." in f".{name}"), None)
                 target = name.replace(merged[1], merged[0]) if merged else name
+                if target in skip or (wanted is not None and target not in wanted):
+                    continue
                 if not merged and name not in expected:
                     raise CheckpointError(f"{folder}: unexpected tensor {hf_name!r} for this architecture")
                 share = rank_slice(name, cfg, tp) if cfg is not None else None
@@ -109,7 +115,7 @@ def load_state_dict(module: torch.nn.Module, folder: Path, dtype: torch.dtype) -
             )
         out[name] = out[name].to(dtype)
     module.load_state_dict(out, strict=False, assign=True)
-    if tied:
+    if tied and "embed_tokens.weight" in out:  # (read now: not skipped, nor read by an earlier pass)
         module.lm_head.weight = module.embed_tokens.weight
 
 

@@ -11,14 +11,16 @@ from pathlib import Path
 import torch
 
 from specstep.engine.attention.torch_backend import TorchAttention
-from specstep.engine.config import ModelConfig
+from specstep.engine.config import DTYPES, ModelConfig
 from specstep.engine.cpu_kernels import CpuKernels
 from specstep.engine.errors import CheckpointError, ConfigError
 from specstep.engine.loader import load_state_dict, resolve_dtype
 from specstep.engine.model_source import resolve_model
 from specstep.engine.models.cpu_linear import describe_linears, plan_linears
 from specstep.engine.models.decode_layers import use_native_layers
+from specstep.engine.models.gguf_block_params import block_params, fill_unread
 from specstep.engine.models.gguf_linear import use_gguf_linears
+from specstep.engine.models.half_linears import half_format, use_half_linears
 from specstep.engine.models.llama import LlamaForCausalLM
 from specstep.engine.models.mtp_head import MTPHead
 from specstep.engine.parallel.group import SINGLE, TPGroup
@@ -37,18 +39,36 @@ def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str
         raise CheckpointError(f"{folder}: is an MTP head, not a language model (use it as --draft with --spec mtp)")
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)
+    # a bf16 / fp16 folder computed in fp32 on CPU keeps its 16-bit weights: read as the file holds them
+    half = half_format(folder, cfg, cpu_linear, torch_dtype, tp.world_size) if device.type == "cpu" else None
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
-    load_state_dict(model, folder, torch_dtype)
+    gguf = _gguf_source(folder, cpu_linear, tp, torch_dtype) if device.type == "cpu" else None
+    # a GGUF file's block-quantised weights are read as blocks only: never as fp32 tensors
+    skip = block_params(model, gguf) if gguf is not None else frozenset()
+    load_state_dict(model, folder, torch_dtype if half is None else DTYPES[cfg.torch_dtype], skip=skip)
     # Buffers (rotary tables) were built on meta; rebuild them for real on the target device.
     model.rotary.build_tables()
+    if device.type == "cpu":
+        model.gguf_note = (use_half_linears(model, half) if half is not None
+                           else _quantized(model, folder, cpu_linear, tp, torch_dtype))
+        fill_unread(model, folder, torch_dtype)
     model = model.to(device).eval().requires_grad_(False)  # serving weights; training heads keep the target frozen
     if device.type == "cpu":
-        model.gguf_note = _quantized(model, folder, cpu_linear, tp, torch_dtype)
         use_cpu_kernels(model, cpu_linear)
         layers = cpu_linear.layers if isinstance(cpu_linear, CpuKernels) else "torch"
         model.layers_note = use_native_layers(model, layers)
     return model
+
+
+def _gguf_source(folder: Path, kernels: str | CpuKernels, tp: TPGroup, dtype: torch.dtype) -> Path | None:
+    """The GGUF file a converted folder came from, where its blocks may replace the fp32 weights (the same
+    conditions as `_quantized`'s), else None."""
+    source = folder / "specstep_source.json"
+    if (not isinstance(kernels, CpuKernels) or kernels.quantization == "none" or not source.is_file()
+            or dtype != torch.float32 or tp.world_size > 1):
+        return None
+    return Path(json.loads(source.read_text())["gguf"])
 
 
 def _quantized(model: LlamaForCausalLM, folder: Path, kernels: str | CpuKernels, tp: TPGroup,

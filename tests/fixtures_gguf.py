@@ -93,3 +93,16 @@ def write_gguf(path: Path, folder: Path, arch: str = "llama", qtype: str = "F32"
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# the Q4_1 / Q8_0 kernel's int8 forms, each pinned by the ISA it runs on (`--activations int8` plus SPECSTEP_CPU_ISA)
+INT8_FORM_ISA = {"int8-lanes": "avx2", "int8-vnni": "avx512", "int8-tiles": "amx"}
+
+
+def pin_int8_form(acts: str, monkeypatch) -> str:
+    """The `--activations` value that runs kernel form `acts`: "int8" with SPECSTEP_CPU_ISA set to the form's ISA
+    (for the rest of the test), or `acts` itself where it is not an int8 form."""
+    if acts not in INT8_FORM_ISA:
+        return acts
+    monkeypatch.setenv("SPECSTEP_CPU_ISA", INT8_FORM_ISA[acts])
+    return "int8"

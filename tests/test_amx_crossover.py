@@ -14,7 +14,7 @@ from specstep.engine.models import amx_crossover, decode_layers, gguf_kernel
 from specstep.engine.models.amx_crossover import PROBE_ROWS, choose_lane_rows
 from specstep.engine.models.cpu_linear_plans import PLANS
 from specstep.engine.models.gguf_linear import GGUFLinear
-from tests.fixtures_gguf import write_gguf
+from tests.fixtures_gguf import pin_int8_form, write_gguf
 from tests.helpers import make_checkpoint
 
 needs_kernel = pytest.mark.skipif(bool(gguf_kernel.unavailable()), reason=f"kernel: {gguf_kernel.unavailable()}")
@@ -79,7 +79,7 @@ def test_loading_on_the_tiles_measures_the_crossover_on_the_models_linears(tmp_p
         return tiles, [t * (0.5 if r <= 3 else 2.0) for r, t in zip(PROBE_ROWS, tiles)]  # lanes ahead up to 3 rows
 
     monkeypatch.setattr(amx_crossover, "measure_lane_rows", spy)
-    model = load_model(path, "cpu", "float32", CpuKernels(activations="int8-tiles"))
+    model = load_model(path, "cpu", "float32", CpuKernels(activations=pin_int8_form("int8-tiles", monkeypatch)))
     linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     assert timed == [sorted((m.out_features, m.in_features) for m in linears)]  # the model's own, all of them
     assert gguf_kernel.amx_lane_rows_now("Q8_0") == 3
@@ -94,12 +94,12 @@ def test_loading_on_the_tiles_measures_the_crossover_on_the_models_linears(tmp_p
     # a second load reads the cache, and a smaller model of the format (a draft) leaves the larger one's defaults
     small = make_checkpoint(tmp_path / "small", seed=6, tokenizer=True, hidden_size=32, intermediate_size=64,
                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    load_model(path, "cpu", "float32", CpuKernels(activations="int8-tiles"))
+    load_model(path, "cpu", "float32", CpuKernels(activations=pin_int8_form("int8-tiles", monkeypatch)))
     assert len(timed) == 1
     monkeypatch.setattr(amx_crossover, "measure_lane_rows",
                         lambda linears, rounds=1: ([1.0] * len(PROBE_ROWS), [2.0] * len(PROBE_ROWS)))
     draft = load_model(write_gguf(tmp_path / "d.gguf", small, qtype="Q8_0"), "cpu", "float32",
-                       CpuKernels(activations="int8-tiles"))
+                       CpuKernels(activations=pin_int8_form("int8-tiles", monkeypatch)))
     assert "Q8_0 up to 3" in describe_cpu_kernels(draft)  # what runs: the target's, which it measured over more
     assert gguf_kernel.amx_lane_rows_now("Q8_0") == 3
     was = gguf_kernel.amx_lane_rows(2)  # an override in force (an A/B's) outlives a measurement

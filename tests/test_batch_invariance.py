@@ -21,7 +21,7 @@ from specstep.engine.models.gguf_kernel import unavailable as gguf_unavailable
 from specstep.engine.models.gguf_linear import GGUFLinear
 from specstep.engine.sampling_params import SamplingParams
 from specstep.scheduler.core.request import Request
-from tests.fixtures_gguf import write_gguf
+from tests.fixtures_gguf import pin_int8_form, write_gguf
 from tests.fixtures_models import make_mtp_head
 from tests.helpers import make_core, run_to_completion
 
@@ -135,7 +135,7 @@ VNNI = pytest.mark.skipif(bool(vnni_unavailable()), reason=f"AVX-512 VNNI: {vnni
                                       pytest.param("ngram_gguf_q4_1_int8-tiles", marks=TILES),
                                       pytest.param("ngram_gguf_q4_1_int8-vnni", marks=VNNI),
                                       "draft_model_kv-bf16", "mtp_kv-bf16", "ngram_gguf_q4_1_kv-bf16"])
-def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, request, tiny_target):
+def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, request, tiny_target, monkeypatch):
     """Each verify row whose inputs are plain decoding's (every earlier draft of its step accepted) has plain
     decoding's logits at that position, bitwise: the target's own draft accepts all (draft_model), n-gram
     drafts from a repetitive prompt, the random MTP head mostly only the first row; and n-gram on a Q4_1 GGUF
@@ -148,7 +148,7 @@ def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, reque
     gguf = proposer.startswith("ngram_gguf_q4_1")
     acts = proposer.rpartition("_")[2] if "_int8" in proposer else ""
     if acts:
-        kernels["activations"] = acts
+        kernels["activations"] = pin_int8_form(acts, monkeypatch)
     if gguf:
         tiny_target, proposer = request.getfixturevalue("tiny_gguf"), "ngram"
     prompt = [7, 8, 9, 10] * 3
@@ -181,7 +181,7 @@ def test_engine_verify_logits_are_plain_decode_logits(proposer, proposers, reque
 
 @pytest.mark.parametrize("acts", ["fp32", "int8-lanes", pytest.param("int8-tiles", marks=TILES),
                                   pytest.param("int8-vnni", marks=VNNI), "fp32_kv-bf16"])
-def test_gguf_speculation_on_the_overlap_path_is_plain_decoding(acts, tiny_gguf):
+def test_gguf_speculation_on_the_overlap_path_is_plain_decoding(acts, tiny_gguf, monkeypatch):
     """The GGUF kernels on the overlap stream path (steps on the worker thread, the next batch built beside them):
     n-gram speculation (a fixed k: an adaptive policy prices steps by wall time and may not speculate at all on a
     loaded host) over a batch of lanes that draft (a match) and lanes that do not gives inline plain
@@ -192,7 +192,7 @@ def test_gguf_speculation_on_the_overlap_path_is_plain_decoding(acts, tiny_gguf)
     prompts = [[7, 8, 9, 10] * 3, [40 + i for i in range(9)], [3, 5] * 5, [60, 61, 62, 60, 61, 62, 63],
                [11, 12, 13, 14, 15, 16] * 6]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    kernels = dict(activations=acts)
+    kernels = dict(activations=pin_int8_form(acts, monkeypatch))
     if acts.endswith("_kv-bf16"):
         acts = acts.removesuffix("_kv-bf16")
         kernels = dict(activations=acts, kv_cache_dtype="bfloat16")

@@ -69,7 +69,7 @@ def test_floor_counts_the_widest_instructions_the_activations_take():
 
 
 @pytest.mark.parametrize("acts", ["int8-tiles", "int8-vnni", "int8-lanes"])
-def test_the_int8_floor_holds_only_where_the_rows_run_in_vnni_lanes(acts, tiny_target, tmp_path):
+def test_the_int8_floor_holds_only_where_the_rows_run_in_vnni_lanes(acts, tiny_target, tmp_path, monkeypatch):
     """AMX tiles take the rows past the lanes' crossover (a tile multiply's rows cost their readout, not
     multiply-adds: no bound); the VNNI format runs every row count in lanes; AVX2 lanes are not counted."""
     from specstep.engine.cpu_kernels import CpuKernels
@@ -77,14 +77,14 @@ def test_the_int8_floor_holds_only_where_the_rows_run_in_vnni_lanes(acts, tiny_t
     from specstep.engine.model_loader import load_model
     from specstep.engine.models.gguf_kernel import amx_lane_rows_now, tiles_unavailable, vnni_unavailable
     from specstep.engine.models.gguf_linear import GGUFLinear
-    from tests.fixtures_gguf import write_gguf
+    from tests.fixtures_gguf import pin_int8_form, write_gguf
 
     if acts == "int8-tiles" and tiles_unavailable():
         pytest.skip(f"AMX tiles: {tiles_unavailable()}")
     if acts == "int8-vnni" and vnni_unavailable():
         pytest.skip(f"AVX-512 VNNI: {vnni_unavailable()}")
     folder = converted_folder(write_gguf(tmp_path / "t.gguf", tiny_target, qtype="Q4_1"), cache=tmp_path)
-    model = load_model(folder, "cpu", "float32", CpuKernels(activations=acts))
+    model = load_model(folder, "cpu", "float32", CpuKernels(activations=pin_int8_form(acts, monkeypatch)))
     rates = {"fma8": 1e9, "fma16": 1e9, "vnni": 1e9}
     if acts == "int8-lanes":
         assert arithmetic_floor(5, 4, model, "int8", rates) is None

@@ -19,7 +19,7 @@ from specstep.engine.models.gguf_kernel import bf16_tiles_unavailable, tiles_una
 from specstep.engine.native import cpu_flags
 from specstep.engine.sampling_params import SamplingParams
 from specstep.engine.thread_choice import ThreadChoice
-from tests.fixtures_gguf import write_gguf
+from tests.fixtures_gguf import pin_int8_form, write_gguf
 from tests.helpers import make_core, run_to_completion
 
 pytestmark = pytest.mark.skipif(bool(decode_layers.unavailable()),
@@ -122,7 +122,8 @@ def test_int8_activations_keep_verify_rows_bitwise_and_stay_near_the_fp32_logits
     same int8 kernel are: a rounding apart before a quantisation moves a value by a quantisation step; prompt
     rows take the fp32 prompt GEMM in the C++ layers with AVX2 lanes, the AMX-BF16 prompt GEMM with the tiles
     where the host has AMX-BF16, the int8 kernel itself otherwise)."""
-    net, eager, exact = load(gguf_model, "auto", acts), load(gguf_model, "torch", acts), load(gguf_model, "auto")
+    pinned = pin_int8_form(acts, monkeypatch)
+    net, eager, exact = load(gguf_model, "auto", pinned), load(gguf_model, "torch", pinned), load(gguf_model, "auto")
     assert "int8 activations" in describe_cpu_kernels(net)
     assert ("in AMX tiles" in describe_cpu_kernels(net)) == (acts == "int8-tiles")
     assert ("times int8 activations in AVX-512 VNNI lanes" in describe_cpu_kernels(net)) == (acts == "int8-vnni")
@@ -145,12 +146,13 @@ def test_int8_activations_keep_verify_rows_bitwise_and_stay_near_the_fp32_logits
 @pytest.mark.parametrize("acts", [
     "fp32", pytest.param("int8-tiles", marks=pytest.mark.skipif(bool(bf16_tiles_unavailable()),
                                                                 reason=f"AMX-BF16: {bf16_tiles_unavailable()}"))])
-def test_prompt_rows_take_the_gemm_and_decode_rows_beside_them_keep_their_bits(gguf_model, acts):
+def test_prompt_rows_take_the_gemm_and_decode_rows_beside_them_keep_their_bits(gguf_model, acts, monkeypatch):
     """A step with a prompt lane (more than 17 positions: the prompt GEMM; with AMX tiles its AMX-BF16 form)
     beside a decode lane (its context longer than the prompt, so the step's attention splits, as a mixed step's
     does): the decode row's logits are bitwise its logits in a step of its own, and the prompt's are the torch
     layers' to rounding (fp32), or near them (the tiles: the torch layers take the int8 kernel, about 1% away)."""
-    net, eager = load(gguf_model, "auto", acts), load(gguf_model, "torch", acts)
+    pinned = pin_int8_form(acts, monkeypatch)
+    net, eager = load(gguf_model, "auto", pinned), load(gguf_model, "torch", pinned)
     kind = decode_layers.PROMPT_GEMM_FP32 if acts == "fp32" else decode_layers.PROMPT_GEMM_BF16_TILES
     assert net.native.prompt_gemm == kind
     long_prompt, context = list(range(100, 140)), PROMPT * 3

@@ -105,3 +105,28 @@ def test_cpu_isa_environment_pins_the_kernels(tmp_path, cache, sources, monkeypa
     for activations in ("auto", "fp32"):  # one parser for every arithmetic: a typed error, never a traceback
         with pytest.raises(ConfigError, match="SPECSTEP_CPU_ISA='neon'"):
             load_model(path, "cpu", "float32", CpuKernels(activations=activations))
+
+
+@pytest.mark.parametrize("fmt,arch,tied", [("Q4_K_M", "qwen2", True), ("Q6_K", "llama", False)])
+def test_block_weights_are_never_read_as_fp32(tmp_path, cache, sources, monkeypatch, fmt, arch, tied):
+    """The converted checkpoint's fp32 tensors are read only where no block module takes the weight (norms,
+    biases): the linears' and the embedding's weights go from the file's blocks straight into their modules, so
+    a load's peak stays near the file's size. Under `--quantization none` every tensor is read, as before."""
+    from specstep.engine import loader
+    from specstep.engine.cpu_kernels import CpuKernels
+    from specstep.engine.model_loader import load_model
+
+    path = _gguf(tmp_path, sources, fmt, arch, tied)
+    read: list[str] = []
+    real = loader._read_share
+    monkeypatch.setattr(loader, "_read_share", lambda f, name, *a: read.append(name) or real(f, name, *a))
+    model = load_model(path, "cpu", "float32", CpuKernels())
+    assert len(_linears_of(model)) == 4 * 2 + 1 and not any(t.is_meta for t in model.state_dict().values())
+    assert read and all(name.endswith(("norm.weight", ".bias")) for name in read), read
+    read.clear()
+    load_model(path, "cpu", "float32", CpuKernels(quantization="none"))
+    assert "model.embed_tokens.weight" in read and sum(name.endswith("proj.weight") for name in read) == 7 * 2
+
+
+def _linears_of(model) -> list[GGUFLinear]:
+    return [m for m in model.modules() if isinstance(m, GGUFLinear)]

@@ -24,7 +24,7 @@ from specstep.engine.models.gguf_kernel import (
 )
 from specstep.engine.models.gguf_linear import GGUFLinear, dequantize
 from specstep.engine.sampling_params import SamplingParams
-from tests.fixtures_gguf import write_gguf
+from tests.fixtures_gguf import pin_int8_form, write_gguf
 from tests.helpers import make_checkpoint, make_core, run_to_completion
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"GGUF kernel unavailable: {unavailable()}")
@@ -358,24 +358,31 @@ def test_int8_activations_need_the_gguf_kernel(tmp_path, cache, monkeypatch):
         make_core(src, activations="int8")
     hf = load_model(src, "cpu", "float32", CpuKernels(activations="int8"))
     assert "fp32 activations (not a GGUF checkpoint)" in describe_cpu_kernels(hf)
-    lanes = load_model(path, "cpu", "float32", CpuKernels(activations="int8-lanes"))
+    with monkeypatch.context() as pin:
+        lanes = load_model(path, "cpu", "float32", CpuKernels(activations=pin_int8_form("int8-lanes", pin)))
     assert {m.kernel_fmt for m in lanes.modules() if isinstance(m, GGUFLinear)} == {"Q4_1/int8-packed"}
+    with pytest.raises(ValueError, match="activations must be one of auto, fp32, int8, got 'int8-lanes'"):
+        CpuKernels(activations="int8-lanes")  # an ISA is SPECSTEP_CPU_ISA's to pin, not the activations'
+    with pytest.raises(InvalidOption, match="--activations must be one of auto, fp32, int8, got 'int8-tiles'"):
+        EngineConfig(model=str(path), activations="int8-tiles")
     int8 = load_model(path, "cpu", "float32", CpuKernels(activations="int8"))  # the host's int8 kernel
     host = "tiles" if not tiles_unavailable() else "vnni" if not vnni_unavailable() else "packed"
     assert {m.kernel_fmt for m in int8.modules() if isinstance(m, GGUFLinear)} == {f"Q4_1/int8-{host}"}
     assert ("in AMX tiles" in describe_cpu_kernels(int8)) == (host == "tiles")
     assert ("times int8 activations in AVX-512 VNNI lanes" in describe_cpu_kernels(int8)) == (host == "vnni")
     monkeypatch.setattr("specstep.engine.models.gguf_linear.tiles_unavailable", lambda: "this CPU lacks AMX_TILE")
-    with pytest.raises(ConfigError, match="--activations int8-tiles: AMX tiles cannot run here: this CPU lacks"):
-        load_model(path, "cpu", "float32", CpuKernels(activations="int8-tiles"))
+    with monkeypatch.context() as pin, pytest.raises(ConfigError, match="SPECSTEP_CPU_ISA=amx: AMX tiles cannot "
+                                                                        "run here: this CPU lacks"):
+        load_model(path, "cpu", "float32", CpuKernels(activations=pin_int8_form("int8-tiles", pin)))
     monkeypatch.setattr("specstep.engine.models.gguf_linear.vnni_unavailable", lambda: "")
     vnni = load_model(path, "cpu", "float32", CpuKernels(activations="int8"))  # (built, not run: the host may lack it)
     assert {m.kernel_fmt for m in vnni.modules() if isinstance(m, GGUFLinear)} == {"Q4_1/int8-vnni"}
     assert "in AVX-512 VNNI lanes" in describe_cpu_kernels(vnni)
     assert "(AMX tiles: this CPU lacks AMX_TILE)" in describe_cpu_kernels(vnni)
     monkeypatch.setattr("specstep.engine.models.gguf_linear.vnni_unavailable", lambda: "this CPU lacks AVX512_VNNI")
-    with pytest.raises(ConfigError, match="--activations int8-vnni: AVX-512 VNNI lanes cannot run here: this CPU"):
-        load_model(path, "cpu", "float32", CpuKernels(activations="int8-vnni"))
+    with monkeypatch.context() as pin, pytest.raises(ConfigError, match="SPECSTEP_CPU_ISA=avx512: AVX-512 VNNI "
+                                                                        "lanes cannot run here: this CPU"):
+        load_model(path, "cpu", "float32", CpuKernels(activations=pin_int8_form("int8-vnni", pin)))
     lanes = load_model(path, "cpu", "float32", CpuKernels(activations="int8"))
     assert {m.kernel_fmt for m in lanes.modules() if isinstance(m, GGUFLinear)} == {"Q4_1/int8-packed"}
     assert "(AMX tiles: this CPU lacks AMX_TILE; AVX-512 VNNI: this CPU lacks AVX512_VNNI)" in describe_cpu_kernels(

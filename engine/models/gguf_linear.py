@@ -173,6 +173,20 @@ def _pieces(name: str, tied: bool) -> list[str]:
     return [f"model.{name}.weight"]
 
 
+def _leading_rows(folder: Path, hf_name: str) -> torch.Tensor:
+    """The converted checkpoint's first CHECK_ROWS rows of `hf_name`, read alone (the model's own copy of the
+    weight may never have been read: `block_params`)."""
+    from safetensors import safe_open
+
+    from specstep.engine.loader import safetensors_files
+
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            if hf_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                return f.get_slice(hf_name)[:CHECK_ROWS].float()
+    raise CheckpointError(f"{folder}: missing tensor {hf_name!r}")
+
+
 def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
     return [(f"{prefix}.{child_name}".lstrip("."), parent, child_name, child)
             for prefix, parent in model.named_modules() for child_name, child in parent.named_children()
@@ -210,7 +224,7 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         else:
             activations = "int8"
             host_note = f" (AMX tiles: {tiles_unavailable()}; AVX-512 VNNI: {vnni_unavailable()})"
-    activations = {"int8-lanes": "int8"}.get(activations, activations)  # the user's choice -> the kernel's
+    activations = {"int8-lanes": "int8"}.get(activations, activations)  # the AVX2 pin -> the kernel's name
     if not gguf_path.is_file():
         if required:
             raise ConfigError(f"{flag}: {folder} was converted from {gguf_path}, which is gone")
@@ -234,7 +248,7 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
             if not all(t in table_formats and child.in_features % kernel_layer.block_of(t)[0] == 0 for t in types):
                 continue
             got = dequantize(types[0], blocks[pieces[0]][1][:CHECK_ROWS], child.in_features)
-            if not torch.equal(got, child.weight.detach()[:CHECK_ROWS].float()):
+            if not torch.equal(got, _leading_rows(folder, pieces[0])):
                 raise CheckpointError(f"{gguf_path}: {name}'s blocks do not hold the converted checkpoint's "
                                       "weights (a stale conversion? delete it from the cache)")
             lin = GGUFLinear.split([blocks[p] for p in pieces], child.in_features, child.bias, activations)
@@ -250,7 +264,7 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         if fmt in table_formats and child.in_features % kernel_layer.block_of(fmt)[0]:
             continue  # (a width the format's blocks cannot hold: not written by llama.cpp)
         got = dequantize(fmt, rows[:CHECK_ROWS], child.in_features)
-        if not torch.equal(got, child.weight.detach()[:CHECK_ROWS].float()):
+        if not torch.equal(got, _leading_rows(folder, pieces[0])):
             raise CheckpointError(f"{gguf_path}: {name}'s {fmt} blocks do not hold the converted checkpoint's "
                                   "weights (a stale conversion? delete it from the cache)")
         is_tied = tied and name == "lm_head" and embed is not None
@@ -260,7 +274,7 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         nbytes += rows.numel()
     if not swapped:
         return ""
-    embedding = _use_gguf_embedding(model, blocks)
+    embedding = _use_gguf_embedding(model, blocks, folder)
     return _note(model, activations, swapped, nbytes, host_note) + embedding
 
 
@@ -318,7 +332,7 @@ def _table_note(swapped: dict[str, int], nbytes: int, table: list[GGUFLinear]) -
             "batch-invariant")
 
 
-def _use_gguf_embedding(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) -> str:
+def _use_gguf_embedding(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]], folder: Path) -> str:
     """Swap a one-rank model's token embedding for a `GGUFEmbedding` over the file's blocks (checked against the
     converted checkpoint's leading rows), and a tied `lm_head` onto those blocks alone: no fp32 table stays. The
     ready line's note ("" if not swapped)."""
@@ -332,7 +346,7 @@ def _use_gguf_embedding(model: nn.Module, blocks: dict[str, tuple[str, torch.Ten
     if rows.shape[0] != embed.num_embeddings:
         return ""
     gguf_embed = GGUFEmbedding(fmt, rows, embed.embedding_dim)
-    if not torch.equal(gguf_embed(torch.arange(CHECK_ROWS)), embed.weight.detach()[:CHECK_ROWS].float()):
+    if not torch.equal(gguf_embed(torch.arange(CHECK_ROWS)), _leading_rows(folder, "model.embed_tokens.weight")):
         raise CheckpointError(f"the file's {fmt} embedding does not hold the converted checkpoint's rows (a stale "
                               "conversion? delete it from the cache)")
     model.embed_tokens = gguf_embed
