@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -71,6 +71,21 @@ class Result:
         """Gaps between consecutive token-carrying messages (several tokens may arrive in one)."""
         t = self.chunk_times
         return [b - a for a, b in zip(t, t[1:])]
+
+
+async def poll_ready(health: Callable[..., Awaitable[HealthReply]], timeout_s: float) -> HealthReply:
+    """Poll `health` until the server reports "ok" (either client's: ZMQ HEALTH or HTTP /health)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            h = await health(timeout_s=1.0)
+            if h.status == "ok":
+                return h
+        except asyncio.TimeoutError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"server not ready within {timeout_s:g}s")
+        await asyncio.sleep(0.1)
 
 
 class Client:
@@ -175,18 +190,7 @@ class Client:
         return await self._query(StatsRequest(), timeout_s)
 
     async def wait_ready(self, timeout_s: float = 120.0) -> HealthReply:
-        """Poll health until the server reports "ok"."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                h = await self.health(timeout_s=1.0)
-                if h.status == "ok":
-                    return h
-            except asyncio.TimeoutError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not ready within {timeout_s:g}s")
-            await asyncio.sleep(0.1)
+        return await poll_ready(self.health, timeout_s)
 
     async def wait_idle(self, timeout_s: float = 30.0) -> StatsReply:
         """Poll stats until the server holds no request and every KV page is free (a finished request's pages

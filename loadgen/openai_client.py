@@ -16,7 +16,7 @@ import time
 import aiohttp
 import msgspec
 
-from specstep.loadgen.client import CLIENT_TIMEOUT, Result
+from specstep.loadgen.client import CLIENT_TIMEOUT, Result, poll_ready
 from specstep.scheduler.server.protocol import (
     Error,
     ErrorCode,
@@ -125,17 +125,7 @@ class OpenAIClient:
         return HealthReply(0, "ok" if names else "starting", self.model or "")
 
     async def wait_ready(self, timeout_s: float = 120.0) -> HealthReply:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                h = await self.health(timeout_s=1.0)
-                if h.status == "ok":
-                    return h
-            except asyncio.TimeoutError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not ready within {timeout_s:g}s")
-            await asyncio.sleep(0.1)
+        return await poll_ready(self.health, timeout_s)
 
     async def wait_idle(self, timeout_s: float = 30.0) -> None:
         """An OpenAI server has no STATS: nothing to wait for."""

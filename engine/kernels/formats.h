@@ -120,53 +120,49 @@ struct Q5_1 {
     }
 };
 
+// Q4_K's and Q5_K's shared header: fp16 d, fp16 dmin, then 8 sub-blocks' 6-bit scales and mins (12 bytes).
+// w = (d sc_j) q - (dmin m_j), q the format's sub-block values (F::chunk).
+template <class F> static void k4_dequant(const uint8_t *b, float *w) {
+    const float d = f16(b), dmin = f16(b + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        scale_min_k4(b + 4, j, sc, mn);
+        const float ds = d * (float)sc, dm = dmin * (float)mn;
+        alignas(32) uint8_t u[32];
+        _mm256_store_si256((__m256i *)u, F::chunk(b, j));
+        for (int l = 0; l < 32; l++) w[32 * j + l] = ds * (float)u[l] - dm;
+    }
+}
+
+static inline void k4_unpack(const uint8_t *b, Unpacked &u) {
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        scale_min_k4(b + 4, j, sc, mn);
+        u.sc[2 * j] = u.sc[2 * j + 1] = (int16_t)sc, u.mn[2 * j] = u.mn[2 * j + 1] = (int16_t)mn;
+        u.off[2 * j] = u.off[2 * j + 1] = 0;
+    }
+    u.d = f16(b), u.dm = -f16(b + 2);
+}
+
 // Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes; sub-block j (32 values) is the low
 // (j even) or high nibbles of bytes 32 (j / 2) .. + 31. w = (d sc_j) q - (dmin m_j).
 struct Q4_K {
     static constexpr int qk = QK_K, bytes = 144;
     static constexpr bool int8 = true, has_off = false, has_min = true;
-    static void dequant(const uint8_t *b, float *w) {
-        const float d = f16(b), dmin = f16(b + 2);
-        for (int j = 0; j < 8; j++) {
-            int sc, mn;
-            scale_min_k4(b + 4, j, sc, mn);
-            const float ds = d * (float)sc, dm = dmin * (float)mn;
-            alignas(32) uint8_t u[32];
-            _mm256_store_si256((__m256i *)u, chunk(b, j));
-            for (int l = 0; l < 32; l++) w[32 * j + l] = ds * (float)u[l] - dm;
-        }
-    }
+    static void dequant(const uint8_t *b, float *w) { k4_dequant<Q4_K>(b, w); }
     // sub-block j's 32 values
     static inline __m256i chunk(const uint8_t *b, int j) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (j / 2)));
         return _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
     }
-    static void unpack(const uint8_t *b, Unpacked &u) {
-        for (int j = 0; j < 8; j++) {
-            int sc, mn;
-            scale_min_k4(b + 4, j, sc, mn);
-            u.sc[2 * j] = u.sc[2 * j + 1] = (int16_t)sc, u.mn[2 * j] = u.mn[2 * j + 1] = (int16_t)mn;
-            u.off[2 * j] = u.off[2 * j + 1] = 0;
-        }
-        u.d = f16(b), u.dm = -f16(b + 2);
-    }
+    static void unpack(const uint8_t *b, Unpacked &u) { k4_unpack(b, u); }
 };
 
 // Q5_K: Q4_K's header, 32 bytes of high bits (bit j of byte l: value 32 j + l's), then Q4_K's 128 bytes.
 struct Q5_K {
     static constexpr int qk = QK_K, bytes = 176;
     static constexpr bool int8 = true, has_off = false, has_min = true;
-    static void dequant(const uint8_t *b, float *w) {
-        const float d = f16(b), dmin = f16(b + 2);
-        for (int j = 0; j < 8; j++) {
-            int sc, mn;
-            scale_min_k4(b + 4, j, sc, mn);
-            const float ds = d * (float)sc, dm = dmin * (float)mn;
-            alignas(32) uint8_t u[32];
-            _mm256_store_si256((__m256i *)u, chunk(b, j));
-            for (int l = 0; l < 32; l++) w[32 * j + l] = ds * (float)u[l] - dm;
-        }
-    }
+    static void dequant(const uint8_t *b, float *w) { k4_dequant<Q5_K>(b, w); }
     static inline __m256i chunk(const uint8_t *b, int j) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * (j / 2)));
         const __m256i lo = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
@@ -174,15 +170,7 @@ struct Q5_K {
         const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
         return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
     }
-    static void unpack(const uint8_t *b, Unpacked &u) {
-        for (int j = 0; j < 8; j++) {
-            int sc, mn;
-            scale_min_k4(b + 4, j, sc, mn);
-            u.sc[2 * j] = u.sc[2 * j + 1] = (int16_t)sc, u.mn[2 * j] = u.mn[2 * j + 1] = (int16_t)mn;
-            u.off[2 * j] = u.off[2 * j + 1] = 0;
-        }
-        u.d = f16(b), u.dm = -f16(b + 2);
-    }
+    static void unpack(const uint8_t *b, Unpacked &u) { k4_unpack(b, u); }
 };
 
 // Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16 values), fp16 d.
