@@ -19,8 +19,10 @@ REF_TOKENS = 96  # offline reference length
 
 @pytest.fixture(scope="module")
 def server(tiny_target):
+    # A fixed k: the adaptive policy prices k by wall-clock step costs and need not draft at all on a loaded host,
+    # and these tests check that speculation ran through the server.
     srv = ServerProcess(["--model", str(tiny_target), "--spec", "ngram", "--num-spec-tokens", "3", "--device", "cpu",
-                         "--kv-cache-tokens", "4096", "--max-tokens-limit", str(LIMIT)])
+                         "--spec-policy", "fixed", "--kv-cache-tokens", "4096", "--max-tokens-limit", str(LIMIT)])
     srv.start()
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]

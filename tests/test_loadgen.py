@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_sweep_across_settings_end_to_end(tiny_target, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "specstep.scheduler.cli", "loadgen", "--model", str(tiny_target), "--setting", "off",
-           "--setting", "ngram=--spec ngram --num-spec-tokens 3",
+           "--setting", "ngram=--spec ngram --num-spec-tokens 3 --spec-policy fixed",
            "--server-args", "--device cpu --kv-cache-tokens 4096",
            "--concurrency", "1,3", "--num-requests", "4", "--workload", "mix", "--prompt-tokens", "24",
            "--max-tokens", "8", "--warmup", "1", "--output-dir", str(out), "--quiet"]

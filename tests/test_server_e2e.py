@@ -76,7 +76,9 @@ async def test_concurrent_clients_match_offline_greedy(server, prompts, referenc
         assert res.final.finish_reason == reason
         assert res.text == tokenizer.decode(want)
         assert res.final.usage.prompt_tokens == len(ids[i]) and res.final.usage.completion_tokens == len(want)
-        assert (res.num_deltas > 0) == req.stream
+        # A stream's outputs that pile up before the frontend reads them merge into one message: a request whose
+        # tokens all arrive at once gets its Final alone, so only "no deltas without streaming" is certain.
+        assert req.stream or res.num_deltas == 0
         if req.num_spec_tokens == 0:
             assert res.final.spec.drafted_tokens == 0
         t = res.final.timings
