@@ -2,6 +2,7 @@
 
     DecodePlan     host, frozen: the requests and their host rows, eager or which graph, what attention plans read
       .inputs      DecodeInputs, device: what the step body, the proposers and a captured graph consume
+    PromptRuns     host, frozen: a prompt forward's ragged runs (whole prefills, chunks, a mixed step's prompts)
 
 A graph replay hands `step_graphs.graph_inputs(plan.inputs)` to the graph, whose step function builds its own
 `DecodeInputs` from its static buffers: no field of either record is None because the step replays a graph.
@@ -166,3 +167,28 @@ class DecodePlan:
             acc = prev.num_accepted[src]
             inputs.start[dst] = prev.start[src] + acc + 1
             inputs.grid[dst, 0] = prev.out_tokens[src, acc]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRuns:
+    """Host arrays of a prompt forward's ragged runs token_ids[start : start + q_lens] (`StepEngine.prefill` and
+    `run_mixed`)."""
+
+    ids: list[list[int]]
+    start: np.ndarray  # [B] int64
+    q_lens: np.ndarray  # [B] int64
+    final: np.ndarray  # [B] bool: the run ends at the request's last token
+    cu: np.ndarray  # [B + 1] offsets of the runs in the flat tokens
+
+    @classmethod
+    def of(cls, seqs: list[SeqState], q_lens: list[int] | np.ndarray | None) -> PromptRuns:
+        """Runs of `q_lens[i]` tokens from each request's `num_computed` (default: every uncomputed token)."""
+        start = np.array([s.num_computed for s in seqs], dtype=np.int64)
+        total = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
+        q_lens = total - start if q_lens is None else np.asarray(q_lens, dtype=np.int64)
+        ids = [s.token_ids[c: c + q] for s, c, q in zip(seqs, start.tolist(), q_lens.tolist())]
+        return cls(ids, start, q_lens, start + q_lens == total, np.concatenate([[0], np.cumsum(q_lens)]))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu[-1])

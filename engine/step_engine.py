@@ -36,7 +36,7 @@ from specstep.engine.rejection_sampler import rejection_sample
 from specstep.engine.sampler import sample
 from specstep.engine.sampling_params import SamplingFlags, SamplingTensors
 from specstep.engine.staging import Staging
-from specstep.engine.step_context import Chain, DecodeInputs, DecodePlan, SeqState
+from specstep.engine.step_context import Chain, DecodeInputs, DecodePlan, PromptRuns, SeqState
 from specstep.engine.step_graphs import graph_for, graph_inputs, register_decode_graphs
 from specstep.traces import ranges
 from specstep.traces.ranges import DEVICE_TRACK
@@ -147,31 +147,62 @@ class StepEngine:
         or for all), so its carried state is ready when the prefill completes; otherwise, and for decode rows
         (their refill is dropped: the draft catches up before it next drafts), it only keeps what a later
         catch-up needs."""
-        b = len(seqs)
-        start = np.array([s.num_computed for s in seqs], dtype=np.int64)
-        q_lens = (np.array([len(s.token_ids) for s in seqs], dtype=np.int64) - start if q_lens is None
-                  else np.asarray(q_lens, dtype=np.int64))
-        ids = [s.token_ids[c: c + q] for s, c, q in zip(seqs, start.tolist(), q_lens.tolist())]
-        final = start + q_lens == np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
-        with self.tracer.range(ranges.PREFILL, track=DEVICE_TRACK, batch=b, tokens=int(q_lens.sum()),
+        runs = PromptRuns.of(seqs, q_lens)
+        with self.tracer.range(ranges.PREFILL, track=DEVICE_TRACK, batch=len(seqs), tokens=runs.num_tokens,
                                decode=num_decode):
-            fb = build_forward_batch(ids, start, [s.page_table for s in seqs], self.page_size, self.device,
-                                     self.target.attention, "prefill", self.staging.upload)
-            hidden = self.target(fb, self.pool)
-            cu = np.concatenate([[0], np.cumsum(q_lens)])
-            params = [s.params for s in seqs]
-            last, positions, *sampling = self.staging.upload(
-                [cu[1:] - 1, start + q_lens, *SamplingTensors.host_arrays(params, [s.seed for s in seqs],
-                                                                           self.vocab_size)])
-            st = SamplingTensors.from_tensors(sampling, params, self.vocab_size)
-            tokens = sample(self.target.compute_logits(hidden[last]), st, positions)
-            if self.proposer is not None:
-                consume = np.zeros(b, bool)
-                consume[num_decode:] = (with_proposer[num_decode:] if isinstance(with_proposer, list)
-                                        else with_proposer)
-                self.proposer.after_prefill(seqs, start, q_lens, final, cu, hidden, tokens, consume,
-                                            self.staging.upload)
+            hidden = self.target(self._prompt_batch(seqs, runs), self.pool)
+            return self._after_prompts(seqs, runs, hidden, with_proposer, num_decode)
+
+    def _prompt_batch(self, seqs: list[SeqState], runs: PromptRuns) -> ForwardBatch:
+        return build_forward_batch(runs.ids, runs.start, [s.page_table for s in seqs], self.page_size, self.device,
+                                   self.target.attention, "prefill", self.staging.upload)
+
+    def _after_prompts(self, seqs: list[SeqState], runs: PromptRuns, hidden: torch.Tensor,
+                       with_proposer: bool | list[bool], num_decode: int = 0) -> torch.Tensor:
+        """Sample after each run's last token (`hidden`: the runs' rows, flat), and the proposer's part."""
+        start, q_lens, cu = runs.start, runs.q_lens, runs.cu
+        params = [s.params for s in seqs]
+        last, positions, *sampling = self.staging.upload(
+            [cu[1:] - 1, start + q_lens, *SamplingTensors.host_arrays(params, [s.seed for s in seqs],
+                                                                       self.vocab_size)])
+        st = SamplingTensors.from_tensors(sampling, params, self.vocab_size)
+        tokens = sample(self.target.compute_logits(hidden[last]), st, positions)
+        if self.proposer is not None:
+            consume = np.zeros(len(seqs), bool)
+            consume[num_decode:] = (with_proposer[num_decode:] if isinstance(with_proposer, list)
+                                    else with_proposer)
+            self.proposer.after_prefill(seqs, start, q_lens, runs.final, cu, hidden, tokens, consume,
+                                        self.staging.upload)
         return tokens
+
+    def fuses_mixed(self, plan: DecodePlan) -> bool:
+        """Whether a mixed step with this decode plan runs as one forward (`run_mixed`): an eager step whose
+        attention needs no host plan. A captured graph replays the decode rows on their own, and FlashInfer plans
+        each forward's lengths: those run the decode step, then the prompt forward."""
+        return not plan.graph and not self.plans_attention and plan.chain is None
+
+    @torch.inference_mode()
+    def run_mixed(self, plan: DecodePlan, seqs: list[SeqState], with_proposer: list[bool],
+                  q_lens: list[int]) -> tuple[StepOutput, torch.Tensor]:
+        """A mixed step in one target forward: the decode step's verify rows (drafted first, as in
+        `decode_body`), then the prompt chunks, so the chunks share the weights' pass instead of paying a second
+        forward's. Acceptance and the proposer's refill run over the verify rows, sampling and the proposer's
+        prefill over the chunks, exactly as the two separate forwards would (every row's bits are its own:
+        the C++ layers and the batch-invariant attention never mix rows). No host sync."""
+        assert self.fuses_mixed(plan), "a graph, a chained or a planned decode step runs apart from the prompts"
+        inputs, runs = plan.inputs, PromptRuns.of(seqs, q_lens)
+        with self.tracer.range(ranges.MIXED, track=DEVICE_TRACK, batch=plan.batch_size, k=plan.k,
+                               prompts=len(seqs), tokens=runs.num_tokens):
+            drafts, draft_probs = self._draft(inputs)
+            verify = self._verify_batch(inputs)
+            with self.tracer.range(ranges.VERIFY, track=DEVICE_TRACK):
+                hidden = self.target(ForwardBatch.mixed(verify, self._prompt_batch(seqs, runs)), self.pool)
+            rows = verify.num_tokens
+            out, accepted = self._accept(inputs, hidden[:rows], drafts, draft_probs)
+            if self.proposer is not None:
+                self.proposer.after_verify(inputs, out, accepted, hidden[:rows], self.tracer)
+            tokens = self._after_prompts(seqs, runs, hidden[rows:], with_proposer)
+            return StepOutput.packed(out, accepted, plan.num_draft, inputs.start), tokens
 
     @torch.inference_mode()
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
@@ -249,40 +280,54 @@ class StepEngine:
 
     def decode_body(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """draft -> verify -> accept -> refill over tensors only (graph-capturable)."""
-        b, k, grid = inputs.batch_size, inputs.k, inputs.grid
-        tr = self.tracer
-        dev = DEVICE_TRACK
-        drafts = draft_probs = None
-        if k > 0 and not self.proposer.drafts_on_host:
-            with tr.range(ranges.DRAFT, track=dev):
-                drafts, draft_probs = self.proposer.propose(inputs)
-                if self.leader_drafts:
-                    drafts = self.tp.broadcast(drafts.contiguous())  # the verify batch's drafts, from rank 0
-            grid[:, 1:] = drafts
-        elif k > 0:
-            drafts = grid[:, 1:]  # written by the host when it built the step
-        with tr.range(ranges.VERIFY, track=dev):
-            # [last, d1 .. d_num_draft] per request, drafts plugged in on device.
-            ids = grid.reshape(-1) if inputs.verify_is_grid else grid.reshape(-1)[inputs.verify_flat_index()]
-            hidden = self.target(ForwardBatch.derive(inputs.verify_layout, inputs.start, ids, slot="verify"), self.pool)
-        with tr.range(ranges.ACCEPT, track=dev):
+        drafts, draft_probs = self._draft(inputs)
+        with self.tracer.range(ranges.VERIFY, track=DEVICE_TRACK):
+            hidden = self.target(self._verify_batch(inputs), self.pool)
+        out, accepted = self._accept(inputs, hidden, drafts, draft_probs)
+        if self.proposer is not None:
+            self.proposer.after_verify(inputs, out, accepted, hidden, self.tracer)
+        return out, accepted
+
+    def _draft(self, inputs: DecodeInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's drafts [B, k] in the verify grid (proposed on the device, or written there by the host) and
+        their distributions (None: host drafts, or every request greedy); (None, None) at k = 0."""
+        k, grid = inputs.k, inputs.grid
+        if k == 0:
+            return None, None
+        if self.proposer.drafts_on_host:
+            return grid[:, 1:], None  # written by the host when it built the step
+        with self.tracer.range(ranges.DRAFT, track=DEVICE_TRACK):
+            drafts, draft_probs = self.proposer.propose(inputs)
+            if self.leader_drafts:
+                drafts = self.tp.broadcast(drafts.contiguous())  # the verify batch's drafts, from rank 0
+        grid[:, 1:] = drafts
+        return drafts, draft_probs
+
+    def _verify_batch(self, inputs: DecodeInputs) -> ForwardBatch:
+        """[last, d1 .. d_num_draft] per request, drafts plugged in on device."""
+        grid = inputs.grid
+        ids = grid.reshape(-1) if inputs.verify_is_grid else grid.reshape(-1)[inputs.verify_flat_index()]
+        return ForwardBatch.derive(inputs.verify_layout, inputs.start, ids, slot="verify")
+
+    def _accept(self, inputs: DecodeInputs, hidden: torch.Tensor, drafts: torch.Tensor | None,
+                draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [B, k + 1] and accepted drafts [B] from the verify rows' hidden states."""
+        b, k = inputs.batch_size, inputs.k
+        with self.tracer.range(ranges.ACCEPT, track=DEVICE_TRACK):
             first_pos = inputs.start + 1
             if k == 0:
                 out = sample(self.target.compute_logits(hidden), inputs.st, first_pos).unsqueeze(1)
+                return out, torch.zeros(b, dtype=torch.long, device=self.device)
+            logits = self.target.compute_logits(hidden)
+            # [B, k + 1, V] (a batch-8 verify step's gather copied 7.9 MB of logits, ~1.8 ms on CPU)
+            logits = logits.view(b, k + 1, -1) if inputs.verify_is_grid else logits[inputs.verify_rows()]
+            if self.leader_drafts and self.tp.rank != 0:
+                # Only the leader has the draft's distributions: its acceptance arrives below.
+                out = torch.zeros(b, k + 1, dtype=torch.long, device=self.device)
                 accepted = torch.zeros(b, dtype=torch.long, device=self.device)
             else:
-                logits = self.target.compute_logits(hidden)
-                # [B, k + 1, V] (a batch-8 verify step's gather copied 7.9 MB of logits, ~1.8 ms on CPU)
-                logits = logits.view(b, k + 1, -1) if inputs.verify_is_grid else logits[inputs.verify_rows()]
-                if self.leader_drafts and self.tp.rank != 0:
-                    # Only the leader has the draft's distributions: its acceptance arrives below.
-                    out = torch.zeros(b, k + 1, dtype=torch.long, device=self.device)
-                    accepted = torch.zeros(b, dtype=torch.long, device=self.device)
-                else:
-                    out, accepted = rejection_sample(drafts, draft_probs, logits, inputs.num_draft, inputs.st,
-                                                     first_pos)
-                if self.leader_drafts:
-                    out, accepted = self.tp.broadcast(out.contiguous()), self.tp.broadcast(accepted.contiguous())
-        if self.proposer is not None:
-            self.proposer.after_verify(inputs, out, accepted, hidden, tr)
-        return out, accepted
+                out, accepted = rejection_sample(drafts, draft_probs, logits, inputs.num_draft, inputs.st, first_pos)
+            if self.leader_drafts:
+                out, accepted = self.tp.broadcast(out.contiguous()), self.tp.broadcast(accepted.contiguous())
+            return out, accepted
+

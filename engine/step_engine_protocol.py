@@ -6,8 +6,8 @@ Callers: `scheduler.core.engine_core.EngineCore` (and its chunked-prefill and st
 budget's start-up timing (`scheduler.core.prefill_budget.measure_step_costs`). Start-up (`scheduler.build`) builds the
 local engine itself and may use more of it (graphs, memory planning) before the core exists.
 
-Threading: `plan_decode` runs on the scheduler thread (host work only); `prefill`, `catch_up` and `run_decode`
-are device jobs, submitted to the device stream in the order the scheduler built them.
+Threading: `plan_decode` runs on the scheduler thread (host work only); `prefill`, `catch_up`, `run_decode` and
+`run_mixed` are device jobs, submitted to the device stream in the order the scheduler built them.
 """
 
 from __future__ import annotations
@@ -62,6 +62,17 @@ class StepEngineProtocol(Protocol):
 
     def run_decode(self, plan: DecodePlan) -> StepOutput:
         """The device part of a planned decode step; no host sync (read the result with `StepOutput.read`)."""
+        ...
+
+    def fuses_mixed(self, plan: DecodePlan) -> bool:
+        """Whether a mixed step with this planned decode step runs as one forward (`run_mixed`); else it runs
+        `run_decode`, then `prefill` over its prompt chunks."""
+        ...
+
+    def run_mixed(self, plan: DecodePlan, seqs: list[SeqState], with_proposer: list[bool],
+                  q_lens: list[int]) -> tuple[StepOutput, torch.Tensor]:
+        """A mixed step in one target forward: the planned decode step's rows, then prompt chunks of `q_lens`
+        tokens; its output, and the token sampled after each chunk [len(seqs)] (device). No host sync."""
         ...
 
     def close(self, failed: bool = False) -> None:

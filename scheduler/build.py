@@ -122,7 +122,8 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
         group.watch()  # built: from now on a follower's death ends this process at once (TPGroupHandle.watch)
     num_pages = parts.memory.num_pages
     # Timed through `engine`: with tensor parallelism the followers run the same probe steps.
-    budget = resolve_budget(cfg, engine, num_pages, max_len)
+    budget = resolve_budget(cfg, engine, num_pages, max_len,
+                            fused=group is None and parts.capture is None and not step_engine.plans_attention)
     sched = SchedulerConfig(max_batch_size=cfg.max_batch_size, max_prefill_tokens=cfg.max_prefill_tokens,
                             prefill_budget=budget, num_spec_tokens=cfg.num_spec_tokens if proposer else 0,
                             max_model_len=max_len, spec_max_len=spec_max_len)

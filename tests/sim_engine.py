@@ -115,6 +115,7 @@ class SimStepEngine:
     tokens: int = 0  # emitted so far (scenarios change with it)
     steps: list[tuple[int, int, bool]] = field(default_factory=list)  # (batch, k, refill) per decode step
     trace: list[tuple[int, float]] = field(default_factory=list)  # (tokens emitted, clock) after each decode step
+    fuses: bool = False  # mixed steps run as one forward (`run_mixed`), else a decode step and a prompt forward
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
@@ -135,6 +136,17 @@ class SimStepEngine:
     def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
         n = sum(q_lens) if q_lens is not None else sum(len(s.token_ids) - s.num_computed for s in seqs)
         self.clock.now += self.scenario.prefill_per_token * n
+        return torch.ones(len(seqs), dtype=torch.long)
+
+    def fuses_mixed(self, ctx: SimContext) -> bool:
+        return self.fuses
+
+    def run_mixed(self, ctx: SimContext, seqs, with_proposer, q_lens):
+        """The decode step, then what the chunks add to its forward (`chunks_in_step`)."""
+        return self.run_decode(ctx), self.chunks_in_step(seqs, q_lens)
+
+    def chunks_in_step(self, seqs, q_lens):
+        self.clock.now += self.scenario.prefill_per_token * sum(q_lens)
         return torch.ones(len(seqs), dtype=torch.long)
 
     def catch_up(self, seqs, draft_lens):

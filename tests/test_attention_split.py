@@ -129,3 +129,52 @@ def test_mixed_step_parts_route_decode_rows_invariant_and_prompt_chunks_to_sdpa(
     chunk = bb.build_forward_batch([[0] * 12], starts[3:], tables[3:], page_size, "cpu")
     ref = TorchAttention().forward(q[3:], k_cache, v_cache, chunk.attn, heads, 0.25)  # SDPA
     torch.testing.assert_close(out[3:], ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_a_fused_mixed_steps_verify_rows_keep_a_verify_steps_bits(monkeypatch, path):
+    """A fused mixed step (`ForwardBatch.mixed`): a decode step's verify rows (3 positions a lane, no lane of one)
+    beside a late prompt chunk attend on the invariant path, bitwise as the verify step alone, and the chunk on
+    SDPA."""
+    import specstep.engine.attention.torch_backend as tb
+    from specstep.engine.forward_batch import ForwardBatch
+
+    if path == "kernel" and not tb.kernel.runs(torch.zeros(1), torch.zeros(1, 1, 16)):
+        pytest.skip(f"the CPU attention kernel does not run here: {tb.kernel.unavailable()}")
+    if path == "torch":
+        monkeypatch.setattr(tb.kernel, "runs", lambda *a: False)
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, page_size = 6, 2, 16, 16
+    q_lens, starts = [3, 3, 12], [40, 90, 900]  # two verify lanes (last token and two drafts), then a chunk
+    pages_per = [-(-(s + q) // page_size) for s, q in zip(starts, q_lens)]
+    k_cache = torch.randn((sum(pages_per) + 1) * page_size, kv_heads, d, generator=g)
+    v_cache = torch.randn_like(k_cache)
+    tables, nxt = [], 1
+    for n in pages_per:
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    q = torch.randn(sum(q_lens), heads * d, generator=g)
+    verify = bb.build_forward_batch([[0] * 3] * 2, starts[:2], tables[:2], page_size, "cpu", slot="verify")
+    chunk = bb.build_forward_batch([[0] * 12], starts[2:], tables[2:], page_size, "cpu", slot=tb.PROMPT_SLOT)
+    mixed = ForwardBatch.mixed(verify, chunk)
+    assert mixed.attn.decode_parts == 1 and len(mixed.attn.parts) == 2
+    torch.testing.assert_close(mixed.positions, torch.cat([verify.positions, chunk.positions]))
+    seen = []
+    if path == "torch":
+        real = tb.invariant_attention
+        monkeypatch.setattr(tb, "invariant_attention",
+                            lambda qp, *a, **k: seen.append(qp.shape[3]) or real(qp, *a, **k))
+    else:
+        real_kernel = tb.kernel.cpu_attention
+
+        def spy(q, k_cache, v_cache, meta, *a):
+            seen.append(meta.q_index.shape[1])
+            return real_kernel(q, k_cache, v_cache, meta, *a)
+
+        monkeypatch.setattr(tb.kernel, "cpu_attention", spy)
+    attn = TorchAttention(batch_invariant=True)
+    out = attn.forward(q, k_cache, v_cache, mixed.attn, heads, 0.25)
+    assert seen and set(seen) == {3}  # the verify rows took the invariant path; the chunk did not
+    assert torch.equal(out[:6], attn.forward(q[:6], k_cache, v_cache, verify.attn, heads, 0.25))
+    ref = TorchAttention().forward(q[6:], k_cache, v_cache, chunk.attn, heads, 0.25)  # SDPA
+    torch.testing.assert_close(out[6:], ref, rtol=1e-5, atol=1e-6)

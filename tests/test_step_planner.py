@@ -40,20 +40,24 @@ class ForwardSim(SimStepEngine):
         self.forwards: list[list[int]] = []
 
     def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
+        self.clock.now += self.forward.fixed
+        return self.chunks_in_step(seqs, q_lens)
+
+    def chunks_in_step(self, seqs, q_lens):
+        """Chunks in a forward of their own (after its fixed cost) or in a fused mixed step's (none)."""
         q_lens = list(q_lens) if q_lens is not None else [len(s.token_ids) - s.num_computed for s in seqs]
         self.forwards.append(q_lens)
-        m = self.forward
-        self.clock.now += m.fixed + sum(m.chunk_cost(q, s.num_computed) for s, q in zip(seqs, q_lens))
+        self.clock.now += sum(self.forward.chunk_cost(q, s.num_computed) for s, q in zip(seqs, q_lens))
         return torch.ones(len(seqs), dtype=torch.long)
 
 
 def make_core(proposer: str | None = None, k: int = 0, overlap: bool = False, forward: StepCostModel = FORWARD,
-              max_batch_size=16):
+              max_batch_size=16, fused: bool = False):
     clock = SimClock()
     engine = ForwardSim(Scenario(cost=decode_cost, alpha=lambda rid, n: 0.7), clock,
-                        SimProposer(proposer) if proposer else None)
+                        SimProposer(proposer) if proposer else None, fuses=fused)
     engine.forward = forward
-    budget = choose_budget(forward, decode_cost(1, None, False, 0), MULTIPLE, 4096)
+    budget = choose_budget(forward, decode_cost(1, None, False, 0), MULTIPLE, 4096, fused=fused)
     policy = AdaptivePolicy(PolicyConfig(kind="fixed", k_max=k, keeps_draft_kv=engine.has_draft_model))
     core = EngineCore(engine, PageAllocator(8192, 16),
                       SchedulerConfig(max_batch_size=max_batch_size, prefill_budget=budget, num_spec_tokens=k,
@@ -80,11 +84,13 @@ def test_no_streams_take_whole_prompts_up_to_the_compute_efficient_size():
     assert [q for _, q in plan.prompts] == [40, 24]  # one whole prompt, then what the size leaves of the next
 
 
-def test_decode_rows_first_then_chunks_of_several_prompts_fill_the_budget():
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_rows_first_then_chunks_of_several_prompts_fill_the_budget(fused):
     """With streams running, a step takes every running request's decode step with its drafts, then prompt
-    chunks of several waiting prompts whose forward fits the streams' ITL target: multiple x their decode step,
-    as the policy prices it (verify rows included)."""
-    core, engine, clock = make_core("mtp", k=2)
+    chunks of several waiting prompts whose cost fits the streams' ITL target: multiple x their decode step,
+    as the policy prices it (verify rows included), less a prompt forward's fixed cost unless the chunks share
+    the decode rows' forward (fused)."""
+    core, engine, clock = make_core("mtp", k=2, fused=fused)
     for i in range(4):
         core.add_request(request(f"s{i}", 8, 1000))
     while len(core.running) < 4:
@@ -98,10 +104,10 @@ def test_decode_rows_first_then_chunks_of_several_prompts_fill_the_budget():
     assert plan.decision.num_draft.tolist() == [2, 2, 2, 2]  # speculation goes on beside the prompts
     decode_s = decode_cost(4, plan.decision.num_draft, True, 0)
     assert plan.decode_s == pytest.approx(decode_s)
-    room = (MULTIPLE - 1) * decode_s - FORWARD.fixed  # what the streams' target leaves the prompt forward
+    room = (MULTIPLE - 1) * decode_s - (0.0 if fused else FORWARD.fixed)  # what the target leaves the chunks
     chunks = [q for _, q in plan.prompts]
-    assert len(chunks) == 3 and chunks[:2] == [40, 40]  # several prompts share the step
-    assert abs(sum(chunks) - room / FORWARD.per_token) <= 1  # the prompt forward fills the room
+    assert len(chunks) >= 3 and chunks[:2] == [40, 40]  # several prompts share the step
+    assert abs(sum(chunks) - room / FORWARD.per_token) <= 1  # the chunks fill the room
 
 
 def test_prompt_forwards_keep_the_compute_efficient_size_where_the_itl_target_leaves_less():
@@ -126,11 +132,33 @@ def test_prompt_forwards_keep_the_compute_efficient_size_where_the_itl_target_le
     assert [q for _, q in plan.prompts] == [200, 56]
 
 
-def test_the_itl_target_holds_under_steady_arrivals():
+def test_a_fused_mixed_steps_decode_rows_count_towards_the_compute_efficient_size():
+    """Fused, the chunks share the decode rows' forward: the step's rows, not the chunks alone, make it
+    compute-efficient (256), and the chunks pay no fixed cost. Two streams verifying 3 rows each leave 250."""
+    forward = StepCostModel(fixed=0.06, per_token=1e-3)
+    core, engine, clock = make_core("mtp", k=2, forward=forward, fused=True)
+    pacer = core.scheduler.chunks.pacer
+    assert pacer.efficient == 256 and pacer.overhead == 0.0
+    for i in range(2):
+        core.add_request(request(f"s{i}", 8, 1000))
+    while len(core.running) < 2:
+        core.step()
+    for _ in range(6):
+        core.step()
+    for i in range(3):
+        core.add_request(request(f"p{i}", 200, 1000))
+    plan = core.scheduler.schedule()
+    assert (MULTIPLE - 1) * plan.decode_s < forward.chunk_cost(250, 0)  # the target leaves less than the floor
+    assert plan.decision.num_draft.tolist() == [2, 2]
+    assert [q for _, q in plan.prompts] == [200, 50]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_itl_target_holds_under_steady_arrivals(fused):
     """A closed loop of 8 streams (each one's end brings a new 48-token prompt) with speculation on: every step
     the streams see, mixed or not, costs at most MULTIPLE x their decode step, prompts keep starting, and most
-    steps mix a prompt with speculative decode rows."""
-    core, engine, clock = make_core("mtp", k=2)
+    steps mix a prompt with speculative decode rows. Fused, the pacer learns that the chunks add no fixed cost."""
+    core, engine, clock = make_core("mtp", k=2, fused=fused)
     n = 0
 
     def arrive() -> None:
@@ -140,7 +168,7 @@ def test_the_itl_target_holds_under_steady_arrivals():
 
     for _ in range(8):
         arrive()
-    gaps, mixed, speculative_mixed = [], 0, 0
+    gaps, priced, mixed, speculative_mixed = [], [], 0, 0
     inner = core.scheduler.schedule
     plans = []
     core.scheduler.schedule = lambda: plans.append(inner()) or plans[-1]
@@ -155,6 +183,7 @@ def test_the_itl_target_holds_under_steady_arrivals():
             # of the true step here): the prompt forward gets the rest of it.
             forward = clock.now - t0 - true_s
             gaps.append((forward / ((MULTIPLE - 1) * (plan.decode_s or true_s)), (clock.now - t0) / true_s))
+            priced.append((plan.decode_s or true_s) / true_s)
             mixed += plan.kind is StepKind.MIXED
             speculative_mixed += plan.kind is StepKind.MIXED and bool(plan.decision.num_draft.any())
         for _ in finished:
@@ -163,6 +192,10 @@ def test_the_itl_target_holds_under_steady_arrivals():
     assert max(g for g, _ in gaps) <= 1.001, sorted(gaps)[-5:]
     assert max(g for _, g in gaps) <= MULTIPLE * 1.15 and np.median([g for _, g in gaps]) <= MULTIPLE
     assert mixed > 0.3 * len(gaps) and speculative_mixed > 0.9 * mixed
+    # The policy prices decode steps from decode steps alone: a fused step's chunks never inflate them
+    assert 0.8 < min(priced) and max(priced) < 1.2, (min(priced), max(priced))
+    if fused:
+        assert core.scheduler.chunks.pacer.overhead < 0.1 * FORWARD.fixed
     core.check_integrity()
 
 

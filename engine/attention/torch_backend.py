@@ -322,8 +322,9 @@ class TorchAttention:
         if isinstance(meta, SplitAttention):
             out = q.new_empty(q.shape[0], num_heads * k_cache.shape[-1])
             prompts = meta.slot == PROMPT_SLOT
-            for t0, t1, part in meta.parts:
-                invariant = invariant_runs and not (prompts and not has_decode_rows(part))
+            for i, (t0, t1, part) in enumerate(meta.parts):
+                decode = i < meta.decode_parts or has_decode_rows(part)
+                invariant = invariant_runs and not (prompts and not decode)
                 out[t0:t1] = self._attend(q[t0:t1], k_cache, v_cache, part, num_heads, scale,
                                           rows if invariant else None, use_kernel and invariant)
             return out

@@ -172,6 +172,14 @@ class LeaderEngine:
         self._send(plan.tp_message)
         return self.local.run_decode(plan)
 
+    def fuses_mixed(self, plan: DecodePlan) -> bool:
+        """The followers replay decode steps and prompt forwards: a mixed step runs as those two."""
+        return False
+
+    def run_mixed(self, plan: DecodePlan, seqs: list[SeqState], with_proposer: list[bool],
+                  q_lens: list[int]) -> tuple[StepOutput, torch.Tensor]:
+        raise RuntimeError("at tensor-parallel size > 1 a mixed step runs as a decode step and a prompt forward")
+
     def close(self, failed: bool = False) -> None:
         """Release the followers (they exit their loop) and leave the group. After a failure the followers may
         be inside a collective of a step the leader left: no stop message (it would pair with that collective),

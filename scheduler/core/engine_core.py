@@ -2,7 +2,8 @@
 stream, chains decode steps, and hands each step's results back.
 
 `step()` returns the outputs of one finished step. Prefill steps, and with a token budget the mixed steps of
-chunked prefill (the batch's decode step, then a prompt forward over the step's chunks), run synchronously.
+chunked prefill (the batch's decode step and the step's prompt chunks, in one forward where the engine fuses
+them), run synchronously.
 Decode steps are pipelined when the stream overlaps (CPU worker thread or CUDA stream):
 
     scheduler thread:  [plan+build N+1] [wait N][process N]  [plan+build N+2] [wait N+1][process N+1]
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specstep.engine.step_context import Chain
+from specstep.engine.step_context import Chain, DecodePlan
 from specstep.engine.step_engine import StepEngine, StepOutput
 from specstep.engine.stream import DeviceStream, InlineStream, StepHandle
 from specstep.scheduler.core.page_allocator import PageAllocator
@@ -187,25 +188,61 @@ class EngineCore:
 
     def _mixed(self, plan: StepPlan) -> list[RequestOutput]:
         """The running batch's decode step as decided (drafts, verify, acceptance, refill: speculation goes on
-        while prompts prefill), then one prompt forward over the chunks, in stream order. The streams' tokens
-        are counted as a decode step's; the prompt forward's own time goes to the pacer."""
-        outputs: list[RequestOutput] = []
-        cur = self._launch(plan, self._catch_up(plan), None) if plan.decode else None
-        if cur is not None and not self.overlap:  # inline: the decode step ran at launch; timed as any other
-            outputs += self._complete(cur)
-            cur = None
+        while prompts prefill) and the prompt chunks. Where the engine fuses them (`fuses_mixed`), one forward
+        holds both; else the decode step runs, then a prompt forward over the chunks, in stream order. The
+        streams' tokens are counted as a decode step's; what the chunks add goes to the pacer."""
+        if not plan.decode:
+            return self._chunks(plan, None)
+        catch_up_s = self._catch_up(plan)
+        launched = self.clock()
+        ctx, refilled = self._build(plan, None)
+        if self.engine.fuses_mixed(ctx):
+            return self._fused(plan, ctx, refilled, launched)
+        handle = self.stream.submit(ranges.DECODE, lambda: self.engine.run_decode(ctx))
+        cur = InFlight(plan, handle, ctx.num_draft, refilled, catch_up_s, launched)
+        if self.overlap:  # the prompt forward is queued behind it: its outputs are processed meanwhile
+            return self._chunks(plan, cur)
+        return self._complete(cur) + self._chunks(plan, None)  # inline: it ran at launch; timed as any other
+
+    def _chunks(self, plan: StepPlan, cur: InFlight | None) -> list[RequestOutput]:
+        """A prompt forward over the plan's chunks; `cur`: the decode step queued before it, completed while it
+        runs."""
         seqs = [r for r, _ in plan.prompts]
         q_lens = [q for _, q in plan.prompts]
         start = self.clock()
         handle = self.stream.submit(ranges.PREFILL,
                                     lambda: self.engine.prefill(seqs, list(plan.with_proposer), q_lens))
-        if cur is not None:  # the prompt forward is queued behind it: its outputs are processed meanwhile
-            outputs += self._complete(cur)
+        outputs = self._complete(cur) if cur is not None else []
         with self.tracer.range(ranges.WAIT):
             tokens = handle.wait().tolist()
         seconds = handle.device_seconds() if self.overlap else self.clock() - start
         with self.tracer.range(ranges.PROCESS_OUTPUT):
             return outputs + self.results.finish_chunks(plan, tokens, seconds)
+
+    def _fused(self, plan: StepPlan, ctx: DecodePlan, refilled: np.ndarray, launched: float) -> list[RequestOutput]:
+        """A mixed step in one forward. Its decode rows cost what the policy predicted for the batch's decode
+        step (`plan.decode_s`): the policy's step costs learn from decode steps alone, and the pacer learns what
+        the chunks add beyond that prediction. With no prediction (nothing timed yet) neither learns from it."""
+        seqs = [r for r, _ in plan.prompts]
+        q_lens = [q for _, q in plan.prompts]
+        handle = self.stream.submit(ranges.MIXED,
+                                    lambda: self.engine.run_mixed(ctx, seqs, list(plan.with_proposer), q_lens))
+        with self.tracer.range(ranges.WAIT):
+            out, prompt_tokens = handle.wait()
+            accepted, tokens = out.read()
+            prompt_tokens = prompt_tokens.tolist()
+        seconds = handle.device_seconds() if self.overlap else self.clock() - launched
+        decode_s = plan.decode_s
+        with self.tracer.range(ranges.PROCESS_OUTPUT):
+            outputs = self.results.finish_decode(plan, out.num_draft.tolist(), refilled, accepted, tokens)
+            outputs += self.results.finish_chunks(plan, prompt_tokens,
+                                                  None if decode_s is None else max(seconds - decode_s, 0.0))
+        if decode_s is not None:
+            d = plan.decision
+            self.policy.observe_step(len(plan.decode), out.num_draft, d.refill, decode_s,
+                                     tokens=len(plan.decode) + sum(accepted), auto_drafted=d.auto_drafts(out.num_draft),
+                                     timed=False)
+        return outputs
 
     def _catch_up(self, plan: StepPlan) -> float:
         """The proposer skipped tokens while its refill was dropped; resync before it drafts. Its cost is charged
@@ -223,15 +260,20 @@ class EngineCore:
     def _launch(self, plan: StepPlan, catch_up_s: float, prev: InFlight | None) -> InFlight:
         """`prev`: the step in flight a chained plan builds on."""
         launched = self.clock()
+        ctx, refilled = self._build(plan, prev)
+        handle = self.stream.submit(ranges.DECODE, lambda: self.engine.run_decode(ctx))
+        return InFlight(plan, handle, ctx.num_draft, refilled, catch_up_s, launched)
+
+    def _build(self, plan: StepPlan, prev: InFlight | None) -> tuple[DecodePlan, np.ndarray]:
+        """The plan's decode step built on the host (counted as launched), and its lanes whose draft is current
+        after it."""
         batch = list(plan.decode)
         chain = None
         if plan.chained:
             chain = Chain(prev=prev.handle, src=plan.chain_src, dst=np.arange(len(batch), dtype=np.int64))
         with self.tracer.range(ranges.BUILD_BATCH, batch=len(batch)):
             ctx = self.engine.plan_decode(batch, plan.decision.num_draft, chain, plan.decision.refill)
-        refilled = self.scheduler.launched(plan, ctx.num_draft)
-        handle = self.stream.submit(ranges.DECODE, lambda: self.engine.run_decode(ctx))
-        return InFlight(plan, handle, ctx.num_draft, refilled, catch_up_s, launched)
+        return ctx, self.scheduler.launched(plan, ctx.num_draft)
 
     def _complete(self, inf: InFlight) -> list[RequestOutput]:
         with self.tracer.range(ranges.WAIT):

@@ -41,10 +41,11 @@ class Postprocessor:
         return [self._start_decoding(req, tok, w, now) for (req, _), tok, w in zip(plan.prompts, tokens,
                                                                                      plan.with_proposer)]
 
-    def finish_chunks(self, plan: StepPlan, tokens: list[int], seconds: float) -> list[RequestOutput]:
-        """A mixed step's prompt forward ran in `seconds` (its decode step went through `finish_decode`): a
-        prompt whose last chunk ran starts decoding with the token sampled after it."""
-        self.pacer.observe([(q, r.num_computed) for r, q in plan.prompts], seconds)
+    def finish_chunks(self, plan: StepPlan, tokens: list[int], seconds: float | None) -> list[RequestOutput]:
+        """A mixed step's prompt chunks added `seconds` to it (None: not known) (its decode step went through
+        `finish_decode`): a prompt whose last chunk ran starts decoding with the token sampled after it."""
+        if seconds is not None:
+            self.pacer.observe([(q, r.num_computed) for r, q in plan.prompts], seconds, bool(plan.decode))
         now = time.monotonic()
         outputs = []
         for (req, q), tok, with_proposer in zip(plan.prompts, tokens, plan.with_proposer):

@@ -62,7 +62,8 @@ class StepCostModel:
             return 1 << 30
         # The root of a q^2 + b q = rest in the form that stays exact when a is tiny beside b (a live fit's
         # per_key of 1e-25: (-b + sqrt(b^2 + 4 a rest)) / 2a cancels to 0 there)
-        q = int(rest / b) if a <= 0 else int(2 * rest / (b + math.sqrt(b * b + 4 * a * rest)))
+        q = rest / b if a <= 0 else 2 * rest / (b + math.sqrt(b * b + 4 * a * rest))
+        q = int(q * (1 + 1e-12))  # a cost that is exactly q tokens' must give q, not q - 1 (0.25 / 0.001 = 249.99..)
         while q > 0 and self.chunk_cost(q, ctx) > left * (1 + 1e-12):  # float rounding at the boundary
             q -= 1
         return q
@@ -117,6 +118,9 @@ class PrefillBudget:
     multiple: float | None = None  # calibrated: the bound, in decode steps; None: a fixed token budget
     decode_s: float = 0.0  # calibrated: the decode step at batch 1 timed at start-up
     efficient: int = 0  # calibrated: the compute-efficient prompt forward at start-up (`efficient_tokens`)
+    # Mixed steps run as one forward (`StepEngine.run_mixed`): the chunks share the decode rows' pass over the
+    # weights, so they add no forward's fixed cost, and the step's rows, not the chunks alone, make it efficient.
+    fused: bool = False
 
     @classmethod
     def fixed_tokens(cls, tokens: int) -> PrefillBudget:
@@ -142,22 +146,25 @@ class PrefillBudget:
 
 
 def choose_budget(model: StepCostModel, decode_s: float, multiple: float, max_tokens: int,
-                  measured_s: float = 0.0, measured_up_to: int | None = None) -> PrefillBudget:
-    """A mixed step may cost `multiple` x its batch's decode step: the decode step, then a prompt forward whose
-    chunks cost at most (multiple - 1) decode steps less the forward's fixed cost, and never less than the
-    compute-efficient size (`efficient_tokens` of the fitted model: the fit pools every probe, where the knee of
-    the raw curve moved with one noisy probe, 16 instead of 128 on a loaded host), never past the largest size
-    timed (`measured_up_to`). `tokens`: what that leaves beside one decoding request at context 0, at most
+                  measured_s: float = 0.0, measured_up_to: int | None = None, fused: bool = False) -> PrefillBudget:
+    """A mixed step may cost `multiple` x its batch's decode step: the decode step, then prompt chunks that cost
+    at most (multiple - 1) decode steps (less a prompt forward's fixed cost where they run as a forward of their
+    own: not `fused`), and never less than the compute-efficient size (`efficient_tokens` of the fitted model:
+    the fit pools every probe, where the knee of the raw curve moved with one noisy probe, 16 instead of 128 on a
+    loaded host; fused, the step's rows count towards it), never past the largest size timed
+    (`measured_up_to`). `tokens`: what that leaves beside one decoding request at context 0, at most
     `max_tokens`. With no stream to protect, prompts take the compute-efficient size."""
     efficient = efficient_tokens(model.fixed, model, min(measured_up_to or max_tokens, max_tokens))
-    tokens = max(efficient, min(model.tokens_within((multiple - 1) * decode_s - model.fixed, 0), max_tokens))
+    fixed = 0.0 if fused else model.fixed
+    floor = max(efficient - 1, 1) if fused else efficient
+    tokens = max(floor, min(model.tokens_within((multiple - 1) * decode_s - fixed, 0), max_tokens))
     how = (f"calibrated to an ITL target of {multiple:g} x the running streams' decode step "
            f"({multiple * decode_s * 1e3:.1f} ms at batch 1 at start-up): {tokens} prompt tokens a step at context 0 "
            f"beside one stream, {efficient} with none (compute-efficient: a token's cost stops falling there); "
            f"prompt forwards {model.fixed * 1e3:.1f} ms + {model.per_token * 1e3:.2f} ms/token + "
            f"{model.per_key * 1e6:.3f} us/token/key + {model.per_context * 1e6:.1f} us/key of context beyond it "
-           f"(measured in {measured_s:.1f} s)")
-    return PrefillBudget(tokens, model, how, max_tokens, multiple, decode_s, efficient)
+           f"(measured in {measured_s:.1f} s){'; chunks share the decode rows forward' if fused else ''}")
+    return PrefillBudget(tokens, model, how, max_tokens, multiple, decode_s, efficient, fused)
 
 
 # ---- timing (the real step engine) -------------------------------------------------------------------------
@@ -216,12 +223,15 @@ def measure_step_costs(engine, num_pages: int, page_size: int, max_len: int, rep
     return StepCosts(med.pop(("decode",)), tuple((q, ctx, t) for (q, ctx), t in med.items()), clock() - start)
 
 
-def resolve_budget(cfg: EngineConfig, engine, num_pages: int, max_len: int) -> PrefillBudget | None:
-    """The engine's budget (None: chunked prefill off), once its KV pools exist (`scheduler.build`)."""
+def resolve_budget(cfg: EngineConfig, engine, num_pages: int, max_len: int,
+                   fused: bool = False) -> PrefillBudget | None:
+    """The engine's budget (None: chunked prefill off), once its KV pools exist (`scheduler.build`); `fused`: its
+    mixed steps run as one forward (`StepEngine.fuses_mixed`)."""
     if cfg.chunked_prefill == "off":
         return None
     if cfg.chunked_prefill == "fixed":
         return PrefillBudget.fixed_tokens(cfg.max_num_batched_tokens)
     costs = measure_step_costs(engine, num_pages, cfg.page_size, max_len, max_tokens=cfg.max_prefill_tokens)
     return choose_budget(fit_costs(list(costs.chunks)), costs.decode_s, cfg.max_step_latency,
-                         cfg.max_prefill_tokens, costs.measured_s, max(q for q, ctx, _ in costs.chunks if ctx == 0))
+                         cfg.max_prefill_tokens, costs.measured_s, max(q for q, ctx, _ in costs.chunks if ctx == 0),
+                         fused)

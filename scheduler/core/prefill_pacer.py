@@ -1,14 +1,17 @@
 """Keeping a calibrated chunked-prefill budget true while serving (`PrefillBudget.multiple`).
 
-A mixed step runs the running batch's decode step (speculative where the policy decides so) and then one prompt
-forward over the step's chunks. The streams see a gap of both, so the pacer holds the prompt forward to
+A mixed step runs the running batch's decode step (speculative where the policy decides so) and the step's prompt
+chunks: in one forward where the engine fuses them (`PrefillBudget.fused`), else a prompt forward after the
+decode step. The streams see a gap of both, so the pacer holds what the chunks add to
 
     room for chunks = (multiple - 1) x decode step - overhead - HEADROOM x the fit's median residual
 
-where the decode step is the batch's step as decided, priced by the speculation policy's live step costs, with
-the compute-efficient size (`efficient`, where a token's cost stops falling) as its floor: smaller chunks would
-pay the forward's fixed cost for few tokens and lose throughput, whatever they saved the streams. With no stream
-running there is no gap to protect: prompts take that size, several prompts sharing it.
+where the decode step is the batch's step as decided, priced by the speculation policy's live step costs, and
+the overhead is what the chunks cost beyond their tokens (a prompt forward's fixed cost; fused, about nothing).
+The compute-efficient size (`efficient`, where a token's cost stops falling) is its floor: smaller forwards pay
+the fixed cost for few rows and lose throughput, whatever they saved the streams (fused, the decode rows count
+towards it). With no stream running there is no gap to protect: prompts take that size, several prompts sharing
+it.
 
 The start-up fit times single prompt forwards on an idle engine; serving moves what they really cost (a
 neighbour's load; contexts far beyond the probes). So the pacer refits the prompt forward's cost model on what
@@ -77,8 +80,10 @@ class PrefillPacer:
         self.budget = budget
         self._steps: deque[tuple[np.ndarray, float]] = deque(maxlen=WINDOW)  # (features, seconds)
         m = budget.model
-        self._prior = np.array([m.fixed, m.per_token, m.per_key, m.per_context])
-        self._overhead = m.fixed if budget.multiple is not None else 0.0
+        # A fused mixed step's chunks pay no forward's fixed cost of their own: none is assumed before one is seen
+        overhead = m.fixed if budget.multiple is not None and not budget.fused else 0.0
+        self._prior = np.array([overhead, m.per_token, m.per_key, m.per_context])
+        self._overhead = overhead
         self._spread = 0.0  # median absolute residual of the live fit, seconds
         self._live = budget  # the budget priced with the live model
 
@@ -133,18 +138,19 @@ class PrefillPacer:
     def room(self, num_decode: int, decode_s: float | None) -> float:
         """The cost prompt chunks may add to a step beside `num_decode` decode rows. Fixed: the tokens the rows
         leave. Calibrated, with streams running: their ITL target less their decode step and the prompt
-        forward's live overhead, and never less than the compute-efficient size's cost at context 0; with none,
-        that size's cost."""
+        forward's live overhead, and never less than the compute-efficient size's cost at context 0 (fused: what
+        the decode rows leave of it); with none, that size's cost."""
         b = self.budget
         if b.multiple is None:
             return b.tokens - num_decode
-        efficient = self.chunk_cost(self.efficient, 0)
         if num_decode == 0:
-            return efficient
+            return self.chunk_cost(self.efficient, 0)
         # Below the compute-efficient size each chunk pays the forward's fixed cost for few tokens: where the ITL
         # target leaves less (a small batch; the fixed cost itself past the target), prefill keeps that size, and
-        # the streams' gap is what one efficient forward adds to their step.
-        return max(self._stream_room(decode_s), efficient)
+        # the streams' gap is what one efficient forward adds to their step. Fused, the decode rows share the
+        # forward: they count towards the size.
+        floor = max(self.efficient - num_decode, 0) if b.fused else self.efficient
+        return max(self._stream_room(decode_s), self.chunk_cost(floor, 0))
 
     def _stream_room(self, decode_s: float | None) -> float:
         d = decode_s or self.budget.decode_s
@@ -171,8 +177,12 @@ class PrefillPacer:
     def chunk_cost(self, q: int, ctx: int) -> float:
         return self._live.chunk_cost(q, ctx)
 
-    def observe(self, chunks: Chunks, seconds: float) -> None:
-        """A prompt forward over these chunks took `seconds`."""
+    def observe(self, chunks: Chunks, seconds: float, beside_decode: bool = True) -> None:
+        """These chunks added `seconds` to a step (`beside_decode`: a mixed step's, with streams decoding; else a
+        prompt forward of its own). Fused, a forward of its own pays the fixed cost a mixed step's chunks share
+        with the decode rows: it is not what the pacer paces, and it is not learned."""
+        if self.budget.fused and not beside_decode:
+            return
         if self.budget.multiple is not None and chunks:
             self._steps.append((features(chunks), seconds))
             self._refit()

@@ -117,9 +117,12 @@ class AdaptivePolicy:
         return self.probes.catch_up_rate
 
     def observe_step(self, batch: int, num_draft: np.ndarray, refill: bool, seconds: float,
-                     tokens: int | None = None, catch_up_s: float = 0.0, auto_drafted: bool = False) -> None:
+                     tokens: int | None = None, catch_up_s: float = 0.0, auto_drafted: bool = False,
+                     timed: bool = True) -> None:
         """A finished step: its device seconds (body only), under what it really drafted; for the governor, the
-        tokens it emitted and the catch-up it paid, when policy-chosen requests drafted in it."""
+        tokens it emitted and the catch-up it paid, when policy-chosen requests drafted in it. `timed` False: the
+        decode rows of a fused mixed step, whose own cost cannot be told from the prompt chunks' (`seconds` is the
+        predicted one): the governor judges the tokens against it, the step costs learn nothing."""
         num_draft = np.asarray(num_draft, dtype=np.int64)
         self.exploration.observed()
         probed, probe_acc = self.probes.take_seen()
@@ -129,9 +132,10 @@ class AdaptivePolicy:
         subset = 0 < probed == drafting < batch and self.cfg.cost_shape == "lanes"
         judged_tokens = batch * (1.0 + probe_acc / probed) if subset else tokens
         b = bucket(batch)
-        self.costs.observe(batch, num_draft, refill, seconds, self.bucket_steps[b])
+        if timed:
+            self.costs.observe(batch, num_draft, refill, seconds, self.bucket_steps[b])
         gov, plain_refill = self.governor, self.model.plain_refill
-        if not num_draft.any() and refill == plain_refill:
+        if timed and not num_draft.any() and refill == plain_refill:
             gov.observe_plain(b, seconds)
         if auto_drafted and tokens is not None:
             # Judged against the governor's own recent plain steps; the model's estimate only until there are some.
