@@ -70,13 +70,16 @@ def layout_from(tensors: Sequence[torch.Tensor], page_size: int, dense: bool) ->
 PAD_LIMIT = 2.0
 
 
-def attention_parts(q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int) -> list[tuple[int, int]]:
+def attention_parts(q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int,
+                    prompts_join: Callable[[int, int], bool] | None = None) -> list[tuple[int, int]]:
     """Consecutive request ranges [r0, r1) to attend separately: one batch pads every request to the longest
     query and the longest key range, so a decode row beside a 4,000-token prompt chunk would compute the
-    chunk's whole [q, keys] block; a part grows while its padded work stays within PAD_LIMIT of its own. And a
-    request of a decode step's size (at most MAX_QUERY_ROWS rows: decode, verify, draft, refill) never shares a
-    part with a longer one: a part attends as its longest request allows (SDPA past the C++ kernel's prompt
-    sizes), and the short one's rows must keep a decode step's bits (batch invariance)."""
+    chunk's whole [q, keys] block; a part grows while its padded work stays within PAD_LIMIT of its own. Requests
+    of a decode step's size (at most MAX_QUERY_ROWS rows: decode, verify, draft, refill, short chunks) share
+    parts, which attend batch-invariantly; a longer one (a prompt, a chunk) shares a part only with requests of
+    its very shape, or with prompt-sized ones where the backend attends their padded shape lane by lane as
+    alone (`prompts_join(rows, keys)`: the C++ kernel's prompt sizes), so its rows are the same bits whatever
+    shares its forward."""
     keys = -(-kv_lens // page_size) * page_size
     few = q_lens <= MAX_QUERY_ROWS
     one_batch = PAD_LIMIT == float("inf")
@@ -86,7 +89,11 @@ def attention_parts(q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int) -> 
             parts.append((r0, r))
             break
         qn, kn = q_lens[r0: r + 1].max(), keys[r0: r + 1].max()
-        if (few[r] != few[r0] and not one_batch) or (
+        # a prompt-sized request shares a part only with requests of its very shape (a batch of fresh prompts of
+        # one length, attended as one: the C++ layers' one call a step), which pad nothing
+        alike = few[r] == few[r0] and (few[r] or (q_lens[r] == q_lens[r0] and keys[r] == keys[r0])
+                                       or (prompts_join is not None and prompts_join(int(qn), int(kn))))
+        if (not alike and not one_batch) or (
                 (r + 1 - r0) * qn * kn > PAD_LIMIT * float((q_lens[r0: r + 1] * keys[r0: r + 1]).sum())):
             parts.append((r0, r))
             r0 = r
@@ -107,7 +114,8 @@ def build_forward_batch(input_ids: Sequence[Sequence[int]], start_pos: Sequence[
         attention.plan(slot, q_lens, start_pos + q_lens, page_table_array(page_tables, width))
         parts = [(0, len(q_lens))]
     else:
-        parts = attention_parts(q_lens, start_pos + q_lens, page_size)
+        parts = attention_parts(q_lens, start_pos + q_lens, page_size,
+                                attention.prompts_join if attention is not None else None)
     host = [flat]
     dense = []
     for r0, r1 in parts:

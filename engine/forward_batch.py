@@ -124,7 +124,6 @@ class SplitAttention:
 
     parts: list[tuple[int, int, AttentionMetadata]]
     slot: str = ""
-    decode_parts: int = 0  # the first parts are a decode step's rows (`ForwardBatch.mixed`): never a prompt's
 
 
 @dataclass(slots=True)
@@ -143,19 +142,18 @@ class ForwardBatch:
     @classmethod
     def mixed(cls, decode: ForwardBatch, prompts: ForwardBatch) -> ForwardBatch:
         """One forward over a decode step's rows (verify: each request's last token and drafts), then prompt
-        chunks (`prompts`, planned as a prefill). Each keeps its own attention part, so a row attends exactly as in
-        its own batch, and the decode rows' parts stay batch-invariant (`SplitAttention.decode_parts`)."""
+        chunks (`prompts`, planned as a prefill). Each keeps its own attention parts, so a row attends exactly as in
+        its own batch."""
         parts, t0 = [], 0
         for fb in (decode, prompts):
             own = fb.attn.parts if isinstance(fb.attn, SplitAttention) else [(0, fb.num_tokens, fb.attn)]
             parts += [(t0 + a, t0 + b, meta) for a, b, meta in own]
             t0 += fb.num_tokens
-        num_decode = len(decode.attn.parts) if isinstance(decode.attn, SplitAttention) else 1
         pair = (decode, prompts)
         return cls(input_ids=torch.cat([fb.input_ids for fb in pair]),
                    positions=torch.cat([fb.positions for fb in pair]),
                    slot_mapping=torch.cat([fb.slot_mapping for fb in pair]),
-                   attn=SplitAttention(parts, prompts.attn.slot, num_decode))
+                   attn=SplitAttention(parts, prompts.attn.slot))
 
     @classmethod
     def derive(cls, layout: BatchLayout, start: torch.Tensor, input_ids: torch.Tensor,

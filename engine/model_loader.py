@@ -106,7 +106,10 @@ def use_cpu_kernels(net: torch.nn.Module, kernels: str | CpuKernels) -> None:
     that goes with them: batch-invariant or SDPA (`TorchAttention`)."""
     plan_linears(net, kernels)
     invariant = kernels.batch_invariant if isinstance(kernels, CpuKernels) else False
-    net.attention = TorchAttention(batch_invariant=invariant)
+    cfg = net.rank_cfg
+    fp32 = net.norm.weight.dtype == torch.float32  # the activations' (the kernel's queries: fp32 only)
+    group = cfg.num_heads // cfg.num_kv_heads if fp32 else None
+    net.attention = TorchAttention(batch_invariant=invariant, kernel_group=group)
 
 
 def describe_cpu_kernels(net: torch.nn.Module) -> str:

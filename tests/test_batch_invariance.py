@@ -245,3 +245,37 @@ def test_near_ties_speculative_greedy_is_plain_greedy(proposer, tmp_path):
     reqs = run_to_completion(make_core(target, page_size=PAGE, max_batch_size=1, num_spec_tokens=4,
                                        spec_policy="fixed", **spec), prompts, params)
     assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in plain]
+
+
+@pytest.mark.parametrize("acts", ["fp32", "int8-lanes", pytest.param("int8-vnni", marks=VNNI)])
+def test_a_prompts_rows_do_not_depend_on_its_forwards_company(acts, tiny_gguf, monkeypatch):
+    """A prompt's hidden states are the same bits prefilled alone, in a batch with prompts of other lengths, and
+    in chunks beside other requests: with int8 activations a rounding difference in a prompt's attention turned
+    into other tokens, so whether a prompt was batched (as plain and speculative serving admit differently) or how
+    it was chunked changed the output."""
+    core = make_core(tiny_gguf, page_size=PAGE, activations=pin_int8_form(acts, monkeypatch))
+    target, pool = core.engine.target, core.engine.pool
+    lens = [30, 5, 70, 18]
+    ids = [[(7 * i + 3 * j) % 90 + 5 for j in range(n)] for i, n in enumerate(lens)]
+    tables, page = [], 1
+    for n in lens:
+        k = -(-n // PAGE)
+        tables.append(list(range(page, page + k)))
+        page += k
+
+    def forward(rows: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """(prompt, first position, positions) runs in one forward; each run's hidden rows."""
+        fb = build_forward_batch([ids[p][s: s + n] for p, s, n in rows], [s for _, s, _ in rows],
+                                 [tables[p] for p, _, _ in rows], PAGE, "cpu", target.attention, "prefill")
+        with torch.inference_mode():
+            h = target(fb, pool).clone()
+        return list(h.split([n for _, _, n in rows]))
+
+    alone = [forward([(p, 0, n)])[0] for p, n in enumerate(lens)]
+    together = forward([(p, 0, n) for p, n in enumerate(lens)])
+    for p in range(len(lens)):
+        assert torch.equal(together[p], alone[p]), f"prompt {p} batched"
+    # Prompt 2 in chunks of 40 and 30 (the first beside prompt 0's whole prefill, the second beside prompt 1)
+    first = forward([(0, 0, lens[0]), (2, 0, 40)])[1]
+    second = forward([(1, 0, lens[1]), (2, 40, 30)])[1]
+    assert torch.equal(torch.cat([first, second]), alone[2]), "prompt 2 chunked"

@@ -66,10 +66,11 @@ def steps(net, kv_dtype=torch.float32, pool_out=None):
 
 
 def long_prompts(net, kv_dtype=torch.float32):
-    """Logits of fresh prompts of 40 and 23 tokens: one forward the attention kernel takes whole (one call)."""
+    """Logits of fresh prompts of 40 and 23 tokens: one forward the attention kernel takes whole (one call: the
+    kernel attends each lane as alone, so they share a part)."""
     pool = KVPool(net.rank_cfg, len(net.layers), 64, PAGE, kv_dtype, "cpu")
     fb = build_forward_batch([list(range(100, 140)), list(range(200, 223))], [0, 0],
-                             [list(range(1, 11)), list(range(11, 17))], PAGE, "cpu")
+                             [list(range(1, 11)), list(range(11, 17))], PAGE, "cpu", net.attention, "prefill")
     with torch.inference_mode():
         return net.compute_logits(net(fb, pool))
 

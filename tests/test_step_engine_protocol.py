@@ -36,7 +36,7 @@ def local_engine(model, **cfg) -> StepEngine:
 
 def test_the_protocol_lists_what_the_scheduler_calls():
     assert MEMBERS == {"tp", "proposer", "vocab_size", "has_draft_model", "prefill", "catch_up", "plan_decode",
-                       "can_chain", "run_decode", "close"}
+                       "can_chain", "run_decode", "fuses_mixed", "run_mixed", "close"}
 
 
 def test_the_leader_implements_each_member_itself(tiny_target):

@@ -21,6 +21,11 @@ class AttentionBackend(Protocol):
     def plan_padding(self, slot: str, lanes: int, q: int, stream: torch.cuda.Stream | None = None) -> None:
         """Plan an all-padding batch of `lanes` lanes (what a graph is captured with)."""
 
+    def prompts_join(self, rows: int, keys: int) -> bool:
+        """Whether prompt-sized requests padded to `rows` x `keys` may attend as one part of a split forward and
+        still get each lane's bits as alone (`batch_builder.attention_parts`; backends that plan take ragged
+        batches as they are and never split)."""
+
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 num_heads: int, scale: float) -> torch.Tensor:
         """q [T, H * D] over the paged cache -> [T, H * D]."""

@@ -196,6 +196,9 @@ class FlashInferAttention:
     name = "flashinfer"
     needs_plan = True
 
+    def prompts_join(self, rows: int, keys: int) -> bool:
+        return True  # ragged batches as they are: never split
+
     def __init__(self, cfg: ModelConfig, page_size: int, dtype: torch.dtype, device: torch.device,
                  max_pages_per_request: int, workspace: torch.Tensor | None = None) -> None:
         check_usable(torch.device(device))

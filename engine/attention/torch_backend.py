@@ -5,8 +5,10 @@ metadata (see `AttentionMetadata`). It is the numerical reference every other ba
 With `batch_invariant`, CPU steps of at most MAX_QUERY_ROWS positions (decode, verify, draft, refill) attend
 batch-invariantly instead (the C++ kernel `cpu_attention`, else `invariant_attention`: a row's bits do not depend
 on what shares its step, so speculative greedy output is plain greedy output bitwise). Prompts take the C++ kernel
-too up to its prompt sizes (`cpu_attention.takes_prompt`), SDPA past them; a mixed step's prompt chunks take SDPA
-and its decode rows stay invariant (`has_decode_rows`; `attention_parts` never puts them in one part).
+too up to its prompt sizes (`cpu_attention.takes_prompt`), SDPA past them. A split forward (`SplitAttention`:
+several prompts, a mixed step's decode rows beside chunks) attends each part exactly as it would attend alone, and
+`attention_parts` gives every prompt-sized lane a part of its own: a prompt's bits never depend on what shares
+its forward (int8 activations turn a rounding difference upstream into other tokens).
 
 Every backend has the shape of `TorchAttention`: `plan(...)` takes a forward's host-known lengths before the
 forward runs (this one needs none: its mask is derived on the device from the starts), and `forward(...)`
@@ -239,20 +241,6 @@ def _kernel_takes(meta: AttentionMetadata, num_heads: int, k_cache: torch.Tensor
     return qn <= MAX_QUERY_ROWS or kernel.takes_prompt(qn, meta.keys, num_heads // k_cache.shape[1])
 
 
-def has_decode_rows(meta: AttentionMetadata) -> bool:
-    """Whether a part of a split prompt forward (a mixed step) holds a lane with one query row: a running request
-    decoding beside prompt chunks, whose bits must be a decode step's (batch invariance). Parts of prompt chunks
-    only attend with SDPA whatever their size: a chunk's keys follow its step's schedule anyway (see the module
-    docstring), and the invariant path's fixed 64-key blocks cost 2-4x SDPA for a chunk of 4-17 tokens late in a
-    long prompt (SmolLM2 shapes, AVX2 host), which made late chunks the dearest tokens of a chunked prefill.
-    Other ragged forwards (a draft's catch-up) keep the invariant path. Once per forward (every layer shares the
-    answer)."""
-    key = ("has_decode_rows",)
-    if key not in meta._blocks:
-        meta._blocks[key] = bool((meta.q_valid.sum(1) == 1).any())
-    return meta._blocks[key]
-
-
 class TorchAttention:
     """The reference backend (CPU and CUDA): nothing to plan; every length comes from the device metadata.
     `workspace`: bytes a layer's attention may hold at once (see `DEFAULT_WORKSPACE`). `batch_invariant` (the
@@ -263,10 +251,21 @@ class TorchAttention:
     name = "torch"
     needs_plan = False
 
-    def __init__(self, workspace: int = DEFAULT_WORKSPACE, batch_invariant: bool = False) -> None:
+    def __init__(self, workspace: int = DEFAULT_WORKSPACE, batch_invariant: bool = False,
+                 kernel_group: int | None = None) -> None:
         self.workspace = workspace
         self.batch_invariant = batch_invariant
+        # The model's query heads a KV head where its prompts may take the C++ kernel (batch-invariant, CPU, fp32
+        # activations: `prompts_join`); None: they never do
+        self.kernel_group = kernel_group
         self._min_rows: dict[tuple, int | None] = {}  # measured once per (group, head_dim, dtype)
+
+    def prompts_join(self, rows: int, keys: int) -> bool:
+        """Whether prompt-sized requests padded to `rows` positions over `keys` keys may attend as one part
+        (`batch_builder.attention_parts`): the C++ kernel takes that shape, and it attends each lane as it would
+        alone. Elsewhere (SDPA) a lane's bits would depend on its company's padding: each attends apart."""
+        return (self.batch_invariant and self.kernel_group is not None and not kernel.unavailable()
+                and kernel.takes_prompt(rows, keys, self.kernel_group))
 
     def min_rows(self, group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int | None:
         """The invariant path's row padding for this shape, or None where it does not run (CUDA, off, or no
@@ -318,15 +317,10 @@ class TorchAttention:
                  meta: AttentionMetadata | SplitAttention, num_heads: int, scale: float, rows: int | None,
                  use_kernel: bool) -> torch.Tensor:
         """`rows` / `use_kernel`: how steps of few positions attend batch-invariantly (`paged_attention`)."""
-        invariant_runs = rows is not None or use_kernel
-        if isinstance(meta, SplitAttention):
+        if isinstance(meta, SplitAttention):  # each part as it would attend alone
             out = q.new_empty(q.shape[0], num_heads * k_cache.shape[-1])
-            prompts = meta.slot == PROMPT_SLOT
-            for i, (t0, t1, part) in enumerate(meta.parts):
-                decode = i < meta.decode_parts or has_decode_rows(part)
-                invariant = invariant_runs and not (prompts and not decode)
-                out[t0:t1] = self._attend(q[t0:t1], k_cache, v_cache, part, num_heads, scale,
-                                          rows if invariant else None, use_kernel and invariant)
+            for t0, t1, part in meta.parts:
+                out[t0:t1] = self._attend(q[t0:t1], k_cache, v_cache, part, num_heads, scale, rows, use_kernel)
             return out
         return self._attend(q, k_cache, v_cache, meta, num_heads, scale, rows, use_kernel)
 
