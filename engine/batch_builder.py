@@ -77,12 +77,15 @@ def attention_parts(q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int,
     chunk's whole [q, keys] block; a part grows while its padded work stays within PAD_LIMIT of its own. Requests
     of a decode step's size (at most MAX_QUERY_ROWS rows: decode, verify, draft, refill, short chunks) share
     parts, which attend batch-invariantly; a longer one (a prompt, a chunk) shares a part only with requests of
-    its very shape, or with prompt-sized ones where the backend attends their padded shape lane by lane as
-    alone (`prompts_join(rows, keys)`: the C++ kernel's prompt sizes), so its rows are the same bits whatever
-    shares its forward."""
+    its very shape, or with any requests where the backend attends their padded shape lane by lane as alone at
+    no cost for the padding (`prompts_join(rows, keys)`: the C++ kernel's prompt sizes; a fused mixed step's
+    verify rows and chunks then attend in one call), so its rows are the same bits whatever shares its
+    forward."""
     keys = -(-kv_lens // page_size) * page_size
     few = q_lens <= MAX_QUERY_ROWS
     one_batch = PAD_LIMIT == float("inf")
+    if one_batch or (prompts_join is not None and prompts_join(int(q_lens.max()), int(keys.max()))):
+        return [(0, len(q_lens))]  # the backend attends each lane of the padded shape as alone, padding for free
     parts, r0 = [], 0
     for r in range(1, len(q_lens) + 1):
         if r == len(q_lens):
@@ -91,8 +94,7 @@ def attention_parts(q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int,
         qn, kn = q_lens[r0: r + 1].max(), keys[r0: r + 1].max()
         # a prompt-sized request shares a part only with requests of its very shape (a batch of fresh prompts of
         # one length, attended as one: the C++ layers' one call a step), which pad nothing
-        alike = few[r] == few[r0] and (few[r] or (q_lens[r] == q_lens[r0] and keys[r] == keys[r0])
-                                       or (prompts_join is not None and prompts_join(int(qn), int(kn))))
+        alike = few[r] == few[r0] and (few[r] or (q_lens[r] == q_lens[r0] and keys[r] == keys[r0]))
         if (not alike and not one_batch) or (
                 (r + 1 - r0) * qn * kn > PAD_LIMIT * float((q_lens[r0: r + 1] * keys[r0: r + 1]).sum())):
             parts.append((r0, r))

@@ -140,22 +140,6 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
     @classmethod
-    def mixed(cls, decode: ForwardBatch, prompts: ForwardBatch) -> ForwardBatch:
-        """One forward over a decode step's rows (verify: each request's last token and drafts), then prompt
-        chunks (`prompts`, planned as a prefill). Each keeps its own attention parts, so a row attends exactly as in
-        its own batch."""
-        parts, t0 = [], 0
-        for fb in (decode, prompts):
-            own = fb.attn.parts if isinstance(fb.attn, SplitAttention) else [(0, fb.num_tokens, fb.attn)]
-            parts += [(t0 + a, t0 + b, meta) for a, b, meta in own]
-            t0 += fb.num_tokens
-        pair = (decode, prompts)
-        return cls(input_ids=torch.cat([fb.input_ids for fb in pair]),
-                   positions=torch.cat([fb.positions for fb in pair]),
-                   slot_mapping=torch.cat([fb.slot_mapping for fb in pair]),
-                   attn=SplitAttention(parts, prompts.attn.slot))
-
-    @classmethod
     def derive(cls, layout: BatchLayout, start: torch.Tensor, input_ids: torch.Tensor,
                write: torch.Tensor | None = None, slot: str = "") -> ForwardBatch:
         """All length-dependent metadata from `start` [B], on the device, without a host sync.

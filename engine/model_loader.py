@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from specstep.engine.attention import cpu_attention as attention_kernel
 from specstep.engine.attention.torch_backend import TorchAttention
 from specstep.engine.config import DTYPES, ModelConfig
 from specstep.engine.cpu_kernels import CpuKernels
@@ -107,8 +108,10 @@ def use_cpu_kernels(net: torch.nn.Module, kernels: str | CpuKernels) -> None:
     plan_linears(net, kernels)
     invariant = kernels.batch_invariant if isinstance(kernels, CpuKernels) else False
     cfg = net.rank_cfg
-    fp32 = net.norm.weight.dtype == torch.float32  # the activations' (the kernel's queries: fp32 only)
-    group = cfg.num_heads // cfg.num_kv_heads if fp32 else None
+    # Prompts may take the C++ attention kernel where it runs for this model: fp32 activations (its queries), a
+    # head size it takes, a host that builds it
+    runs = attention_kernel.runs(torch.zeros(1, dtype=net.norm.weight.dtype), torch.zeros(1, 1, cfg.head_dim))
+    group = cfg.num_heads // cfg.num_kv_heads if runs else None
     net.attention = TorchAttention(batch_invariant=invariant, kernel_group=group)
 
 

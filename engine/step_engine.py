@@ -193,11 +193,20 @@ class StepEngine:
         inputs, runs = plan.inputs, PromptRuns.of(seqs, q_lens)
         with self.tracer.range(ranges.MIXED, track=DEVICE_TRACK, batch=plan.batch_size, k=plan.k,
                                prompts=len(seqs), tokens=runs.num_tokens):
+            # One batch over the verify lanes (at their host-known starts: a mixed step is never chained) and
+            # the chunks, built on the host as a prefill's is, so where the attention kernel takes its padded
+            # shape it is one part (the C++ layers' one call); the verify tokens are plugged in once drafted.
+            verify_q = plan.num_draft + 1
+            rows = int(verify_q.sum())
+            fb = build_forward_batch([[0] * q for q in verify_q.tolist()] + runs.ids,
+                                     np.concatenate([plan.base_pos, runs.start]),
+                                     [s.page_table for s in plan.seqs] + [s.page_table for s in seqs],
+                                     self.page_size, self.device, self.target.attention, "prefill",
+                                     self.staging.upload)
             drafts, draft_probs = self._draft(inputs)
-            verify = self._verify_batch(inputs)
+            fb.input_ids[:rows] = self._verify_ids(inputs)
             with self.tracer.range(ranges.VERIFY, track=DEVICE_TRACK):
-                hidden = self.target(ForwardBatch.mixed(verify, self._prompt_batch(seqs, runs)), self.pool)
-            rows = verify.num_tokens
+                hidden = self.target(fb, self.pool)
             out, accepted = self._accept(inputs, hidden[:rows], drafts, draft_probs)
             if self.proposer is not None:
                 self.proposer.after_verify(inputs, out, accepted, hidden[:rows], self.tracer)
@@ -304,10 +313,13 @@ class StepEngine:
         return drafts, draft_probs
 
     def _verify_batch(self, inputs: DecodeInputs) -> ForwardBatch:
-        """[last, d1 .. d_num_draft] per request, drafts plugged in on device."""
+        return ForwardBatch.derive(inputs.verify_layout, inputs.start, self._verify_ids(inputs), slot="verify")
+
+    @staticmethod
+    def _verify_ids(inputs: DecodeInputs) -> torch.Tensor:
+        """[last, d1 .. d_num_draft] per request, flat in the verify layout's order, drafts plugged in on device."""
         grid = inputs.grid
-        ids = grid.reshape(-1) if inputs.verify_is_grid else grid.reshape(-1)[inputs.verify_flat_index()]
-        return ForwardBatch.derive(inputs.verify_layout, inputs.start, ids, slot="verify")
+        return grid.reshape(-1) if inputs.verify_is_grid else grid.reshape(-1)[inputs.verify_flat_index()]
 
     def _accept(self, inputs: DecodeInputs, hidden: torch.Tensor, drafts: torch.Tensor | None,
                 draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

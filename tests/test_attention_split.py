@@ -109,24 +109,25 @@ def test_every_request_attends_as_it_would_alone(monkeypatch, path):
     starts = [40, 0, 0, 90, 900, 0, 0, 17, 300]
     k_cache, v_cache, tables = _paged(q_lens, starts, page_size, kv_heads, d, g)
     q = torch.randn(sum(q_lens), heads * d, generator=g)
-    attn = TorchAttention(batch_invariant=True)
-    together = bb.build_forward_batch([[0] * n for n in q_lens], starts, tables, page_size, "cpu", slot=tb.PROMPT_SLOT)
+    attn = TorchAttention(batch_invariant=True, kernel_group=heads // kv_heads if path == "kernel" else None)
+    together = bb.build_forward_batch([[0] * n for n in q_lens], starts, tables, page_size, "cpu", attn,
+                                      tb.PROMPT_SLOT)
     assert isinstance(together.attn, SplitAttention)
     out = attn.forward(q, k_cache, v_cache, together.attn, heads, 0.25)
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     for i, n in enumerate(q_lens):
-        alone = bb.build_forward_batch([[0] * n], starts[i:i + 1], tables[i:i + 1], page_size, "cpu",
-                                       slot=tb.PROMPT_SLOT)
+        alone = bb.build_forward_batch([[0] * n], starts[i:i + 1], tables[i:i + 1], page_size, "cpu", attn,
+                                       tb.PROMPT_SLOT)
         ref = attn.forward(q[cu[i]:cu[i + 1]], k_cache, v_cache, alone.attn, heads, 0.25)
         assert torch.equal(out[cu[i]:cu[i + 1]], ref), f"request {i} ({n} rows at {starts[i]})"
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_a_fused_mixed_steps_verify_rows_keep_a_verify_steps_bits(monkeypatch, path):
-    """A fused mixed step (`ForwardBatch.mixed`): a decode step's verify rows (3 positions a lane) beside prompt
-    chunks attend bitwise as the verify step alone, and each chunk as it would alone."""
+    """A fused mixed step's one batch (`StepEngine.run_mixed`): a decode step's verify rows (3 positions a lane)
+    beside prompt chunks attend bitwise as the verify step alone, and each chunk as it would alone. Where the C++
+    kernel takes the padded shape the whole step is one part (the C++ layers' one call a step)."""
     import specstep.engine.attention.torch_backend as tb
-    from specstep.engine.forward_batch import ForwardBatch
 
     if path == "kernel" and not tb.kernel.runs(torch.zeros(1), torch.zeros(1, 1, 16)):
         pytest.skip(f"the CPU attention kernel does not run here: {tb.kernel.unavailable()}")
@@ -137,13 +138,16 @@ def test_a_fused_mixed_steps_verify_rows_keep_a_verify_steps_bits(monkeypatch, p
     q_lens, starts = [3, 3, 12, 64], [40, 90, 900, 0]  # two verify lanes, then a late chunk and a fresh one
     k_cache, v_cache, tables = _paged(q_lens, starts, page_size, kv_heads, d, g)
     q = torch.randn(sum(q_lens), heads * d, generator=g)
-    verify = bb.build_forward_batch([[0] * 3] * 2, starts[:2], tables[:2], page_size, "cpu", slot="verify")
-    chunks = bb.build_forward_batch([[0] * 12, [0] * 64], starts[2:], tables[2:], page_size, "cpu",
-                                    slot=tb.PROMPT_SLOT)
-    mixed = ForwardBatch.mixed(verify, chunks)
-    torch.testing.assert_close(mixed.positions, torch.cat([verify.positions, chunks.positions]))
-    torch.testing.assert_close(mixed.slot_mapping, torch.cat([verify.slot_mapping, chunks.slot_mapping]))
-    attn = TorchAttention(batch_invariant=True)
+    attn = TorchAttention(batch_invariant=True, kernel_group=heads // kv_heads if path == "kernel" else None)
+    verify = bb.build_forward_batch([[0] * 3] * 2, starts[:2], tables[:2], page_size, "cpu", attn, "verify")
+    mixed = bb.build_forward_batch([[0] * n for n in q_lens], starts, tables, page_size, "cpu", attn,
+                                   tb.PROMPT_SLOT)
+    assert isinstance(mixed.attn, SplitAttention) == (path == "torch")  # the kernel takes the step as one part
     out = attn.forward(q, k_cache, v_cache, mixed.attn, heads, 0.25)
     assert torch.equal(out[:6], attn.forward(q[:6], k_cache, v_cache, verify.attn, heads, 0.25))
-    assert torch.equal(out[6:], attn.forward(q[6:], k_cache, v_cache, chunks.attn, heads, 0.25))
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    for i in (2, 3):
+        alone = bb.build_forward_batch([[0] * q_lens[i]], starts[i:i + 1], tables[i:i + 1], page_size, "cpu", attn,
+                                       tb.PROMPT_SLOT)
+        ref = attn.forward(q[cu[i]:cu[i + 1]], k_cache, v_cache, alone.attn, heads, 0.25)
+        assert torch.equal(out[cu[i]:cu[i + 1]], ref), f"chunk {i}"

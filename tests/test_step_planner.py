@@ -70,10 +70,10 @@ def request(rid: str, n: int, max_tokens: int) -> Request:
     return Request(rid, [1] * n, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True), seed=1)
 
 
-def test_no_streams_take_whole_prompts_up_to_the_compute_efficient_size():
-    """Nothing decodes: no gap to protect. Five 40-token prompts go in forwards of the compute-efficient size
-    (64 tokens for FORWARD: 15 ms fixed over 1 ms a token), several prompts sharing one, not in the
-    streams' small chunks."""
+def test_no_streams_take_whole_prompts():
+    """Nothing decodes: no gap to protect. Waiting prompts are prefilled whole, several sharing a forward, as
+    whole-prompt prefill does, not in chunks of the compute-efficient size (64 tokens for FORWARD: 15 ms fixed
+    over 1 ms a token); a prompt left part-way when the streams ended goes on whole."""
     core, engine, _ = make_core()
     pacer = core.scheduler.chunks.pacer
     assert pacer.efficient == 64
@@ -81,7 +81,10 @@ def test_no_streams_take_whole_prompts_up_to_the_compute_efficient_size():
         core.add_request(request(f"p{i}", 40, 1))
     plan = core.scheduler.schedule()
     assert plan.kind is StepKind.MIXED and not plan.decode
-    assert [q for _, q in plan.prompts] == [40, 24]  # one whole prompt, then what the size leaves of the next
+    assert [q for _, q in plan.prompts] == [40] * 5
+    long = request("long", 3000, 1)
+    long.num_computed = 2000
+    assert pacer.chunk(pacer.room(0, None), long.num_computed, 1000) == 1000
 
 
 @pytest.mark.parametrize("fused", [False, True])

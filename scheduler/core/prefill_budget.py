@@ -153,14 +153,15 @@ def choose_budget(model: StepCostModel, decode_s: float, multiple: float, max_to
     the fit pools every probe, where the knee of the raw curve moved with one noisy probe, 16 instead of 128 on a
     loaded host; fused, the step's rows count towards it), never past the largest size timed
     (`measured_up_to`). `tokens`: what that leaves beside one decoding request at context 0, at most
-    `max_tokens`. With no stream to protect, prompts take the compute-efficient size."""
+    `max_tokens`. With no stream to protect, prompts are prefilled whole (`PrefillPacer.room`)."""
     efficient = efficient_tokens(model.fixed, model, min(measured_up_to or max_tokens, max_tokens))
     fixed = 0.0 if fused else model.fixed
     floor = max(efficient - 1, 1) if fused else efficient
     tokens = max(floor, min(model.tokens_within((multiple - 1) * decode_s - fixed, 0), max_tokens))
     how = (f"calibrated to an ITL target of {multiple:g} x the running streams' decode step "
            f"({multiple * decode_s * 1e3:.1f} ms at batch 1 at start-up): {tokens} prompt tokens a step at context 0 "
-           f"beside one stream, {efficient} with none (compute-efficient: a token's cost stops falling there); "
+           f"beside one stream, never below {efficient} (compute-efficient: a token's cost stops falling there), "
+           f"whole prompts up to {max_tokens} with none; "
            f"prompt forwards {model.fixed * 1e3:.1f} ms + {model.per_token * 1e3:.2f} ms/token + "
            f"{model.per_key * 1e6:.3f} us/token/key + {model.per_context * 1e6:.1f} us/key of context beyond it "
            f"(measured in {measured_s:.1f} s){'; chunks share the decode rows forward' if fused else ''}")

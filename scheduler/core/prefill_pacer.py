@@ -10,8 +10,8 @@ where the decode step is the batch's step as decided, priced by the speculation 
 the overhead is what the chunks cost beyond their tokens (a prompt forward's fixed cost; fused, about nothing).
 The compute-efficient size (`efficient`, where a token's cost stops falling) is its floor: smaller forwards pay
 the fixed cost for few rows and lose throughput, whatever they saved the streams (fused, the decode rows count
-towards it). With no stream running there is no gap to protect: prompts take that size, several prompts sharing
-it.
+towards it). With no stream running there is no gap to protect: prompts are prefilled whole, several sharing a
+forward, up to `--max-prefill-tokens` (a longer one in forwards of that size), as whole-prompt prefill does.
 
 The start-up fit times single prompt forwards on an idle engine; serving moves what they really cost (a
 neighbour's load; contexts far beyond the probes). So the pacer refits the prompt forward's cost model on what
@@ -58,7 +58,7 @@ Chunks = list[tuple[int, int]]  # (tokens, context) of a mixed step's prompt chu
 @dataclass(frozen=True, slots=True)
 class Pacing:
     """Why prompts advance as they do, at the current batch (STATS, gauges): the prompt tokens a step takes at
-    context 0 beside the running streams (with none: the compute-efficient size), the streams' ITL target (a
+    context 0 beside the running streams (with none: `--max-prefill-tokens`), the streams' ITL target (a
     mixed step's longest planned gap; 0 with a fixed budget), the compute-efficient prompt forward, and the share
     of steps run so far that were mixed."""
 
@@ -139,12 +139,13 @@ class PrefillPacer:
         """The cost prompt chunks may add to a step beside `num_decode` decode rows. Fixed: the tokens the rows
         leave. Calibrated, with streams running: their ITL target less their decode step and the prompt
         forward's live overhead, and never less than the compute-efficient size's cost at context 0 (fused: what
-        the decode rows leave of it); with none, that size's cost."""
+        the decode rows leave of it); with none, a whole-prompt step's (`max_tokens` at context 0: a prompt late in
+        its chunks when the streams ended must not go on in chunks sized for them)."""
         b = self.budget
         if b.multiple is None:
             return b.tokens - num_decode
         if num_decode == 0:
-            return self.chunk_cost(self.efficient, 0)
+            return self.chunk_cost(b.max_tokens, 0)
         # Below the compute-efficient size each chunk pays the forward's fixed cost for few tokens: where the ITL
         # target leaves less (a small batch; the fixed cost itself past the target), prefill keeps that size, and
         # the streams' gap is what one efficient forward adds to their step. Fused, the decode rows share the
