@@ -135,6 +135,35 @@ def test_prompt_forwards_keep_the_compute_efficient_size_where_the_itl_target_le
     assert [q for _, q in plan.prompts] == [200, 56]
 
 
+def test_the_itl_target_is_the_steady_batchs_when_prompts_wait():
+    """Two streams run and fourteen prompts wait, in a batch of 16: once admitted, the streams' gap is the decode
+    step of 16. The target follows that step rather than the two streams' own, or the chunks stay small, the
+    prompts wait and the batch stays small."""
+    core, engine, clock = make_core("mtp", k=2, fused=True)
+    streams = [request(f"s{i}", 8, 1000) for i in range(16)]
+    for r in streams:
+        core.add_request(r)
+    while len(core.running) < 16:
+        core.step()
+    for _ in range(8):  # the policy times steps of 16
+        core.step()
+    for r in streams[2:]:
+        core.abort(r.request_id)
+    while len(core.running) > 2:
+        core.step()
+    for _ in range(8):  # and of 2
+        core.step()
+    for i in range(14):
+        core.add_request(request(f"p{i}", 100, 1000))
+    steady = core.scheduler.steady_decode_s(core.last_decision)
+    assert steady == pytest.approx(decode_cost(16, np.full(16, 2), True, 0), rel=0.1)
+    plan = core.scheduler.schedule()
+    assert len(plan.decode) == 2 and plan.decode_s < 0.7 * steady
+    room = MULTIPLE * steady - plan.decode_s  # the steady batch's target, less the step's own decode rows
+    assert abs(sum(q for _, q in plan.prompts) - room / FORWARD.per_token) <= 2
+    assert core.pacing().itl_target_s == pytest.approx(MULTIPLE * steady)
+
+
 def test_a_fused_mixed_steps_decode_rows_count_towards_the_compute_efficient_size():
     """Fused, the chunks share the decode rows' forward: the step's rows, not the chunks alone, make it
     compute-efficient (256), and the chunks pay no fixed cost. Two streams verifying 3 rows each leave 250."""
@@ -196,7 +225,7 @@ def test_the_itl_target_holds_under_steady_arrivals(fused):
     assert max(g for _, g in gaps) <= MULTIPLE * 1.15 and np.median([g for _, g in gaps]) <= MULTIPLE
     assert mixed > 0.3 * len(gaps) and speculative_mixed > 0.9 * mixed
     # The policy prices decode steps from decode steps alone: a fused step's chunks never inflate them
-    assert 0.8 < min(priced) and max(priced) < 1.2, (min(priced), max(priced))
+    assert 0.8 < min(priced) and max(priced) < 1.35, (min(priced), max(priced))  # a batch bucket's spread
     if fused:
         assert core.scheduler.chunks.pacer.overhead < 0.1 * FORWARD.fixed
     core.check_integrity()

@@ -27,15 +27,17 @@ class ChunkPlanner:
         self.step_tokens = step_tokens  # positions a decode step over n known tokens writes (the allocator's rule)
 
     def plan(self, num_decode: int, decode_tokens: int, prefilling: list[Request], waiting: deque[Request],
-             decode_s: float | None, admit: Callable[[Request], None]) -> list[Chunk]:
+             decode_s: float | None, admit: Callable[[Request], None],
+             steady_s: float | None = None) -> list[Chunk]:
         """What is left of the step's budget after its `num_decode` decode rows, which verify `decode_tokens`
         tokens (their drafts and the token after them; `PrefillBudget`: tokens, or a cost `PrefillPacer` keeps
-        true against `decode_s`, the batch's decode step as decided) goes to prompts,
+        true against `decode_s`, the batch's decode step as decided, or `steady_s`, the steady batch's, where
+        longer: `PrefillPacer.itl_target`) goes to prompts,
         those part-way through first (oldest first), then new admissions (`admit` moves a waiting prompt into
         `prefilling`). The step's first chunk gets a floor even when the decode rows take the whole budget, so
         prompts are never starved. Pages are reserved per chunk. A prompt is admitted only if all of it fits
         beside the other unfinished prefills, so prefills never block each other."""
-        left, floor = self.pacer.plan(decode_tokens, decode_s)
+        left, floor = self.pacer.plan(decode_tokens, decode_s, steady_s)
         chunks: list[Chunk] = []
         # A prompt with other prompts behind it (part-way through, or waiting for a slot) takes at most half of
         # what is left: a short prompt arriving behind a long one is done within a few steps, not after all of

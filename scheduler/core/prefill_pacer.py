@@ -129,13 +129,17 @@ class PrefillPacer:
         model = StepCostModel(self.budget.model.fixed, *theta[1:].tolist())
         self._live = replace(self.budget, model=model)
 
-    def itl_target(self, decode_s: float | None) -> float | None:
+    def itl_target(self, decode_s: float | None, steady_s: float | None = None) -> float | None:
         """The longest gap a mixed step may give the running streams: `multiple` x their decode step (`decode_s`;
-        None before one was timed: start-up's, at batch 1). None for a fixed budget."""
+        None before one was timed: start-up's, at batch 1), or x the steady batch's (`steady_s`: the running,
+        prefilling and waiting requests together, at most the batch size) where that is longer: once the waiting
+        prompts decode, the streams see that step anyway, and holding prompts back to protect a shorter gap only
+        kept the batch small (at 64 clients the streams' gap halved and throughput fell to 0.74x whole-prompt
+        prefill's). None for a fixed budget."""
         b = self.budget
-        return None if b.multiple is None else b.multiple * (decode_s or b.decode_s)
+        return None if b.multiple is None else b.multiple * max(decode_s or b.decode_s, steady_s or 0.0)
 
-    def room(self, num_decode: int, decode_s: float | None) -> float:
+    def room(self, num_decode: int, decode_s: float | None, steady_s: float | None = None) -> float:
         """The cost prompt chunks may add to a step beside `num_decode` decode rows. Fixed: the tokens the rows
         leave. Calibrated, with streams running: their ITL target less their decode step and the prompt
         forward's live overhead, and never less than the compute-efficient size's cost at context 0 (fused: what
@@ -151,26 +155,26 @@ class PrefillPacer:
         # the streams' gap is what one efficient forward adds to their step. Fused, the decode rows share the
         # forward: they count towards the size.
         floor = max(self.efficient - num_decode, 0) if b.fused else self.efficient
-        return max(self._stream_room(decode_s), self.chunk_cost(floor, 0))
+        return max(self._stream_room(decode_s, steady_s), self.chunk_cost(floor, 0))
 
-    def _stream_room(self, decode_s: float | None) -> float:
+    def _stream_room(self, decode_s: float | None, steady_s: float | None) -> float:
         d = decode_s or self.budget.decode_s
-        return (self.budget.multiple - 1.0) * d - self._overhead - HEADROOM * self._spread
+        return self.itl_target(d, steady_s) - d - self._overhead - HEADROOM * self._spread
 
-    def plan(self, num_decode: int, decode_s: float | None) -> tuple[float, float]:
+    def plan(self, num_decode: int, decode_s: float | None, steady_s: float | None = None) -> tuple[float, float]:
         """(the room for prompt chunks, the floor of the step's first chunk: a quarter of the streams' room, so
         prompts advance whatever the decode rows take)."""
-        room = self.room(num_decode, decode_s)
+        room = self.room(num_decode, decode_s, steady_s)
         if self.budget.multiple is None:
             return room, self.room(0, decode_s) / MIN_CHUNK_SHARE
-        return room, max(self._stream_room(decode_s), 0.0) / MIN_CHUNK_SHARE
+        return room, max(self._stream_room(decode_s, steady_s), 0.0) / MIN_CHUNK_SHARE
 
-    def budget_tokens(self, num_decode: int, decode_s: float | None) -> int:
+    def budget_tokens(self, num_decode: int, decode_s: float | None, steady_s: float | None = None) -> int:
         """The prompt tokens a step takes at context 0 beside `num_decode` streams (the figure users see)."""
         b = self.budget
         if b.multiple is None:
             return max(0, b.tokens - num_decode)
-        return min(max(self.model.tokens_within(self.room(num_decode, decode_s), 0), 1), b.max_tokens)
+        return min(max(self.model.tokens_within(self.room(num_decode, decode_s, steady_s), 0), 1), b.max_tokens)
 
     def chunk(self, left: float, ctx: int, remaining: int, floor: float | None = None) -> int:
         return self._live.chunk(left, ctx, remaining, floor)

@@ -195,7 +195,7 @@ class Scheduler:
         decode_s = self.decode_step_s(decision)
         verify = int(decision.num_draft.sum()) + len(running) if decision is not None else 0
         chunks = self.chunks.plan(len(running), verify, self.queues.prefilling, self.queues.waiting, decode_s,
-                                  self._admit_chunked)
+                                  self._admit_chunked, self.steady_decode_s(decision))
         if not chunks:
             return None
         return StepPlan(StepKind.MIXED, decode=tuple(running), prompts=tuple(chunks),
@@ -210,8 +210,9 @@ class Scheduler:
         d = self.last_decision
         decode_s = self.decode_step_s(d) if d is not None and len(d.num_draft) == b else self.plain_decode_s()
         verify = b + (int(d.num_draft.sum()) if d is not None and len(d.num_draft) == b else 0)
-        return Pacing(pacer.budget_tokens(verify, decode_s), pacer.itl_target(decode_s) or 0.0, pacer.efficient,
-                      mixed_share)
+        steady = self.steady_decode_s(d if d is not None and len(d.num_draft) == b else None)
+        return Pacing(pacer.budget_tokens(verify, decode_s, steady), pacer.itl_target(decode_s, steady) or 0.0,
+                      pacer.efficient, mixed_share)
 
     def decode_step_s(self, decision: Decision | None) -> float | None:
         """The running batch's decode step as decided, priced by the policy's live step costs (None: not timed
@@ -220,6 +221,19 @@ class Scheduler:
         if decision is None or not b:
             return None
         return self.policy.costs.predict(b, decision.num_draft, decision.refill) or self.plain_decode_s()
+
+    def steady_decode_s(self, decision: Decision | None = None) -> float | None:
+        """The decode step of the batch the running, prefilling and waiting requests make together (at most
+        max_batch_size), each drafting the most `decision` drafts (none without one), where that batch is larger
+        than the running one and the policy has timed its size: the gap the streams see once the waiting
+        prompts decode (`PrefillPacer.itl_target`)."""
+        q = self.queues
+        b = min(len(q.running) + len(q.prefilling) + len(q.waiting), self.config.max_batch_size)
+        if b <= len(q.running):
+            return None
+        k = int(decision.num_draft.max(initial=0)) if decision is not None else 0
+        refill = decision.refill if decision is not None else False
+        return self.policy.costs.predict(b, np.full(b, k, np.int64), refill) or self.policy.costs.plain(b, refill)
 
     def plain_decode_s(self) -> float | None:
         """The running batch's plain decode step as the policy last timed it (None: not yet): what the streams'
