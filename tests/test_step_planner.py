@@ -164,6 +164,24 @@ def test_the_itl_target_is_the_steady_batchs_when_prompts_wait():
     assert core.pacing().itl_target_s == pytest.approx(MULTIPLE * steady)
 
 
+def test_an_untimed_steady_batch_is_priced_from_the_start_up_fit():
+    """A burst of prompts beside the first streams, before any step of the whole batch ran: the steady batch's
+    step is a forward of its rows as start-up priced prompt rows, not the two streams' own step."""
+    core, engine, clock = make_core("mtp", k=2, fused=True)
+    for i in range(2):
+        core.add_request(request(f"s{i}", 8, 1000))
+    while len(core.running) < 2:
+        core.step()
+    for _ in range(4):
+        core.step()
+    for i in range(14):
+        core.add_request(request(f"p{i}", 100, 1000))
+    pacer = core.scheduler.chunks.pacer
+    steady = core.scheduler.steady_decode_s(core.last_decision)
+    assert steady == pytest.approx(FORWARD.fixed + FORWARD.per_token * 16 * 3)
+    assert steady == pacer.forward_s(48) and steady > core.scheduler.decode_step_s(core.last_decision)
+
+
 def test_a_fused_mixed_steps_decode_rows_count_towards_the_compute_efficient_size():
     """Fused, the chunks share the decode rows' forward: the step's rows, not the chunks alone, make it
     compute-efficient (256), and the chunks pay no fixed cost. Two streams verifying 3 rows each leave 250."""

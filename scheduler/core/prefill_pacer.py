@@ -129,6 +129,12 @@ class PrefillPacer:
         model = StepCostModel(self.budget.model.fixed, *theta[1:].tolist())
         self._live = replace(self.budget, model=model)
 
+    def forward_s(self, rows: int) -> float:
+        """A forward of `rows` rows at a short context as start-up priced prompt rows (its fixed cost, and
+        per_token a row): an estimate of a decode step no step has timed yet."""
+        m = self.budget.model
+        return m.fixed + m.per_token * rows
+
     def itl_target(self, decode_s: float | None, steady_s: float | None = None) -> float | None:
         """The longest gap a mixed step may give the running streams: `multiple` x their decode step (`decode_s`;
         None before one was timed: start-up's, at batch 1), or x the steady batch's (`steady_s`: the running,

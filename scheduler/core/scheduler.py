@@ -233,7 +233,10 @@ class Scheduler:
             return None
         k = int(decision.num_draft.max(initial=0)) if decision is not None else 0
         refill = decision.refill if decision is not None else False
-        return self.policy.costs.predict(b, np.full(b, k, np.int64), refill) or self.policy.costs.plain(b, refill)
+        timed = self.policy.costs.predict(b, np.full(b, k, np.int64), refill) or self.policy.costs.plain(b, refill)
+        # Not timed yet (a server's first steps, when a burst of prompts arrives): a forward of as many rows as the
+        # start-up fit prices prompt rows. Without it the first burst paced itself to one stream's gap.
+        return timed or self.chunks.pacer.forward_s(b * (k + 1))
 
     def plain_decode_s(self) -> float | None:
         """The running batch's plain decode step as the policy last timed it (None: not yet): what the streams'
