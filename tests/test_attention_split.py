@@ -80,6 +80,18 @@ def test_split_attention_equals_one_padded_batch(page_size, monkeypatch):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _take_path(monkeypatch, path: str):
+    """The attention backend's module with its invariant path pinned: "kernel" (the C++ kernel; skipped where it
+    cannot run) or "torch" (the torch ops)."""
+    import specstep.engine.attention.torch_backend as tb
+
+    if path == "kernel" and not tb.kernel.runs(torch.zeros(1), torch.zeros(1, 1, 16)):
+        pytest.skip(f"the CPU attention kernel does not run here: {tb.kernel.unavailable()}")
+    if path == "torch":
+        monkeypatch.setattr(tb.kernel, "runs", lambda *a: False)
+    return tb
+
+
 def _paged(q_lens, starts, page_size, kv_heads, d, g):
     """A KV cache holding every request's pages (page 0 the dummy), and each request's page table."""
     pages_per = [-(-(s + n) // page_size) for s, n in zip(starts, q_lens)]
@@ -97,12 +109,7 @@ def test_every_request_attends_as_it_would_alone(monkeypatch, path):
     rows) attends each request bitwise as a forward of that request alone: prefill batching and a mixed step's
     company never change a prompt's bits (with int8 activations a rounding difference there became other tokens).
     Both invariant paths: the C++ kernel (SDPA past its prompt sizes) and the torch ops."""
-    import specstep.engine.attention.torch_backend as tb
-
-    if path == "kernel" and not tb.kernel.runs(torch.zeros(1), torch.zeros(1, 1, 16)):
-        pytest.skip(f"the CPU attention kernel does not run here: {tb.kernel.unavailable()}")
-    if path == "torch":
-        monkeypatch.setattr(tb.kernel, "runs", lambda *a: False)
+    tb = _take_path(monkeypatch, path)
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, d, page_size = 6, 2, 16, 16
     q_lens = [1, 105, 83, 1, 12, 600, 24, 3, 40]
@@ -127,12 +134,7 @@ def test_a_fused_mixed_steps_verify_rows_keep_a_verify_steps_bits(monkeypatch, p
     """A fused mixed step's one batch (`StepEngine.run_mixed`): a decode step's verify rows (3 positions a lane)
     beside prompt chunks attend bitwise as the verify step alone, and each chunk as it would alone. Where the C++
     kernel takes the padded shape the whole step is one part (the C++ layers' one call a step)."""
-    import specstep.engine.attention.torch_backend as tb
-
-    if path == "kernel" and not tb.kernel.runs(torch.zeros(1), torch.zeros(1, 1, 16)):
-        pytest.skip(f"the CPU attention kernel does not run here: {tb.kernel.unavailable()}")
-    if path == "torch":
-        monkeypatch.setattr(tb.kernel, "runs", lambda *a: False)
+    tb = _take_path(monkeypatch, path)
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, d, page_size = 6, 2, 16, 16
     q_lens, starts = [3, 3, 12, 64], [40, 90, 900, 0]  # two verify lanes, then a late chunk and a fresh one

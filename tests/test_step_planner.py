@@ -66,6 +66,18 @@ def make_core(proposer: str | None = None, k: int = 0, overlap: bool = False, fo
     return core, engine, clock
 
 
+def start_streams(core: EngineCore, n: int, steps: int) -> list[Request]:
+    """n streams of 8-token prompts, prefilled and then decoding for `steps` steps (the policy times them)."""
+    streams = [request(f"s{i}", 8, 1000) for i in range(n)]
+    for r in streams:
+        core.add_request(r)
+    while len(core.running) < n:
+        core.step()
+    for _ in range(steps):
+        core.step()
+    return streams
+
+
 def request(rid: str, n: int, max_tokens: int) -> Request:
     return Request(rid, [1] * n, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True), seed=1)
 
@@ -94,12 +106,7 @@ def test_decode_rows_first_then_chunks_of_several_prompts_fill_the_budget(fused)
     as the policy prices it (verify rows included), less a prompt forward's fixed cost unless the chunks share
     the decode rows' forward (fused)."""
     core, engine, clock = make_core("mtp", k=2, fused=fused)
-    for i in range(4):
-        core.add_request(request(f"s{i}", 8, 1000))
-    while len(core.running) < 4:
-        core.step()
-    for _ in range(6):  # the policy times the batch's speculative step
-        core.step()
+    start_streams(core, 4, 6)  # the policy times the batch's speculative step
     for i in range(4):
         core.add_request(request(f"p{i}", 40, 1000))
     plan = core.scheduler.schedule()
@@ -113,26 +120,24 @@ def test_decode_rows_first_then_chunks_of_several_prompts_fill_the_budget(fused)
     assert abs(sum(chunks) - room / FORWARD.per_token) <= 1  # the chunks fill the room
 
 
-def test_prompt_forwards_keep_the_compute_efficient_size_where_the_itl_target_leaves_less():
+@pytest.mark.parametrize("fused", [False, True])
+def test_prompt_forwards_keep_the_compute_efficient_size_where_the_itl_target_leaves_less(fused):
     """A prompt forward whose fixed cost (60 ms) eats most of what the streams' target leaves: chunks of what is
     left (~40 tokens) would pay it for few tokens each. The forward keeps the compute-efficient size (256: a
-    token's cost stops falling there), several prompts sharing it; the streams' gap is one such forward."""
+    token's cost stops falling there), several prompts sharing it; the streams' gap is one such forward. Fused,
+    the chunks share the decode rows' forward: the step's rows make it efficient (two streams verifying 3 rows
+    each leave 250), and the chunks pay no fixed cost."""
     forward = StepCostModel(fixed=0.06, per_token=1e-3)
-    core, engine, clock = make_core("mtp", k=2, forward=forward)
+    core, engine, clock = make_core("mtp", k=2, forward=forward, fused=fused)
     pacer = core.scheduler.chunks.pacer
-    assert pacer.efficient == 256
-    for i in range(2):
-        core.add_request(request(f"s{i}", 8, 1000))
-    while len(core.running) < 2:
-        core.step()
-    for _ in range(6):
-        core.step()
+    assert pacer.efficient == 256 and (pacer.overhead == 0.0) == fused
+    start_streams(core, 2, 6)
     for i in range(3):
         core.add_request(request(f"p{i}", 200, 1000))
     plan = core.scheduler.schedule()
     assert (MULTIPLE - 1) * plan.decode_s - forward.fixed < forward.chunk_cost(64, 0)  # the target leaves < 64
     assert plan.decision.num_draft.tolist() == [2, 2]
-    assert [q for _, q in plan.prompts] == [200, 56]
+    assert [q for _, q in plan.prompts] == ([200, 50] if fused else [200, 56])
 
 
 def test_the_itl_target_is_the_steady_batchs_when_prompts_wait():
@@ -140,13 +145,7 @@ def test_the_itl_target_is_the_steady_batchs_when_prompts_wait():
     step of 16. The target follows that step rather than the two streams' own, or the chunks stay small, the
     prompts wait and the batch stays small."""
     core, engine, clock = make_core("mtp", k=2, fused=True)
-    streams = [request(f"s{i}", 8, 1000) for i in range(16)]
-    for r in streams:
-        core.add_request(r)
-    while len(core.running) < 16:
-        core.step()
-    for _ in range(8):  # the policy times steps of 16
-        core.step()
+    streams = start_streams(core, 16, 8)  # the policy times steps of 16
     for r in streams[2:]:
         core.abort(r.request_id)
     while len(core.running) > 2:
@@ -168,39 +167,13 @@ def test_an_untimed_steady_batch_is_priced_from_the_start_up_fit():
     """A burst of prompts beside the first streams, before any step of the whole batch ran: the steady batch's
     step is a forward of its rows as start-up priced prompt rows, not the two streams' own step."""
     core, engine, clock = make_core("mtp", k=2, fused=True)
-    for i in range(2):
-        core.add_request(request(f"s{i}", 8, 1000))
-    while len(core.running) < 2:
-        core.step()
-    for _ in range(4):
-        core.step()
+    start_streams(core, 2, 4)
     for i in range(14):
         core.add_request(request(f"p{i}", 100, 1000))
     pacer = core.scheduler.chunks.pacer
     steady = core.scheduler.steady_decode_s(core.last_decision)
     assert steady == pytest.approx(FORWARD.fixed + FORWARD.per_token * 16 * 3)
     assert steady == pacer.forward_s(48) and steady > core.scheduler.decode_step_s(core.last_decision)
-
-
-def test_a_fused_mixed_steps_decode_rows_count_towards_the_compute_efficient_size():
-    """Fused, the chunks share the decode rows' forward: the step's rows, not the chunks alone, make it
-    compute-efficient (256), and the chunks pay no fixed cost. Two streams verifying 3 rows each leave 250."""
-    forward = StepCostModel(fixed=0.06, per_token=1e-3)
-    core, engine, clock = make_core("mtp", k=2, forward=forward, fused=True)
-    pacer = core.scheduler.chunks.pacer
-    assert pacer.efficient == 256 and pacer.overhead == 0.0
-    for i in range(2):
-        core.add_request(request(f"s{i}", 8, 1000))
-    while len(core.running) < 2:
-        core.step()
-    for _ in range(6):
-        core.step()
-    for i in range(3):
-        core.add_request(request(f"p{i}", 200, 1000))
-    plan = core.scheduler.schedule()
-    assert (MULTIPLE - 1) * plan.decode_s < forward.chunk_cost(250, 0)  # the target leaves less than the floor
-    assert plan.decision.num_draft.tolist() == [2, 2]
-    assert [q for _, q in plan.prompts] == [200, 50]
 
 
 @pytest.mark.parametrize("fused", [False, True])
