@@ -71,7 +71,8 @@ PAD_LIMIT = 2.0
 
 
 def attention_parts(q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int,
-                    prompts_join: Callable[[int, int], bool] | None = None) -> list[tuple[int, int]]:
+                    prompts_join: Callable[[int, int], bool] | None = None,
+                    table_pages: np.ndarray | None = None) -> list[tuple[int, int]]:
     """Consecutive request ranges [r0, r1) to attend separately: one batch pads every request to the longest
     query and the longest key range, so a decode row beside a 4,000-token prompt chunk would compute the
     chunk's whole [q, keys] block; a part grows while its padded work stays within PAD_LIMIT of its own. Requests
@@ -80,11 +81,13 @@ def attention_parts(q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int,
     its very shape, or with any requests where the backend attends their padded shape lane by lane as alone at
     no cost for the padding (`prompts_join(rows, keys)`: the C++ kernel's prompt sizes; a fused mixed step's
     verify rows and chunks then attend in one call), so its rows are the same bits whatever shares its
-    forward."""
+    forward. `table_pages`: each request's page-table length (a part attends over its widest table's keys, which
+    may run past its keys in use: pages reserved for later positions); by default its keys in use."""
     keys = -(-kv_lens // page_size) * page_size
+    width = keys if table_pages is None else np.asarray(table_pages) * page_size  # what a part attends over
     few = q_lens <= MAX_QUERY_ROWS
     one_batch = PAD_LIMIT == float("inf")
-    if one_batch or (prompts_join is not None and prompts_join(int(q_lens.max()), int(keys.max()))):
+    if one_batch or (prompts_join is not None and prompts_join(int(q_lens.max()), int(width.max()))):
         return [(0, len(q_lens))]  # the backend attends each lane of the padded shape as alone, padding for free
     parts, r0 = [], 0
     for r in range(1, len(q_lens) + 1):
@@ -94,7 +97,8 @@ def attention_parts(q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int,
         qn, kn = q_lens[r0: r + 1].max(), keys[r0: r + 1].max()
         # a prompt-sized request shares a part only with requests of its very shape (a batch of fresh prompts of
         # one length, attended as one: the C++ layers' one call a step), which pad nothing
-        alike = few[r] == few[r0] and (few[r] or (q_lens[r] == q_lens[r0] and keys[r] == keys[r0]))
+        alike = few[r] == few[r0] and (few[r] or (q_lens[r] == q_lens[r0] and keys[r] == keys[r0]
+                                                  and width[r] == width[r0]))
         if (not alike and not one_batch) or (
                 (r + 1 - r0) * qn * kn > PAD_LIMIT * float((q_lens[r0: r + 1] * keys[r0: r + 1]).sum())):
             parts.append((r0, r))
@@ -117,7 +121,8 @@ def build_forward_batch(input_ids: Sequence[Sequence[int]], start_pos: Sequence[
         parts = [(0, len(q_lens))]
     else:
         parts = attention_parts(q_lens, start_pos + q_lens, page_size,
-                                attention.prompts_join if attention is not None else None)
+                                attention.prompts_join if attention is not None else None,
+                                np.array([len(p) for p in page_tables]))
     host = [flat]
     dense = []
     for r0, r1 in parts:

@@ -187,8 +187,8 @@ class StepEngine:
         """A mixed step in one target forward: the decode step's verify rows (drafted first, as in
         `decode_body`), then the prompt chunks, so the chunks share the weights' pass instead of paying a second
         forward's. Acceptance and the proposer's refill run over the verify rows, sampling and the proposer's
-        prefill over the chunks, exactly as the two separate forwards would (every row's bits are its own:
-        the C++ layers and the batch-invariant attention never mix rows). No host sync."""
+        prefill over the chunks, as the two separate forwards would; with batch invariance (the CPU default: the
+        C++ layers and the batch-invariant attention never mix rows) to the bit. No host sync."""
         assert self.fuses_mixed(plan), "a graph, a chained or a planned decode step runs apart from the prompts"
         inputs, runs = plan.inputs, PromptRuns.of(seqs, q_lens)
         with self.tracer.range(ranges.MIXED, track=DEVICE_TRACK, batch=plan.batch_size, k=plan.k,
@@ -205,8 +205,7 @@ class StepEngine:
                                      self.staging.upload)
             drafts, draft_probs = self._draft(inputs)
             fb.input_ids[:rows] = self._verify_ids(inputs)
-            with self.tracer.range(ranges.VERIFY, track=DEVICE_TRACK):
-                hidden = self.target(fb, self.pool)
+            hidden = self.target(fb, self.pool)  # verify rows and chunks: the MIXED range, not VERIFY
             out, accepted = self._accept(inputs, hidden[:rows], drafts, draft_probs)
             if self.proposer is not None:
                 self.proposer.after_verify(inputs, out, accepted, hidden[:rows], self.tracer)

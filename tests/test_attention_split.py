@@ -153,3 +153,27 @@ def test_a_fused_mixed_steps_verify_rows_keep_a_verify_steps_bits(monkeypatch, p
                                        tb.PROMPT_SLOT)
         ref = attn.forward(q[cu[i]:cu[i + 1]], k_cache, v_cache, alone.attn, heads, 0.25)
         assert torch.equal(out[cu[i]:cu[i + 1]], ref), f"chunk {i}"
+
+
+def test_lanes_join_only_where_the_kernel_takes_their_page_tables_width(monkeypatch):
+    """A part attends over its widest page table's keys, and a table may run past the keys in use (pages
+    reserved for a step's later positions). A 256-row chunk over 5,440 keys is inside the kernel's prompt sizes
+    (3 query heads a KV head), but beside a verify lane whose table holds one page more it is not: the two must
+    not join, or both fall to padded SDPA and lose their own bits."""
+    tb = _take_path(monkeypatch, "kernel")
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, page_size = 6, 2, 16, 16
+    q_lens, starts = [3, 256], [40, 5184]
+    k_cache, v_cache, tables = _paged(q_lens, starts, page_size, kv_heads, d, g)
+    tables[0] = tables[0] + list(range(1, 1 + 341 - len(tables[0])))  # reserved far ahead: 341 pages
+    assert len(tables[1]) == 340 and tb.kernel.takes_prompt(256, 340 * page_size, 3)
+    assert not tb.kernel.takes_prompt(256, 341 * page_size, 3)
+    q = torch.randn(sum(q_lens), heads * d, generator=g)
+    attn = TorchAttention(batch_invariant=True, kernel_group=heads // kv_heads)
+    both = bb.build_forward_batch([[0] * n for n in q_lens], starts, tables, page_size, "cpu", attn, tb.PROMPT_SLOT)
+    assert isinstance(both.attn, SplitAttention)
+    out = attn.forward(q, k_cache, v_cache, both.attn, heads, 0.25)
+    for i, (t0, t1) in enumerate([(0, 3), (3, 259)]):
+        alone = bb.build_forward_batch([[0] * q_lens[i]], starts[i:i + 1], tables[i:i + 1], page_size, "cpu", attn,
+                                       tb.PROMPT_SLOT)
+        assert torch.equal(out[t0:t1], attn.forward(q[t0:t1], k_cache, v_cache, alone.attn, heads, 0.25)), i

@@ -234,3 +234,45 @@ def test_a_short_prompt_behind_a_long_one_is_done_before_the_long_one(tiny_targe
         core.step()
         steps += 1
     assert long.status == Status.PREFILLING and steps == -(-short_len // 6)  # 6 of the 12 tokens a step
+
+
+def logical_kv(core, pool, length) -> dict[str, torch.Tensor]:
+    """Each unfinished request's keys at its first `length(request)` positions, read through its page table
+    (page ids and positions past those are the allocator's and a step's scratch)."""
+    ps = core.engine.page_size
+    out = {}
+    for r in core.scheduler.queues.requests.values():
+        if not r.finished and r.page_table:
+            slots = torch.tensor([r.page_table[i // ps] * ps + i % ps for i in range(length(r))], dtype=torch.long)
+            out[r.request_id] = torch.stack([k.reshape(-1, *k.shape[-2:])[slots] for k in pool.k])
+    return out
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft_self", "mtp"])
+def test_a_fused_mixed_step_is_its_decode_step_and_prompt_forward(tiny_target, proposers, name):
+    """A mixed step in one forward (`StepEngine.run_mixed`) against the same steps run as the decode step, then
+    a prompt forward: step by step the same tokens, and after every step the same bits in the target's KV and
+    in the draft's or head's KV (which the fused step's rows write: a wrong row offset writes another's)."""
+    cores = [core_for(tiny_target, proposers, name, 7) for _ in range(2)]
+    cores[1].engine.fuses_mixed = lambda plan: False  # the same engine, each mixed step as two forwards
+    fused = []
+    run_mixed = cores[0].engine.run_mixed
+    cores[0].engine.run_mixed = lambda *a: fused.append(1) or run_mixed(*a)
+    pending = [[Request(str(i), list(p), GREEDY, seed=100 + i) for i, p in enumerate(prompts())] for _ in cores]
+    for queue, core in zip(pending, cores):
+        for _ in range(4):
+            core.add_request(queue.pop(0))
+    while cores[0].has_unfinished() or pending[0]:
+        for queue, core in zip(pending, cores):
+            if queue and core.running:
+                core.add_request(queue.pop(0))
+        steps = [[(o.request.request_id, o.new_token_ids) for o in core.step()] for core in cores]
+        assert steps[0] == steps[1]
+        views = [(core.engine.pool, lambda r: r.num_computed)]
+        if cores[0].engine.proposer.pool is not None:  # the draft's KV, as far as it is current
+            views.append((None, lambda r: max(0, min(r.num_computed, r.draft_len) - 1)))
+        for pool, length in views:
+            kv = [logical_kv(core, pool or core.engine.proposer.pool, length) for core in cores]
+            assert kv[0].keys() == kv[1].keys()
+            assert all(torch.equal(kv[0][rid], kv[1][rid]) for rid in kv[0])
+    assert not cores[1].has_unfinished() and fused

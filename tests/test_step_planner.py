@@ -246,3 +246,26 @@ def test_a_finished_request_keeps_its_pages_and_slot_while_a_chained_step_includ
     assert seen > 0, "no request finished while a chained step included it"
     assert all(r.status is Status.FINISHED and not r.page_table and r.slot == -1 for r in reqs)
     assert core.allocator.num_free == core.allocator.num_usable
+
+
+@pytest.mark.parametrize("reason", ["explore", "remeasure", "fixed"])
+def test_a_step_taken_to_time_a_candidate_is_not_fused(reason):
+    """Exploration and re-measurement run a k to time it: fused with prompt chunks its cost could not be told
+    from theirs, so such a mixed step runs as the decode step, then a prompt forward, and its cost is learned.
+    Any other mixed step fuses, and its decode rows teach the step costs nothing."""
+    from dataclasses import replace
+
+    core, engine, clock = make_core("mtp", k=2, fused=True)
+    start_streams(core, 2, 4)
+    decide = core.scheduler.decide
+    core.scheduler.decide = lambda running: replace(decide(running), reason=reason)
+    fused, observed = [], []
+    run_mixed, observe = engine.run_mixed, core.policy.costs.observe
+    engine.run_mixed = lambda *a: fused.append(1) or run_mixed(*a)
+    core.policy.costs.observe = lambda *a, **k: observed.append(a[0]) or observe(*a, **k)
+    core.add_request(request("p", 40, 4))
+    before = core.policy.observed
+    core.step()
+    assert bool(fused) == (reason == "fixed")
+    assert bool(observed) == (reason != "fixed")
+    assert core.policy.observed == before + 1  # every decode step reaches the policy's bookkeeping once

@@ -7,8 +7,9 @@ batch-invariantly instead (the C++ kernel `cpu_attention`, else `invariant_atten
 on what shares its step, so speculative greedy output is plain greedy output bitwise). Prompts take the C++ kernel
 too up to its prompt sizes (`cpu_attention.takes_prompt`), SDPA past them. A split forward (`SplitAttention`:
 several prompts, a mixed step's decode rows beside chunks) attends each part exactly as it would attend alone, and
-`attention_parts` gives every prompt-sized lane a part of its own: a prompt's bits never depend on what shares
-its forward (int8 activations turn a rounding difference upstream into other tokens).
+`attention_parts` puts a prompt-sized lane in a part with others only where that cannot change its bits (lanes of
+its very shape, or a padded shape the C++ kernel takes, `prompts_join`): a prompt's bits never depend on what
+shares its forward (int8 activations turn a rounding difference upstream into other tokens).
 
 Every backend has the shape of `TorchAttention`: `plan(...)` takes a forward's host-known lengths before the
 forward runs (this one needs none: its mask is derived on the device from the starts), and `forward(...)`

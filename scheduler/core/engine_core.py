@@ -196,8 +196,9 @@ class EngineCore:
         catch_up_s = self._catch_up(plan)
         launched = self.clock()
         ctx, refilled = self._build(plan, None)
-        if self.engine.fuses_mixed(ctx):
-            return self._fused(plan, ctx, refilled, launched)
+        # A step taken to time a candidate runs apart from the chunks: fused, its cost could not be told
+        if self.engine.fuses_mixed(ctx) and not plan.decision.measures:
+            return self._fused(plan, ctx, refilled, catch_up_s, launched)
         handle = self.stream.submit(ranges.DECODE, lambda: self.engine.run_decode(ctx))
         cur = InFlight(plan, handle, ctx.num_draft, refilled, catch_up_s, launched)
         if self.overlap:  # the prompt forward is queued behind it: its outputs are processed meanwhile
@@ -219,10 +220,12 @@ class EngineCore:
         with self.tracer.range(ranges.PROCESS_OUTPUT):
             return outputs + self.results.finish_chunks(plan, tokens, seconds)
 
-    def _fused(self, plan: StepPlan, ctx: DecodePlan, refilled: np.ndarray, launched: float) -> list[RequestOutput]:
+    def _fused(self, plan: StepPlan, ctx: DecodePlan, refilled: np.ndarray, catch_up_s: float,
+               launched: float) -> list[RequestOutput]:
         """A mixed step in one forward. Its decode rows cost what the policy predicted for the batch's decode
         step (`plan.decode_s`): the policy's step costs learn from decode steps alone, and the pacer learns what
-        the chunks add beyond that prediction. With no prediction (nothing timed yet) neither learns from it."""
+        the chunks add beyond that prediction. With no prediction (nothing timed yet) the pacer learns nothing,
+        and the policy's governor takes the whole step as the decode rows' cost (an upper bound)."""
         seqs = [r for r, _ in plan.prompts]
         q_lens = [q for _, q in plan.prompts]
         handle = self.stream.submit(ranges.MIXED,
@@ -237,11 +240,10 @@ class EngineCore:
             outputs = self.results.finish_decode(plan, out.num_draft.tolist(), refilled, accepted, tokens)
             outputs += self.results.finish_chunks(plan, prompt_tokens,
                                                   None if decode_s is None else max(seconds - decode_s, 0.0))
-        if decode_s is not None:
-            d = plan.decision
-            self.policy.observe_step(len(plan.decode), out.num_draft, d.refill, decode_s,
-                                     tokens=len(plan.decode) + sum(accepted), auto_drafted=d.auto_drafts(out.num_draft),
-                                     timed=False)
+        d = plan.decision
+        self.policy.observe_step(len(plan.decode), out.num_draft, d.refill, seconds if decode_s is None else decode_s,
+                                 tokens=len(plan.decode) + sum(accepted), catch_up_s=catch_up_s,
+                                 auto_drafted=d.auto_drafts(out.num_draft), timed=False)
         return outputs
 
     def _catch_up(self, plan: StepPlan) -> float:

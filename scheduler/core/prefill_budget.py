@@ -160,7 +160,8 @@ def choose_budget(model: StepCostModel, decode_s: float, multiple: float, max_to
     tokens = max(floor, min(model.tokens_within((multiple - 1) * decode_s - fixed, 0), max_tokens))
     how = (f"calibrated to an ITL target of {multiple:g} x the running streams' decode step "
            f"({multiple * decode_s * 1e3:.1f} ms at batch 1 at start-up): {tokens} prompt tokens a step at context 0 "
-           f"beside one stream, never below {efficient} (compute-efficient: a token's cost stops falling there), "
+           f"beside one stream, never below {efficient}{' rows a step' if fused else ''} (compute-efficient: a "
+           f"token's cost stops falling there), "
            f"whole prompts up to {max_tokens} with none; "
            f"prompt forwards {model.fixed * 1e3:.1f} ms + {model.per_token * 1e3:.2f} ms/token + "
            f"{model.per_key * 1e6:.3f} us/token/key + {model.per_context * 1e6:.1f} us/key of context beyond it "

@@ -225,8 +225,9 @@ class Scheduler:
     def steady_decode_s(self, decision: Decision | None = None) -> float | None:
         """The decode step of the batch the running, prefilling and waiting requests make together (at most
         max_batch_size), each drafting the most `decision` drafts (none without one), where that batch is larger
-        than the running one and the policy has timed its size: the gap the streams see once the waiting
-        prompts decode (`PrefillPacer.itl_target`)."""
+        than the running one (else None): the gap the streams see once the waiting prompts decode
+        (`PrefillPacer.itl_target`). As the policy prices it, or where it has timed no such step, as start-up
+        priced prompt rows (`PrefillPacer.forward_s`)."""
         q = self.queues
         b = min(len(q.running) + len(q.prefilling) + len(q.waiting), self.config.max_batch_size)
         if b <= len(q.running):

@@ -103,6 +103,12 @@ class Decision:
     def explored(self) -> bool:
         return self.reason == "explore"
 
+    @property
+    def measures(self) -> bool:
+        """The step is taken to time a candidate (exploration, a re-measurement): its cost must be measured on its
+        own, not inside a fused mixed step."""
+        return self.reason in ("explore", "remeasure")
+
     def auto_drafts(self, num_draft: np.ndarray) -> bool:
         """Did the policy's choice (or a probe) have auto requests draft, given what the step really drafted?
         Exploration and re-measurement steps run k values on purpose: the governor does not judge them."""
