@@ -171,8 +171,8 @@ class EngineConfig:
     # Chunked prefill (`scheduler/core/prefill_budget.py`): every running request runs its decode step (speculative
     # or not) in each step and prompt chunks fill the rest of its budget, as in vLLM. max_num_batched_tokens N: a
     # fixed budget of N tokens a step (0: off). Unset: calibrated at start-up (and paced live,
-    # `scheduler/core/prefill_pacer.py`) so a mixed step costs at most max_step_latency of the running batch's
-    # decode steps, never below the compute-efficient prompt forward (docs/scheduling.md), or off when that is
+    # `scheduler/core/prefill_pacer.py`) so a mixed step costs at most max_step_latency of the running (or steady)
+    # batch's decode steps, never below the compute-efficient forward (docs/scheduling.md), or off when that is
     # unset too (the library's and `generate`'s default; `serve` sets it). Off: a prompt is prefilled whole in a
     # step of its own while running requests wait. A budget below the running batch is allowed: prompts still
     # get a share of every step (`PrefillBudget.chunk`).
@@ -184,7 +184,8 @@ class EngineConfig:
     max_step_latency: float | None = option(
         None, "chunked prefill with a budget calibrated at start-up (a few seconds on CPU) and kept true from the "
               "engine's own step times: a step mixing prompt chunks with decoding costs at most X of the running "
-              "batch's decode steps (never less than one compute-efficient prompt forward), so running streams "
+              "batch's decode steps (of the batch the waiting prompts will make, where that is longer; never less "
+              "than one compute-efficient forward), so running streams "
               "keep about X times their usual inter-token gap while a long prompt is prefilled; larger X: faster "
               "prefill, longer gaps. --max-num-batched-tokens "
               "overrides it (default: {default}). The ready line reports the budget", metavar="X",
