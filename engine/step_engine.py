@@ -136,29 +136,25 @@ class StepEngine:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[SeqState], with_proposer: bool | list[bool] = True,
-                q_lens: list[int] | np.ndarray | None = None, num_decode: int = 0) -> torch.Tensor:
+                q_lens: list[int] | np.ndarray | None = None) -> torch.Tensor:
         """One target forward over ragged runs token_ids[num_computed : num_computed + q_lens[i]] (default: every
-        uncomputed token); return the token sampled after each run [B] (device). It serves whole prefills,
-        prefill chunks, and mixed steps whose first `num_decode` rows are running requests decoding one token
-        each with plain sampling (same positions, same draws as a plain decode step).
+        uncomputed token); return the token sampled after each run [B] (device). It serves whole prefills and
+        prefill chunks (a mixed step's, where it is not fused: `run_mixed`).
 
-        A run is *final* when it ends at the request's last token (a decode row always is): only a final run's
-        sampled token is used. For prefill rows the proposer consumes the same chunk (`with_proposer`, per row
-        or for all), so its carried state is ready when the prefill completes; otherwise, and for decode rows
-        (their refill is dropped: the draft catches up before it next drafts), it only keeps what a later
-        catch-up needs."""
+        A run is *final* when it ends at the request's last token: only a final run's sampled token is used. The
+        proposer consumes the same chunk (`with_proposer`, per row or for all), so its carried state is ready when
+        the prefill completes; otherwise it only keeps what a later catch-up needs."""
         runs = PromptRuns.of(seqs, q_lens)
-        with self.tracer.range(ranges.PREFILL, track=DEVICE_TRACK, batch=len(seqs), tokens=runs.num_tokens,
-                               decode=num_decode):
+        with self.tracer.range(ranges.PREFILL, track=DEVICE_TRACK, batch=len(seqs), tokens=runs.num_tokens):
             hidden = self.target(self._prompt_batch(seqs, runs), self.pool)
-            return self._after_prompts(seqs, runs, hidden, with_proposer, num_decode)
+            return self._after_prompts(seqs, runs, hidden, with_proposer)
 
     def _prompt_batch(self, seqs: list[SeqState], runs: PromptRuns) -> ForwardBatch:
         return build_forward_batch(runs.ids, runs.start, [s.page_table for s in seqs], self.page_size, self.device,
                                    self.target.attention, "prefill", self.staging.upload)
 
     def _after_prompts(self, seqs: list[SeqState], runs: PromptRuns, hidden: torch.Tensor,
-                       with_proposer: bool | list[bool], num_decode: int = 0) -> torch.Tensor:
+                       with_proposer: bool | list[bool]) -> torch.Tensor:
         """Sample after each run's last token (`hidden`: the runs' rows, flat), and the proposer's part."""
         start, q_lens, cu = runs.start, runs.q_lens, runs.cu
         params = [s.params for s in seqs]
@@ -168,18 +164,22 @@ class StepEngine:
         st = SamplingTensors.from_tensors(sampling, params, self.vocab_size)
         tokens = sample(self.target.compute_logits(hidden[last]), st, positions)
         if self.proposer is not None:
-            consume = np.zeros(len(seqs), bool)
-            consume[num_decode:] = (with_proposer[num_decode:] if isinstance(with_proposer, list)
-                                    else with_proposer)
+            consume = np.array(with_proposer, bool) if isinstance(with_proposer, list) else np.full(len(seqs),
+                                                                                                     with_proposer)
             self.proposer.after_prefill(seqs, start, q_lens, runs.final, cu, hidden, tokens, consume,
                                         self.staging.upload)
         return tokens
 
+    @property
+    def fuses_mixed_steps(self) -> bool:
+        """Mixed steps run as one forward (`run_mixed`): no captured graphs (a graph replays the decode rows on
+        their own) and an attention backend that needs no host plan (FlashInfer plans each forward's lengths)."""
+        return self.graphs is None and not self.plans_attention
+
     def fuses_mixed(self, plan: DecodePlan) -> bool:
-        """Whether a mixed step with this decode plan runs as one forward (`run_mixed`): an eager step whose
-        attention needs no host plan. A captured graph replays the decode rows on their own, and FlashInfer plans
-        each forward's lengths: those run the decode step, then the prompt forward."""
-        return not plan.graph and not self.plans_attention and plan.chain is None
+        """Whether a mixed step with this decode plan runs as one forward (`fuses_mixed_steps`, and an eager,
+        unchained step); else the decode step, then the prompt forward."""
+        return self.fuses_mixed_steps and not plan.graph and plan.chain is None
 
     @torch.inference_mode()
     def run_mixed(self, plan: DecodePlan, seqs: list[SeqState], with_proposer: list[bool],

@@ -45,9 +45,8 @@ class StepEngineProtocol(Protocol):
         ...
 
     def prefill(self, seqs: list[SeqState], with_proposer: bool | list[bool] = True,
-                q_lens: list[int] | np.ndarray | None = None, num_decode: int = 0) -> torch.Tensor:
-        """One target forward over ragged prompt chunks (and, first, `num_decode` one-token decode rows); the
-        token sampled after each run [B] (device)."""
+                q_lens: list[int] | np.ndarray | None = None) -> torch.Tensor:
+        """One target forward over ragged prompt chunks; the token sampled after each run [B] (device)."""
         ...
 
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:

@@ -123,7 +123,7 @@ def build_engine(cfg: EngineConfig, tracer: Tracer = NULL_TRACER) -> tuple[Engin
     num_pages = parts.memory.num_pages
     # Timed through `engine`: with tensor parallelism the followers run the same probe steps.
     budget = resolve_budget(cfg, engine, num_pages, max_len,
-                            fused=group is None and parts.capture is None and not step_engine.plans_attention)
+                            fused=group is None and step_engine.fuses_mixed_steps)
     sched = SchedulerConfig(max_batch_size=cfg.max_batch_size, max_prefill_tokens=cfg.max_prefill_tokens,
                             prefill_budget=budget, num_spec_tokens=cfg.num_spec_tokens if proposer else 0,
                             max_model_len=max_len, spec_max_len=spec_max_len)

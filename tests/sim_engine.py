@@ -133,7 +133,7 @@ class SimStepEngine:
     def close(self, failed: bool = False) -> None:
         pass
 
-    def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
+    def prefill(self, seqs, with_proposer=True, q_lens=None):
         n = sum(q_lens) if q_lens is not None else sum(len(s.token_ids) - s.num_computed for s in seqs)
         self.clock.now += self.scenario.prefill_per_token * n
         return torch.ones(len(seqs), dtype=torch.long)

@@ -187,7 +187,7 @@ def test_pacer_keeps_headroom_for_the_slow_steps():
 class MixedSim(SimStepEngine):
     """A mixed step's prompt forward costs 2 ms plus 3 ms a prompt token (3x what the fit below says)."""
 
-    def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
+    def prefill(self, seqs, with_proposer=True, q_lens=None):
         self.clock.now += 0.002 + 3e-3 * sum(q_lens)
         return torch.ones(len(seqs), dtype=torch.long)
 
@@ -226,7 +226,7 @@ class ReadSim(SimStepEngine):
     """A mixed step's prompt forward costs READ_MODEL's: a chunk pays for reading its context whatever its size
     (the start-up fit and the live one agree on it)."""
 
-    def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
+    def prefill(self, seqs, with_proposer=True, q_lens=None):
         self.clock.now += READ_MODEL.fixed + sum(READ_MODEL.chunk_cost(q, s.num_computed) for s, q in zip(seqs, q_lens))
         return torch.ones(len(seqs), dtype=torch.long)
 
@@ -279,9 +279,9 @@ class TimedEngine:
         self.now += cost + (1.0 if key not in self.seen else 0.0)
         self.seen.add(key)
 
-    def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode=0):
+    def prefill(self, seqs, with_proposer=True, q_lens=None):
         (s,), (q,) = seqs, q_lens
-        assert s.num_computed + q == len(s.token_ids) and not with_proposer and num_decode == 0
+        assert s.num_computed + q == len(s.token_ids) and not with_proposer
         assert len(s.page_table) * 16 >= len(s.token_ids) and 0 not in s.page_table  # never the dummy page
         self.shapes.append((q, s.num_computed))
         self._tick((q, s.num_computed), MODEL.fixed + MODEL.chunk_cost(q, s.num_computed))

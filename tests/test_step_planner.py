@@ -39,7 +39,7 @@ class ForwardSim(SimStepEngine):
         super().__post_init__()
         self.forwards: list[list[int]] = []
 
-    def prefill(self, seqs, with_proposer=True, q_lens=None, num_decode: int = 0):
+    def prefill(self, seqs, with_proposer=True, q_lens=None):
         self.clock.now += self.forward.fixed
         return self.chunks_in_step(seqs, q_lens)
 

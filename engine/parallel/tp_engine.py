@@ -141,11 +141,10 @@ class LeaderEngine:
     def _send(self, message: tuple) -> None:
         self.tp.broadcast_object(message)
 
-    def prefill(self, seqs: list[SeqState], with_proposer: bool | list[bool] = True, q_lens=None,
-                num_decode: int = 0) -> torch.Tensor:
+    def prefill(self, seqs: list[SeqState], with_proposer: bool | list[bool] = True, q_lens=None) -> torch.Tensor:
         self._send(self._message("prefill", self._sync.snapshot(seqs), with_proposer,
-                                 None if q_lens is None else np.asarray(q_lens, dtype=np.int64), num_decode))
-        return self.local.prefill(seqs, with_proposer, q_lens, num_decode)
+                                 None if q_lens is None else np.asarray(q_lens, dtype=np.int64)))
+        return self.local.prefill(seqs, with_proposer, q_lens)
 
     def catch_up(self, seqs: list[SeqState], draft_lens: list[int]) -> None:
         if self._followers_catch_up:
@@ -213,8 +212,8 @@ def follow(engine, tp: TPGroup) -> None:
         if kind == STOP:
             return
         if kind == "prefill":
-            snapshot, with_proposer, q_lens, num_decode = payload
-            engine.prefill(mirror.apply(snapshot), with_proposer, q_lens, num_decode)
+            snapshot, with_proposer, q_lens = payload
+            engine.prefill(mirror.apply(snapshot), with_proposer, q_lens)
         elif kind == "catch_up":
             snapshot, draft_lens = payload
             engine.catch_up(mirror.apply(snapshot), draft_lens)
