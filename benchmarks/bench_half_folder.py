@@ -1,11 +1,12 @@
-"""Batch-1 plain decode of a bf16 Hugging Face folder: its linears in the kernel layer's BF16 rows (the default)
-against the same folder widened to fp32 (`--quantization none`: the torch / oneDNN linears, 4 bytes a weight),
-alternating in one run.
+"""Plain decode of a bf16 Hugging Face folder in each form its linears can take, alternating in one run:
+its own bf16 rows in the kernel layer (the default), Q8_0 blocks quantised at load (`--quantization q8_0`, int8
+activations under the default `--activations auto`), and fp32 (`--quantization none`: the torch / oneDNN
+linears, 4 bytes a weight). Batch 1 and batch 8 (`--batches`), greedy, prompts of held-out code.
 
     python -m benchmarks.bench_half_folder [--out /tmp/smollm2-135m-bf16] [--repeats 3] [--new-tokens 64]
 
-Without a folder at `--out` it writes one first: SmolLM2-135M's shape (30 layers, hidden 576, 9 / 3 heads, vocab
-49,152, tied embeddings) with random weights, saved by transformers in bf16, and the embedded SmolLM2's tokenizer.
+Without a folder at `--out` it writes one first: the embedded SmolLM2-135M's weights (its Q4_1 file, dequantised)
+saved by transformers in bf16, with its tokenizer: real pretrained weights in the layout a bf16 download has.
 """
 
 from __future__ import annotations
@@ -22,18 +23,17 @@ from specstep.engine.engine_config import EngineConfig
 from specstep.engine.model_source import default_target, resolve_model
 from specstep.engine.sampling_params import SamplingParams
 
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
-                    rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+FORMS = {"bf16 rows (default)": "auto", "Q8_0 at load (--quantization q8_0)": "q8_0",
+         "fp32 (--quantization none)": "none"}
 
 
 def write_folder(out: Path) -> None:
     import transformers
 
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMOLLM2_135M)).to(torch.bfloat16).eval()
+    src = resolve_model(default_target().reference)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(torch.bfloat16)
     model.save_pretrained(out)
-    shutil.copy(resolve_model(default_target().reference) / "tokenizer.json", out / "tokenizer.json")
+    shutil.copy(src / "tokenizer.json", out / "tokenizer.json")
 
 
 def main() -> None:
@@ -41,26 +41,32 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/smollm2-135m-bf16"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     args = ap.parse_args()
     if not (args.out / "config.json").is_file():
         write_folder(args.out)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     prompts = code_prompts(args.prompts, 64, seed=1, model=args.out)
-    forms = {"fp32 (--quantization none)": "none", "bf16 kernels (default)": "auto"}
-    seen: dict[str, list[float]] = {name: [] for name in forms}
-    outputs = {}
+    seen: dict[tuple[str, int], list[float]] = {(name, b): [] for name in FORMS for b in args.batches}
+    outputs: dict[str, list[list[int]]] = {}
     for i in range(args.repeats):
-        for name, quantization in forms.items():
-            cfg = EngineConfig(model=str(args.out), spec="none", quantization=quantization)
-            r = run_engine(cfg, prompts, params, 1)
-            seen[name].append(r.tok_per_s)
-            outputs[name] = r.outputs
-            console.print(f"repeat {i + 1}, {name}: {r.tok_per_s:.1f} tok/s")
-    for name, figures in seen.items():
-        console.print(f"{name}: median {statistics.median(figures):.1f} tok/s over {len(figures)} ({machine()})")
-    a, b = outputs.values()
-    console.print(f"outputs identical: {sum(x == y for x, y in zip(a, b))}/{len(a)}")
+        for batch in args.batches:
+            for name, quantization in FORMS.items():
+                cfg = EngineConfig(model=str(args.out), spec="none", quantization=quantization)
+                r = run_engine(cfg, prompts if batch > 1 else prompts[:2], params, batch)
+                seen[name, batch].append(r.tok_per_s)
+                outputs.setdefault(name, r.outputs[:2])
+                console.print(f"repeat {i + 1}, batch {batch}, {name}: {r.tok_per_s:.1f} tok/s")
+    console.print(f"{args.out}, {machine()}; tok/s, median [min-max] of {args.repeats}:")
+    for (name, batch), figures in seen.items():
+        console.print(f"  batch {batch}, {name}: {statistics.median(figures):.1f} "
+                      f"[{min(figures):.1f}-{max(figures):.1f}]")
+    ref = outputs[next(iter(FORMS))]
+    for name, out in outputs.items():
+        same = sum(a == b for a, b in zip(out, ref))
+        first = min((next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(out, ref)))
+        console.print(f"  {name}: {same}/{len(ref)} outputs equal the bf16 rows', first difference at token {first}")
 
 
 if __name__ == "__main__":

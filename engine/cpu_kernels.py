@@ -19,7 +19,7 @@ from specstep.engine.errors import ConfigError
 
 LINEAR_MODES = ("auto", "matmul", "onednn")
 HALF_CHOICES = ("auto", "off")
-QUANTIZATION_CHOICES = ("auto", "gguf", "none")
+QUANTIZATION_CHOICES = ("auto", "gguf", "q8_0", "none")
 LAYER_CHOICES = ("auto", "torch")
 # int8: in AMX tiles where the host has AMX-INT8 (block sums), else in AVX-512 VNNI lanes (the same arithmetic) where
 # it has those, else in AVX2 lanes (SPECSTEP_CPU_ISA=amx|avx512|avx2 pins one: an error where it cannot run);
@@ -33,8 +33,9 @@ BF16_MARGIN = 0.95
 class CpuKernels:
     """linear: auto | matmul | onednn (`--cpu-linear`); half: auto (bf16 linear weights where this CPU's
     oneDNN runs them faster: `--dtype auto`) | off (fp32 exactly: `--dtype float32`); batch_invariant: see the
-    module docstring; quantization (`--quantization`): auto (a GGUF checkpoint's linears read its Q4_1 / Q8_0
-    blocks in `engine.models.gguf_linear`'s kernel where it runs here) | gguf (that, or an error) | none (fp32)."""
+    module docstring; quantization (`--quantization`): auto (a GGUF checkpoint's linears read its blocks in the
+    GGUF kernels where they run here, a 16-bit folder's its own rows) | gguf (that, or an error) | q8_0 (a Hugging
+    Face folder's linears quantised to Q8_0 blocks at load: `engine.models.q8_0_linears`) | none (fp32)."""
 
     linear: str = "auto"
     half: str = "off"

@@ -248,10 +248,12 @@ class EngineConfig:
               "oneDNN's one-row linear is slower than MKL's and the invariant attention runs more ops)")
 
     quantization: str = option(
-        "auto", "CPU, GGUF checkpoints: auto runs the file's Q4_1 / Q8_0 weights as they are in specstep's AVX2 "
-                "kernel (batch-invariant; built with g++ at the first start) where this host has AVX2, FMA and "
-                "F16C, else fp32; gguf: that kernel or an error; none: the dequantised fp32 weights",
-        choices=("auto", "gguf", "none"))
+        "auto", "CPU: auto runs a GGUF checkpoint's weights as the file's blocks are (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, "
+                "Q4_K/Q5_K/Q6_K, F16/BF16) in specstep's kernels (batch-invariant; built with g++ at the first "
+                "start), and a bf16 or fp16 folder's in its own 16-bit rows, where this host runs them, else fp32; "
+                "gguf: those kernels or an error; q8_0: quantise a Hugging Face folder's linears and embedding to "
+                "Q8_0 at load, as llama-quantize does (1.06 bytes a weight; not exact); none: fp32 weights",
+        choices=("auto", "gguf", "q8_0", "none"))
     cpu_layers: str = option(
         "auto", "CPU, GGUF linears: auto runs the decoder layers' norms, rotary, KV writes, residuals and MLP gate in "
                 "specstep's C++ (one call a decode, verify, draft or refill step; built with g++ at the first "

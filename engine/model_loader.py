@@ -24,6 +24,7 @@ from specstep.engine.models.gguf_linear import use_gguf_linears
 from specstep.engine.models.half_linears import half_format, use_half_linears
 from specstep.engine.models.llama import LlamaForCausalLM
 from specstep.engine.models.mtp_head import MTPHead
+from specstep.engine.models.q8_0_linears import use_q8_0_linears
 from specstep.engine.parallel.group import SINGLE, TPGroup
 
 
@@ -40,6 +41,9 @@ def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str
         raise CheckpointError(f"{folder}: is an MTP head, not a language model (use it as --draft with --spec mtp)")
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)
+    quantize = isinstance(cpu_linear, CpuKernels) and cpu_linear.quantization == "q8_0"
+    if quantize:
+        _check_quantize(folder, device, torch_dtype, tp)
     # a bf16 / fp16 folder computed in fp32 on CPU keeps its 16-bit weights: read as the file holds them
     half = half_format(folder, cfg, cpu_linear, torch_dtype, tp.world_size) if device.type == "cpu" else None
     with torch.device("meta"):
@@ -51,8 +55,11 @@ def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str
     # Buffers (rotary tables) were built on meta; rebuild them for real on the target device.
     model.rotary.build_tables()
     if device.type == "cpu":
-        model.gguf_note = (use_half_linears(model, half) if half is not None
-                           else _quantized(model, folder, cpu_linear, tp, torch_dtype))
+        if quantize:
+            model.gguf_note = use_q8_0_linears(model, cpu_linear.activations)
+        else:
+            model.gguf_note = (use_half_linears(model, half) if half is not None
+                               else _quantized(model, folder, cpu_linear, tp, torch_dtype))
         fill_unread(model, folder, torch_dtype)
     model = model.to(device).eval().requires_grad_(False)  # serving weights; training heads keep the target frozen
     if device.type == "cpu":
@@ -60,6 +67,22 @@ def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str
         layers = cpu_linear.layers if isinstance(cpu_linear, CpuKernels) else "torch"
         model.layers_note = use_native_layers(model, layers)
     return model
+
+
+def _check_quantize(folder: Path, device: torch.device, dtype: torch.dtype, tp: TPGroup) -> None:
+    """`--quantization q8_0` quantises a Hugging Face folder's linears for the CPU's GGUF kernel: one rank,
+    fp32 compute."""
+    if (folder / "specstep_source.json").is_file():
+        raise ConfigError(f"--quantization q8_0 quantises a Hugging Face folder; {folder} holds a GGUF file's "
+                          "blocks already (--quantization auto runs them as they are)")
+    if device.type != "cpu":
+        raise ConfigError(f"--quantization q8_0 runs in the CPU's GGUF kernel, not on {device.type}")
+    if dtype != torch.float32:
+        raise ConfigError(f"--quantization q8_0 runs in the GGUF kernel, which takes float32 activations: not with "
+                          f"--dtype {str(dtype).removeprefix('torch.')}")
+    if tp.world_size > 1:
+        raise ConfigError("--quantization q8_0 does not run with --tensor-parallel-size > 1 (blocks are not "
+                          "sharded)")
 
 
 def _gguf_source(folder: Path, kernels: str | CpuKernels, tp: TPGroup, dtype: torch.dtype) -> Path | None:

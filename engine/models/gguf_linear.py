@@ -206,25 +206,7 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         if required:
             raise ConfigError(f"{flag}: the GGUF kernel cannot run here: {why}")
         return f"fp32 weights (GGUF kernel unavailable: {why})"
-    if kernel_layer.pinned_isa() and activations in ("int8", "auto"):
-        flag = f"{kernel_layer.ISA_ENV}={kernel_layer.pinned_isa()}"
-    activations = _pinned_isa(activations)  # before the checks: a pinned ISA the host lacks is refused by them
-    if activations == "int8-tiles" and tiles_unavailable():
-        raise ConfigError(f"{flag}: AMX tiles cannot run here: {tiles_unavailable()} ({kernel_layer.ISA_ENV}=avx2 "
-                          "runs in AVX2 lanes)")
-    if activations == "int8-vnni" and vnni_unavailable():
-        raise ConfigError(f"{flag}: AVX-512 VNNI lanes cannot run here: {vnni_unavailable()} "
-                          f"({kernel_layer.ISA_ENV}=avx2 runs in AVX2 lanes)")
-    host_note = ""
-    if activations in ("int8", "auto"):  # the host's fastest: AMX tiles, else AVX-512 VNNI lanes, else AVX2 lanes
-        if not tiles_unavailable():
-            activations = "int8-tiles"
-        elif not vnni_unavailable():
-            activations, host_note = "int8-vnni", f" (AMX tiles: {tiles_unavailable()})"
-        else:
-            activations = "int8"
-            host_note = f" (AMX tiles: {tiles_unavailable()}; AVX-512 VNNI: {vnni_unavailable()})"
-    activations = {"int8-lanes": "int8"}.get(activations, activations)  # the AVX2 pin -> the kernel's name
+    activations, host_note = kernel_activations(activations, flag)
     if not gguf_path.is_file():
         if required:
             raise ConfigError(f"{flag}: {folder} was converted from {gguf_path}, which is gone")
@@ -275,10 +257,35 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
     if not swapped:
         return ""
     embedding = _use_gguf_embedding(model, blocks, folder)
-    return _note(model, activations, swapped, nbytes, host_note) + embedding
+    return blocks_note(model, activations, swapped, nbytes, host_note) + embedding
 
 
-def _note(model: nn.Module, activations: str, swapped: dict[str, int], nbytes: int, host_note: str) -> str:
+def kernel_activations(activations: str, flag: str) -> tuple[str, str]:
+    """`activations` (fp32 | int8 | auto) as the kernels run them on this host: int8 and auto take the fastest
+    int8 form (AMX tiles, else AVX-512 VNNI lanes, else AVX2 lanes) unless `SPECSTEP_CPU_ISA` pins one; with a
+    note on the forms the host lacks. A pinned form the host cannot run is a ConfigError naming `flag`."""
+    if kernel_layer.pinned_isa() and activations in ("int8", "auto"):
+        flag = f"{kernel_layer.ISA_ENV}={kernel_layer.pinned_isa()}"
+    activations = _pinned_isa(activations)  # before the checks: a pinned ISA the host lacks is refused by them
+    if activations == "int8-tiles" and tiles_unavailable():
+        raise ConfigError(f"{flag}: AMX tiles cannot run here: {tiles_unavailable()} ({kernel_layer.ISA_ENV}=avx2 "
+                          "runs in AVX2 lanes)")
+    if activations == "int8-vnni" and vnni_unavailable():
+        raise ConfigError(f"{flag}: AVX-512 VNNI lanes cannot run here: {vnni_unavailable()} "
+                          f"({kernel_layer.ISA_ENV}=avx2 runs in AVX2 lanes)")
+    host_note = ""
+    if activations in ("int8", "auto"):  # the host's fastest: AMX tiles, else AVX-512 VNNI lanes, else AVX2 lanes
+        if not tiles_unavailable():
+            activations = "int8-tiles"
+        elif not vnni_unavailable():
+            activations, host_note = "int8-vnni", f" (AMX tiles: {tiles_unavailable()})"
+        else:
+            activations = "int8"
+            host_note = f" (AMX tiles: {tiles_unavailable()}; AVX-512 VNNI: {vnni_unavailable()})"
+    return {"int8-lanes": "int8"}.get(activations, activations), host_note  # the AVX2 pin -> the kernel's name
+
+
+def blocks_note(model: nn.Module, activations: str, swapped: dict[str, int], nbytes: int, host_note: str) -> str:
     """The ready line's note on the swapped linears."""
     table = [m for m in model.modules() if isinstance(m, GGUFLinear) and m.kernel is not None]
     if table:
