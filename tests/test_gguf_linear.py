@@ -67,7 +67,7 @@ def test_kernel_is_the_dequantised_product_to_fp32_rounding(fmt):
 
 def int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor) -> torch.Tensor:
     """fp64 of `gguf_kernel.cpp`'s int8 arithmetic: each 32-value block of a row quantised in fp32 (d = amax / 127,
-    q = round-half-even(x * (127 / amax)), s = the block's sum), then sum_b d_w d_x (q_w . q_x) + m_w s."""
+    q = round-half-even(x * (127 / amax)), s = d sum(q): llama.cpp's Q8_1), then sum_b d_w d_x (q_w . q_x) + m_w s."""
     xb = x.numpy().reshape(x.shape[0], -1, 32)
     amax = np.abs(xb).max(-1)
     d_x = amax / np.float32(127)
@@ -81,8 +81,25 @@ def int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.
     else:
         m_w, q_w = np.zeros_like(d_w), raw[..., 2:].view(np.int8).astype(np.float64)
     dots = np.einsum("mbk,nbk->mnb", q_x, q_w)
-    y = (dots * d_x[:, None, :] * d_w[None]).sum(-1) + (m_w[None] * xb.astype(np.float64).sum(-1)[:, None]).sum(-1)
+    s_x = d_x.astype(np.float64) * q_x.sum(-1)
+    y = (dots * d_x[:, None, :] * d_w[None]).sum(-1) + (m_w[None] * s_x[:, None]).sum(-1)
     return torch.from_numpy(y + bias.double().numpy())
+
+
+@pytest.mark.parametrize("acts", ["int8", *TILES, *VNNI])
+def test_int8_q4_1_errs_as_the_quantised_activations_product(acts):
+    """Quality: Q4_1 times int8 activations errs from the exact product as the dequantised weights times the
+    dequantised activations do (llama.cpp's arithmetic), not more. Its offset must multiply the quantised x: with x's
+    exact sum instead, the error is the uncentred nibbles' (d u) times x's rounding, about twice as large."""
+    blocks, w = quantised("Q4_1", 256, 576, seed=5)
+    x = torch.randn(16, 576) * torch.rand(1, 576) * 3  # channels of different scales, as hidden states have
+    got = gguf_linear(x, weights_for(f"Q4_1/{acts}", blocks, 576), 256, f"Q4_1/{acts}").double()
+    xb = x.numpy().reshape(16, -1, 32)
+    d_x = np.abs(xb).max(-1, keepdims=True) / np.float32(127)
+    x_hat = torch.from_numpy((np.rint(xb / d_x) * d_x).reshape(16, 576)).double()
+    exact = x.double() @ w.double().T
+    ref_err = (x_hat @ w.double().T - exact).norm()
+    assert (got - exact).norm() <= 1.05 * ref_err
 
 
 @pytest.mark.parametrize("acts", ["int8", *TILES, *VNNI])

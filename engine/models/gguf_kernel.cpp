@@ -14,8 +14,8 @@
 //
 // With int8 activations (`fmt` bit 1, `--activations int8`: llama.cpp's arithmetic for these formats, faster and
 // not exact) each row of x is first quantised per 32-value block: d_x = amax / 127, q_x = round(x * (127 / amax))
-// (nearest, ties to even; amax = 0 gives d_x = 0, q_x = 0), s_x = the block's exact fp32 sum ((x0 + x1) + (x2 + x3)
-// lane-wise, then hsum). Then per block, with p the block's integer products summed in pairs (exact: vpmaddubsw,
+// (nearest, ties to even; amax = 0 gives d_x = 0, q_x = 0), s_x = d_x * sum(q_x) (llama.cpp's Q8_1 sum, in fp32:
+// the offset multiplies the same quantised x as the nibbles). Then per block, with p the block's integer products summed in pairs (exact: vpmaddubsw,
 // vpmaddwd) as 8 int32 lanes converted to fp32 (exact, |p| < 2^24):
 //     acc = fma(d, p * d_x, acc)
 // in block order; Q4_1's offset term macc = sum_b m_b s_x,b runs lane j over blocks j, j + 8, ... (fma), then
