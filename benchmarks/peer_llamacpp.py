@@ -1,68 +1,90 @@
-"""llama.cpp side of `bench_peers`: runs inside the llama-cpp-python venv (benchmarks/setup_llamacpp.sh), imports
-nothing of ours.
+"""llama.cpp side of `bench_peers`: llama.cpp's own programs (built by `benchmarks/setup_llamacpp.sh` into
+`.llamacpp/bin`), run as a llama.cpp user runs them, one process a prompt.
 
-    .venv-llamacpp/bin/python benchmarks/peer_llamacpp.py JOB.json OUT.json
+    plain:          llama-completion -f PROMPT -n N --temp 0 --ignore-eos -no-cnv --no-display-prompt -t T
+    prompt lookup:  llama-lookup -f PROMPT -n N --temp 0 --ignore-eos --spec-draft-n-max K -t T
 
-JOB: {"gguf": FILE, "prompts": {set: [[ids]]}, "new_tokens": N, "modes": ["plain", "prompt lookup"], "k": 4,
-      "threads": 2}. OUT: per (mode, set, "b1"): seconds (every prompt's generation, prompt evaluation included, as
-the other engines are timed), prompt_seconds (prompt evaluation plus the first token's sampling), tokens and the
-output token ids. Batch 1 only: `Llama` holds one sequence.
-
-The GGUF runs as llama.cpp runs it, Q4_1 weights in its own kernels. Greedy through `Llama.generate`, which does
-not stop at an end-of-sequence token (the create_* methods do): reading exactly N tokens is `ignore_eos`.
-Prompt lookup is `LlamaPromptLookupDecoding(num_pred_tokens=k)` as the `draft_model`, its default n-gram size.
+A prompt is handed over as its text (our tokenizer's decoding of its ids; llama.cpp tokenises it again, the same
+tokens for these prompts), and the greedy output comes back as the printed text, tokenised by our tokenizer for
+the report's token comparisons. Time is what each program reports for its work, model load excluded:
+llama-completion's prompt eval + eval + sampling times, llama-lookup's "encoded" + "decoded" times. Batch 1 only.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-import time
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+BIN = Path(__file__).resolve().parents[1] / ".llamacpp" / "bin"
+PROGRAMS = {"plain": "llama-completion", "prompt lookup": "llama-lookup"}
 
 
-def load(job: dict, mode: str):
-    from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-    draft = LlamaPromptLookupDecoding(num_pred_tokens=job["k"]) if mode == "prompt lookup" else None
-    longest = max(len(p) for prompts in job["prompts"].values() for p in prompts)
-    return Llama(model_path=job["gguf"], n_ctx=longest + job["new_tokens"] + 64, n_threads=job["threads"],
-                 n_threads_batch=job["threads"], draft_model=draft, seed=0, verbose=False)
+def missing(bin_dir: Path = BIN) -> str:
+    """Why the programs cannot run ("" if they can)."""
+    absent = [p for p in PROGRAMS.values() if not (bin_dir / p).is_file()]
+    return f"{', '.join(absent)} not in {bin_dir}: run benchmarks/setup_llamacpp.sh" if absent else ""
 
 
-def generate(llm, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float]:
-    """(tokens, seconds, prompt seconds). The reset drops the KV cache: no prefix reuse from the last prompt."""
-    llm.reset()
-    out, t0 = [], time.perf_counter()
-    t_first = t0
-    for token in llm.generate(prompt, temp=0.0, repeat_penalty=1.0, reset=True):
-        if not out:
-            t_first = time.perf_counter()
-        out.append(int(token))
-        if len(out) == new_tokens:
-            break
-    return out, time.perf_counter() - t0, t_first - t0
+def version(bin_dir: Path = BIN) -> str:
+    out = subprocess.run([str(bin_dir / "llama-completion"), "--version"], capture_output=True, text=True)
+    found = re.search(r"version: (.+)", out.stdout + out.stderr)
+    return found.group(1).strip() if found else "unknown"
 
 
-def run_mode(job: dict, mode: str) -> dict:
-    llm = load(job, mode)
-    generate(llm, next(iter(job["prompts"].values()))[0], 8)  # warm-up
-    out = {}
-    for name, prompts in job["prompts"].items():
-        runs = [generate(llm, p, job["new_tokens"]) for p in prompts]
-        out[f"{mode}/{name}/b1"] = {"seconds": sum(r[1] for r in runs), "prompt_seconds": sum(r[2] for r in runs),
-                                    "tokens": sum(len(r[0]) for r in runs), "outputs": [r[0] for r in runs]}
-    llm.close()
+def _ms(log: str, label: str) -> float:
+    found = re.search(rf"{label}\s*=\s*([0-9.]+) ms", log)
+    if not found:
+        raise RuntimeError(f"no {label!r} in llama.cpp's log:\n{log[-2000:]}")
+    return float(found.group(1))
+
+
+def _seconds(log: str, label: str) -> float:
+    found = re.search(rf"{label}\s+\d+ tokens in\s+([0-9.]+) seconds", log)
+    if not found:
+        raise RuntimeError(f"no {label!r} line in llama-lookup's log:\n{log[-2000:]}")
+    return float(found.group(1))
+
+
+def generate(bin_dir: Path, gguf: Path, mode: str, prompt: str, new_tokens: int, k: int, threads: int,
+             ctx: int) -> tuple[str, float, float]:
+    """(generated text, seconds, prompt seconds) of one prompt."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(prompt)
+    args = [str(bin_dir / PROGRAMS[mode]), "-m", str(gguf), "-f", f.name, "-n", str(new_tokens), "--temp", "0",
+            "--ignore-eos", "-t", str(threads), "-c", str(ctx), "--seed", "0"]
+    args += ["-no-cnv", "--no-display-prompt"] if mode == "plain" else ["--spec-draft-n-max", str(k)]
+    # llama.cpp's own thread defaults, as a user runs it: not the PASSIVE OpenMP policy benchmarks.common sets
+    env = {key: v for key, v in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, env=env, check=True)
+    finally:
+        os.unlink(f.name)
+    log = out.stderr
+    if mode == "plain":
+        prompt_s = _ms(log, "prompt eval time") / 1e3
+        seconds = prompt_s + (_ms(log, r"(?<!prompt )eval time") + _ms(log, "sampling time")) / 1e3
+        return out.stdout, seconds, prompt_s
+    encoded = _seconds(log, "encoded")
+    at = out.stdout.find(prompt.rstrip("\n"))  # (it echoes the prompt, after blank lines)
+    text = out.stdout[at + len(prompt.rstrip("\n")):] if at >= 0 else out.stdout
+    return text, encoded + _seconds(log, "decoded"), encoded
+
+
+def run(gguf: Path, tokenizer, sets: dict[str, list[list[int]]], new_tokens: int, modes: list[str], k: int,
+        threads: int, bin_dir: Path = BIN) -> dict:
+    """Per (mode, set, "b1"): seconds, prompt_seconds, tokens and the output token ids (the printed text,
+    tokenised), as `bench_peers` records every engine."""
+    longest = max(len(p) for prompts in sets.values() for p in prompts)
+    out: dict = {"version": version(bin_dir)}
+    for mode in modes:
+        generate(bin_dir, gguf, mode, tokenizer.decode(next(iter(sets.values()))[0]), 8, k, threads, 512)  # warm
+        for name, prompts in sets.items():
+            runs = [generate(bin_dir, gguf, mode, tokenizer.decode(p), new_tokens, k, threads,
+                             longest + new_tokens + 64) for p in prompts]
+            outputs = [tokenizer.encode(text)[:new_tokens] for text, _, _ in runs]
+            out[f"{mode}/{name}/b1"] = {"seconds": sum(r[1] for r in runs), "prompt_seconds": sum(r[2] for r in runs),
+                                        "tokens": len(prompts) * new_tokens, "outputs": outputs}
     return out
-
-
-def main() -> None:
-    job = json.load(open(sys.argv[1]))
-    results = {"version": __import__("llama_cpp").__version__}
-    for mode in job["modes"]:
-        results.update(run_mode(job, mode))
-    json.dump(results, open(sys.argv[2], "w"))
-
-
-if __name__ == "__main__":
-    main()
