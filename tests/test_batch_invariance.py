@@ -15,7 +15,7 @@ from specstep.engine.gguf_checkpoint import converted_folder
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.model_loader import describe_cpu_kernels, load_model, load_mtp_head
 from specstep.engine.models.cpu_linear import onednn_available
-from specstep.engine.models.decode_layers import prompt_gemm_kind
+from specstep.engine.models.decode_layers import PROMPT_GEMM_FP32, prompt_gemm_kind
 from specstep.engine.models.gguf_kernel import tiles_unavailable, vnni_unavailable
 from specstep.engine.models.gguf_kernel import unavailable as gguf_unavailable
 from specstep.engine.models.gguf_linear import GGUFLinear
@@ -247,13 +247,33 @@ def test_near_ties_speculative_greedy_is_plain_greedy(proposer, tmp_path):
     assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in plain]
 
 
-@pytest.mark.parametrize("acts", ["fp32", "int8-lanes", pytest.param("int8-vnni", marks=VNNI)])
-def test_a_prompts_rows_do_not_depend_on_its_forwards_company(acts, tiny_gguf, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny_target, tmp_path_factory):
+    """The tiny target saved in bf16: its linears run the kernel layer's BF16 rows (fp32 activations), prompt rows
+    the fp32 GEMM over their dequantised panels."""
+    import shutil
+
+    import transformers
+
+    folder = tmp_path_factory.mktemp("bf16")
+    transformers.AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.bfloat16).save_pretrained(folder)
+    shutil.copy(tiny_target / "tokenizer.json", folder / "tokenizer.json")
+    return folder
+
+
+@pytest.mark.parametrize("acts", ["fp32", "int8-lanes", pytest.param("int8-vnni", marks=VNNI), "bf16-folder"])
+def test_a_prompts_rows_do_not_depend_on_its_forwards_company(acts, request, monkeypatch):
     """A prompt's hidden states are the same bits prefilled alone, in a batch with prompts of other lengths, and
     in chunks beside other requests: with int8 activations a rounding difference in a prompt's attention turned
     into other tokens, so whether a prompt was batched (as plain and speculative serving admit differently) or how
-    it was chunked changed the output."""
-    core = make_core(tiny_gguf, page_size=PAGE, activations=pin_int8_form(acts, monkeypatch))
+    it was chunked changed the output. A bf16 folder's prompt rows take the fp32 GEMM, a 5-row prompt beside them
+    the kernel."""
+    if acts == "bf16-folder":
+        core = make_core(request.getfixturevalue("tiny_bf16"), page_size=PAGE, activations="fp32")
+        assert core.engine.target.native.prompt_gemm == PROMPT_GEMM_FP32
+    else:
+        core = make_core(request.getfixturevalue("tiny_gguf"), page_size=PAGE,
+                         activations=pin_int8_form(acts, monkeypatch))
     target, pool = core.engine.target, core.engine.pool
     lens = [30, 5, 70, 18]
     ids = [[(7 * i + 3 * j) % 90 + 5 for j in range(n)] for i, n in enumerate(lens)]

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(bool(binding.unavailable()), reason="the kernel 
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 8, 5, 17, 99, 3]
+LONG_PROMPT = [(37 * i + 11) % 250 + 3 for i in range(60)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,12 +70,14 @@ def test_greedy_tokens_are_transformers_fp32_on_the_16_bit_weights(tmp_path, dty
     assert target.native is not None  # the decoder layers ran in C++
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
     assert f"{short} weights as the checkpoint holds them" in describe_cpu_kernels(target)
-    (req,) = run_to_completion(core, [PROMPT], GREEDY)
+    # (the long prompt's rows take the C++ layers' prompt GEMM over the weights' dequantised panels)
+    reqs = run_to_completion(core, [PROMPT, LONG_PROMPT], GREEDY)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)  # exact widening
-    with torch.inference_mode():
-        out = hf.generate(torch.tensor([PROMPT]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
-                          pad_token_id=0)
-    assert req.output_token_ids == out[0, len(PROMPT):].tolist()
+    for req, prompt in zip(reqs, [PROMPT, LONG_PROMPT], strict=True):
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                              pad_token_id=0)
+        assert req.output_token_ids == out[0, len(prompt):].tolist()
 
 
 def test_ngram_speculation_is_plain_decoding(tmp_path):

@@ -72,6 +72,7 @@ struct Kernel {
     int qk, bytes;
     Fp32Fn fp32;  // set for arith "fp32"
     Int8Fn int8;  // set for arith "int8"
+    DequantFn dequant;  // the format's block -> fp32 (a prompt GEMM's panels: decode_layers.cpp)
 };
 
 struct Format {
@@ -84,8 +85,8 @@ struct Format {
 const Format FORMATS[] = {SK_FORMAT(Q4_0), SK_FORMAT(Q5_0), SK_FORMAT(Q5_1), SK_FORMAT(Q4_K),
                           SK_FORMAT(Q5_K), SK_FORMAT(Q6_K), SK_FORMAT(F16),  SK_FORMAT(BF16)};
 
-#define SK_FP32(F, ISA) Kernel{#F, "fp32", #ISA, F::qk, F::bytes, ISA::fp32_range<F>, nullptr}
-#define SK_INT8(F, ISA) Kernel{#F, "int8", #ISA, F::qk, F::bytes, nullptr, ISA::int8_range<F>}
+#define SK_FP32(F, ISA) Kernel{#F, "fp32", #ISA, F::qk, F::bytes, ISA::fp32_range<F>, nullptr, F::dequant}
+#define SK_INT8(F, ISA) Kernel{#F, "int8", #ISA, F::qk, F::bytes, nullptr, ISA::int8_range<F>, F::dequant}
 #define SK_BLOCKS(F) SK_FP32(F, avx2), SK_FP32(F, avx512), SK_INT8(F, avx2), SK_INT8(F, avx512)
 #define SK_WIDE(F) SK_FP32(F, avx2), SK_FP32(F, avx512)
 const Kernel TABLE[] = {SK_BLOCKS(Q4_0), SK_BLOCKS(Q5_0), SK_BLOCKS(Q5_1), SK_BLOCKS(Q4_K),

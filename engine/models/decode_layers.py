@@ -191,10 +191,12 @@ class NativeLayers:
         # the exact product than int8 activations), else the tiles themselves (2.4-2.9x the fp32 GEMM at 128-512
         # rows); the VNNI lanes over the tiles' copy take prompt rows too (1.8-2.3x the fp32 GEMM at 32-512 rows, 2
         # threads, AMD EPYC with AVX-512 VNNI).
-        # (the kernel layer's linears take prompt rows themselves: only the older kernel's formats are asked)
-        older = sorted({lin.activations for lin in model.modules()
-                        if isinstance(lin, GGUFLinear) and lin.kernel is None})
-        self.prompt_gemm = prompt_gemm_kind(older) if older else 0
+        # The kernel layer's fp32 linears (16-bit tensors and folders, K-quants with fp32 activations) take the fp32
+        # GEMM over their dequantised panels (a bf16 SmolLM2 folder's 512-token prompt: 1.41 s in the kernel); its
+        # int8 ones take prompt rows themselves.
+        asked = sorted({lin.activations for lin in model.modules()
+                        if isinstance(lin, GGUFLinear) and (lin.kernel is None or lin.activations == "fp32")})
+        self.prompt_gemm = prompt_gemm_kind(asked) if asked else 0
         self._shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
         self._keep: list[torch.Tensor] = []  # contiguous copies the structs point at

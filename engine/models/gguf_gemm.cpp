@@ -31,13 +31,24 @@ inline void transpose8(const __m256 in[8], __m256 out[8]) {
     }
 }
 
+// Eight weight rows' values at columns [k0, k0 + 8 * chunks) (vals[r] + 8 c: chunk c of row r) transposed 8 x 8
+// into the panel's columns [j0, j0 + 8) (one float a store was ~13% of a 128-row prompt's time on an AVX2 EPYC).
+inline void transpose_into_panel(const float *const vals[8], int64_t chunks, float *P, int64_t k0, int64_t j0) {
+    for (int64_t c = 0; c < chunks; c++) {
+        __m256 rows[8], cols[8];
+        for (int r = 0; r < 8; r++) rows[r] = _mm256_load_ps(vals[r] + 8 * c);
+        transpose8(rows, cols);
+        for (int i = 0; i < 8; i++) _mm256_store_ps(P + (k0 + 8 * c + i) * PANEL + j0, cols[i]);
+    }
+}
+
 // Weight rows [n, n + nb) as fp32 into P [K][PANEL] (columns past nb zero). Eight weight rows at a time: each
-// block's values (d q + m, as the converted checkpoint has them) into a row-major scratch, then transposed 8 x 8
-// into the panel's columns (one float a store was ~13% of a 128-row prompt's time on an AVX2 EPYC).
+// block's values (d q + m, as the converted checkpoint has them) into a row-major scratch, then into the panel.
 template <class F>
 inline void pack_panel(const uint8_t *w, int64_t row_bytes, int64_t K, int64_t n, int64_t nb, float *P) {
     const int64_t nblk = K / QK;
     alignas(32) float vals[8][QK];
+    const float *const rows[8] = {vals[0], vals[1], vals[2], vals[3], vals[4], vals[5], vals[6], vals[7]};
     for (int64_t j0 = 0; j0 < PANEL; j0 += 8) {
         for (int64_t b = 0; b < nblk; b++) {
             for (int r = 0; r < 8; r++) {
@@ -51,14 +62,26 @@ inline void pack_panel(const uint8_t *w, int64_t row_bytes, int64_t K, int64_t n
                     _mm256_store_ps(vals[r] + 8 * c,
                                     F::has_min ? _mm256_add_ps(_mm256_mul_ps(d, q[c]), m) : _mm256_mul_ps(d, q[c]));
             }
-            for (int c = 0; c < 4; c++) {
-                __m256 rows[8], cols[8];
-                for (int r = 0; r < 8; r++) rows[r] = _mm256_load_ps(vals[r] + 8 * c);
-                transpose8(rows, cols);
-                for (int i = 0; i < 8; i++) _mm256_store_ps(P + (b * QK + 8 * c + i) * PANEL + j0, cols[i]);
-            }
+            transpose_into_panel(rows, 4, P, b * QK, j0);
         }
     }
+}
+
+// pack_panel for any block format by its dequantiser (`dequant`: a block of qk <= 256 values, gguf's bits; the
+// kernel layer's formats, engine/kernels/formats.h).
+inline void pack_panel_dequant(void (*dequant)(const uint8_t *, float *), int64_t qk, int64_t bytes,
+                               const uint8_t *w, int64_t K, int64_t n, int64_t nb, float *P) {
+    const int64_t row_bytes = K / qk * bytes;
+    alignas(32) float vals[8][256];
+    const float *const rows[8] = {vals[0], vals[1], vals[2], vals[3], vals[4], vals[5], vals[6], vals[7]};
+    for (int64_t j0 = 0; j0 < PANEL; j0 += 8)
+        for (int64_t b = 0; b < K / qk; b++) {
+            for (int r = 0; r < 8; r++) {
+                if (j0 + r < nb) dequant(w + (n + j0 + r) * row_bytes + b * bytes, vals[r]);
+                else memset(vals[r], 0, sizeof(float) * qk);
+            }
+            transpose_into_panel(rows, qk / 8, P, b * qk, j0);
+        }
 }
 
 template <int MB>
@@ -142,14 +165,14 @@ inline void gemm_panel_512(const float *x, int64_t M, int64_t K, const float *P,
 #pragma GCC pop_options
 
 namespace gguf_kernel {
-// Rows [0, M) of x times weight rows [n0, n1), on the calling thread; P: panel_floats(K) floats, 32-byte aligned.
-template <class F>
-void gemm_range(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias, float *y,
-                int64_t n0, int64_t n1, float *P) {
-    const int64_t row_bytes = K / QK * F::bytes;
+// Rows [0, M) of x times weight rows [n0, n1), on the calling thread, each panel packed by pack(n, nb, P);
+// P: panel_floats(K) floats, 32-byte aligned.
+template <class Pack>
+void gemm_panels(const float *x, int64_t M, int64_t K, int64_t N, const float *bias, float *y, int64_t n0,
+                 int64_t n1, float *P, Pack pack) {
     for (int64_t n = n0; n < n1; n += PANEL) {
         const int64_t nb = n1 - n < PANEL ? n1 - n : PANEL;
-        pack_panel<F>(w, row_bytes, K, n, nb, P);
+        pack(n, nb, P);
         if (avx512_ok()) {
             gemm_panel_512(x, M, K, P, y, N, n, nb, bias);
             continue;
@@ -165,6 +188,14 @@ void gemm_range(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t 
             default: break;
         }
     }
+}
+
+template <class F>
+void gemm_range(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias, float *y,
+                int64_t n0, int64_t n1, float *P) {
+    const int64_t row_bytes = K / QK * F::bytes;
+    gemm_panels(x, M, K, N, bias, y, n0, n1, P,
+                [&](int64_t n, int64_t nb, float *panel) { pack_panel<F>(w, row_bytes, K, n, nb, panel); });
 }
 inline int64_t panel_floats(int64_t K) { return K * PANEL; }
 
