@@ -249,8 +249,9 @@ class EngineConfig:
 
     quantization: str = option(
         "auto", "CPU: auto runs a GGUF checkpoint's weights as the file's blocks are (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, "
-                "Q4_K/Q5_K/Q6_K, F16/BF16) in specstep's kernels (batch-invariant; built with g++ at the first "
-                "start), and a bf16 or fp16 folder's in its own 16-bit rows, where this host runs them, else fp32; "
+                "Q2_K/Q3_K/Q4_K/Q5_K/Q6_K, F16/BF16) in specstep's kernels (batch-invariant; built with g++ at the "
+                "first start), and a bf16 or fp16 folder's in its own 16-bit rows, where this host runs them, else "
+                "fp32; "
                 "gguf: those kernels or an error; q8_0: quantise a Hugging Face folder's linears and embedding to "
                 "Q8_0 at load, as llama-quantize does (1.06 bytes a weight; not exact); none: fp32 weights",
         choices=("auto", "gguf", "q8_0", "none"))

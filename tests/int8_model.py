@@ -45,6 +45,21 @@ def unpack(fmt: str, blocks: np.ndarray) -> tuple[np.ndarray, ...]:
             qh = blocks[:, 16:48].astype(np.int64)
             u = u | np.concatenate([((qh >> j) & 1) << 4 for j in range(8)], axis=1)
         return u, sc, np.zeros_like(sc), mn, _f16(blocks, 0), -_f16(blocks, 2)
+    if fmt in ("Q2_K", "Q3_K"):
+        qs = blocks[:, 16:80] if fmt == "Q2_K" else blocks[:, 32:96]
+        u = np.zeros((n, 256), np.int64)
+        for v in range(256):  # value 128 h + 32 s + l: bits 2 s of byte 32 h + l
+            h, s_, lane = v // 128, (v // 32) % 4, v % 32
+            u[:, v] = (qs[:, 32 * h + lane].astype(np.int64) >> (2 * s_)) & 3
+        if fmt == "Q2_K":
+            sc, mn = (blocks[:, :16] & 15).astype(np.int64), (blocks[:, :16] >> 4).astype(np.int64)
+            return u, sc, np.zeros_like(sc), mn, _f16(blocks, 80), -_f16(blocks, 82)
+        for v in range(256):  # the high bit of value 32 c + l: bit c of byte l
+            u[:, v] |= ((blocks[:, v % 32].astype(np.int64) >> (v // 32)) & 1) << 2
+        s8 = blocks[:, 96:108].astype(np.int64)
+        sc = np.stack([((s8[:, j % 8] >> (4 * (j // 8))) & 15) | (((s8[:, 8 + j % 4] >> (2 * (j // 4))) & 3) << 4)
+                       for j in range(16)], axis=1) - 32
+        return u, sc, 4 * sc, np.zeros_like(sc), _f16(blocks, 108), np.zeros(n, np.float32)
     if fmt == "Q6_K":
         ql, qh = blocks[:, :128].astype(np.int64), blocks[:, 128:192].astype(np.int64)
         u = np.zeros((n, 256), np.int64)
@@ -84,7 +99,7 @@ def linear(fmt: str, qk: int, x: np.ndarray, blocks: np.ndarray, bias: np.ndarra
         dots = np.einsum("mgi,ngi->mng", q[:, b].reshape(m, g, GROUP), u[:, b].reshape(n, g, GROUP))
         isum = (dots * sc[None, :, b]).sum(-1) - (bs[:, None, b] * off[None, :, b]).sum(-1)
         acc = acc + (d[None, :, b] * dx[:, None, b]) * isum.astype(np.float32)
-        if fmt in ("Q5_1", "Q4_K", "Q5_K"):
+        if fmt in ("Q5_1", "Q2_K", "Q4_K", "Q5_K"):
             imin = (bs[:, None, b] * mn[None, :, b]).sum(-1)
             acc = acc + (dm[None, :, b] * dx[:, None, b]) * imin.astype(np.float32)
     return acc if bias is None else acc + bias[None, :].astype(np.float32)

@@ -1,4 +1,4 @@
-"""K-quant blocks (Q4_K, Q5_K, Q6_K) from fp32 weights in numpy, for test checkpoints (the `gguf` package
+"""K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) from fp32 weights in numpy, for test checkpoints (the `gguf` package
 dequantises these formats but does not quantise them). Plain min/max scales, not llama.cpp's search: any blocks
 are a valid checkpoint; these are near the weights they came from."""
 
@@ -81,4 +81,49 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(w.shape[0], -1)
 
 
-QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+def _plane2(q: np.ndarray) -> np.ndarray:
+    """q [n, 256] (< 4) -> 64 bytes: value 128 h + 32 s + l in bits 2 s of byte 32 h + l."""
+    out = np.zeros((q.shape[0], 64), np.uint8)
+    for v in range(256):
+        out[:, 32 * (v // 128) + v % 32] |= q[:, v] << (2 * ((v // 32) % 4))
+    return out
+
+
+def quantize_q2_k(w: np.ndarray) -> np.ndarray:
+    """Per 16 values a 4-bit scale and min over a block's fp16 d and dmin; 2-bit quants."""
+    x = w.reshape(-1, 16, 16).astype(np.float32)
+    lo, hi = np.minimum(x.min(-1), 0), x.max(-1)
+    scale = (hi - lo) / 3
+    d, dmin = _f16(scale.max(-1) / 15), _f16((-lo).max(-1) / 15)
+    sc = np.clip(np.rint(_div(scale, d.astype(np.float32)[:, None])), 0, 15).astype(np.uint8)
+    mn = np.clip(np.rint(_div(-lo, dmin.astype(np.float32)[:, None])), 0, 15).astype(np.uint8)
+    step, offset = d.astype(np.float32)[:, None] * sc, dmin.astype(np.float32)[:, None] * mn
+    q = np.clip(np.rint(_div(x + offset[..., None], step[..., None])), 0, 3).astype(np.uint8).reshape(-1, 256)
+    blocks = np.concatenate([sc | (mn << 4), _plane2(q), d.view(np.uint8).reshape(-1, 2),
+                             dmin.view(np.uint8).reshape(-1, 2)], axis=1)
+    return blocks.reshape(w.shape[0], -1)
+
+
+def quantize_q3_k(w: np.ndarray) -> np.ndarray:
+    """Per 16 values a signed 6-bit scale over a block's fp16 d; quants -4..3 (low 2 bits, and a high bit that is
+    set unless the value is negative)."""
+    x = w.reshape(-1, 16, 16).astype(np.float32)
+    scale = np.abs(x).max(-1) / 4
+    d = _f16(scale.max(-1) / 31)
+    sc = np.clip(np.rint(_div(scale, d.astype(np.float32)[:, None])), -32, 31).astype(np.int64)
+    step = d.astype(np.float32)[:, None] * sc
+    q = (np.clip(np.rint(_div(x, step[..., None])), -4, 3) + 4).astype(np.uint8).reshape(-1, 256)
+    hmask = np.zeros((q.shape[0], 32), np.uint8)
+    for v in range(256):
+        hmask[:, v % 32] |= (q[:, v] >> 2) << (v // 32)
+    s6 = (sc + 32).astype(np.uint8)
+    scales = np.zeros((q.shape[0], 12), np.uint8)
+    for j in range(16):
+        scales[:, j % 8] |= (s6[:, j] & 15) << (4 * (j // 8))
+        scales[:, 8 + j % 4] |= (s6[:, j] >> 4) << (2 * (j // 4))
+    blocks = np.concatenate([hmask, _plane2(q & 3), scales, d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return blocks.reshape(w.shape[0], -1)
+
+
+QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k,
+              "Q6_K": quantize_q6_k}

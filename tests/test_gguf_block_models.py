@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(bool(binding.unavailable()), reason="the kernel 
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 # (format, architecture, tied embeddings)
-MODELS = [("Q4_0", "llama", False), ("Q5_0", "llama", False), ("Q5_1", "llama", False), ("Q4_K", "llama", False),
+MODELS = [("Q4_0", "llama", False), ("Q5_0", "llama", False), ("Q5_1", "llama", False), ("Q2_K", "qwen2", True),
+          ("Q3_K", "llama", False), ("Q4_K", "llama", False),
           ("Q5_K", "llama", False), ("Q6_K", "llama", False), ("Q4_K_M", "qwen2", True), ("F16", "qwen2", False),
           ("BF16", "llama", True)]
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 8]

@@ -17,8 +17,8 @@ from tests.kernel_blocks import BLOCK, random_blocks
 
 pytestmark = pytest.mark.skipif(bool(binding.unavailable()), reason="the kernel layer does not build here")
 
-FORMATS = ("Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
-INT8_FORMATS = FORMATS[:6]
+FORMATS = ("Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
+INT8_FORMATS = FORMATS[:8]
 N, K = 24, 512
 
 
@@ -68,6 +68,19 @@ def test_fp32_activations_equal_the_dequantised_matmul(fmt: str) -> None:
             exact = x.double() @ w.T + bias.double()
             bound = 1e-5 * (x.double().abs() @ w.abs().T).max() + 1e-6
             assert (y.double() - exact).abs().max() <= bound, (fmt, isa, rows)
+
+
+@pytest.mark.parametrize("fmt", INT8_FORMATS)
+def test_the_int8_models_unpacking_is_the_gguf_weights(fmt: str) -> None:
+    """The numpy model's integer terms, d (sc u - off) + dm mn per 16 values, are the weights `gguf` dequantises
+    (to fp32 rounding): the model the kernels are held to reads each layout as gguf does."""
+    raw = random_blocks(fmt, N, K)
+    qk = BLOCK[fmt][0]
+    u, sc, off, mn, d, dm = int8_model.unpack(fmt, raw.reshape(-1, BLOCK[fmt][1]))
+    g = np.arange(qk) // 16
+    w = d[:, None].astype(np.float64) * (sc[:, g] * u - off[:, g]) + dm[:, None].astype(np.float64) * mn[:, g]
+    ref = _reference(fmt, raw).reshape(-1, qk).astype(np.float64)
+    assert np.allclose(w, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("fmt", INT8_FORMATS)

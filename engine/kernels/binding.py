@@ -2,10 +2,10 @@
 arithmetics, one dispatch table keyed by names): built once per host by `engine.native`, its C surface declared
 once below, its table rows looked up by name.
 
-A row is (weight format, activation arithmetic, ISA): formats are GGML type names (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K,
-Q6_K, F16, BF16); arithmetics "fp32" (exact: gguf's dequantised weights times fp32 activations, batch-invariant)
-and "int8" (llama.cpp's: activations quantised per block, integer products; block formats only); ISAs "avx2" and
-"avx512" (AVX-512 with VNNI: the same bits). The host probe picks the widest ISA that runs here;
+A row is (weight format, activation arithmetic, ISA): formats are GGML type names (Q4_0, Q5_0, Q5_1, Q2_K, Q3_K,
+Q4_K, Q5_K, Q6_K, F16, BF16); arithmetics "fp32" (exact: gguf's dequantised weights times fp32 activations, batch-
+invariant) and "int8" (llama.cpp's: activations quantised per block, integer products; block formats only); ISAs
+"avx2" and "avx512" (AVX-512 with VNNI: the same bits). The host probe picks the widest ISA that runs here;
 `SPECSTEP_CPU_ISA=avx2|avx512` pins one (tests and A/B benchmarks compare them; `amx` pins the older Q4_1 / Q8_0
 kernel's tiles, and avx512 here).
 """

@@ -208,6 +208,73 @@ struct Q6_K {
     }
 };
 
+// The 2-bit planes Q2_K and Q3_K share: 64 bytes whose bits 2 s of byte 32 h + l hold value 128 h + 32 s + l.
+// Values 32 c .. 32 c + 31 (h = c / 4, s = c % 4).
+inline __m256i plane2(const uint8_t *qs, int c) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c / 4)));
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * (c % 4))), _mm256_set1_epi8(3));
+}
+
+// Q2_K: 16 bytes of scales (low nibble) and mins (high nibble), one pair a 16 values; 64 bytes of 2-bit quants
+// (plane2); fp16 d, fp16 dmin. w = (d sc_j) q - (dmin m_j).
+struct Q2_K {
+    static constexpr int qk = QK_K, bytes = 84;
+    static constexpr bool int8 = true, has_off = false, has_min = true;
+    static inline __m256i chunk(const uint8_t *b, int c) { return plane2(b + 16, c); }
+    static void dequant(const uint8_t *b, float *w) {
+        const float d = f16(b + 80), dmin = f16(b + 82);
+        alignas(32) uint8_t u[32];
+        for (int c = 0; c < 8; c++) {
+            _mm256_store_si256((__m256i *)u, chunk(b, c));
+            for (int g = 0; g < 2; g++) {
+                const int j = 2 * c + g;
+                const float ds = d * (float)(b[j] & 15), dm = dmin * (float)(b[j] >> 4);
+                for (int l = 0; l < 16; l++) w[32 * c + 16 * g + l] = ds * (float)u[16 * g + l] - dm;
+            }
+        }
+    }
+    static void unpack(const uint8_t *b, Unpacked &u) {
+        for (int j = 0; j < 16; j++) u.sc[j] = (int16_t)(b[j] & 15), u.mn[j] = (int16_t)(b[j] >> 4), u.off[j] = 0;
+        u.d = f16(b + 80), u.dm = -f16(b + 82);
+    }
+};
+
+// Q3_K: 32 bytes of high bits (bit c of byte l: value 32 c + l's), 64 bytes of low 2 bits (plane2), 12 bytes of
+// 16 six-bit scales (low nibbles in bytes 0-7, two high bits in bytes 8-11; minus 32), fp16 d.
+// w = (d sc_j) (q - 4), q = low + 4 high (a clear high bit subtracts 4: gguf's Q3_K).
+struct Q3_K {
+    static constexpr int qk = QK_K, bytes = 110;
+    static constexpr bool int8 = true, has_off = true, has_min = false;
+    static inline __m256i chunk(const uint8_t *b, int c) {
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(c)), _mm256_set1_epi8(1));
+        return _mm256_or_si256(plane2(b + 32, c), _mm256_slli_epi16(hi, 2));
+    }
+    static int scale(const uint8_t *b, int j) {
+        const uint8_t *s = b + 96;
+        const int lo = (s[j % 8] >> (4 * (j / 8))) & 15, hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+        return (lo | (hi << 4)) - 32;
+    }
+    static void dequant(const uint8_t *b, float *w) {
+        const float d = f16(b + 108);
+        alignas(32) uint8_t u[32];
+        for (int c = 0; c < 8; c++) {
+            _mm256_store_si256((__m256i *)u, chunk(b, c));
+            for (int g = 0; g < 2; g++) {
+                const float ds = d * (float)scale(b, 2 * c + g);
+                for (int l = 0; l < 16; l++) w[32 * c + 16 * g + l] = ds * (float)(u[16 * g + l] - 4);
+            }
+        }
+    }
+    static void unpack(const uint8_t *b, Unpacked &u) {
+        for (int j = 0; j < 16; j++) {
+            const int sc = scale(b, j);
+            u.sc[j] = (int16_t)sc, u.off[j] = (int16_t)(4 * sc);
+        }
+        u.d = f16(b + 108), u.dm = 0.f;
+    }
+};
+
 // F16 / BF16 tensors, read 32 values at a time: fp32 activations only (exact widening).
 struct F16 {
     static constexpr int qk = 32, bytes = 64;

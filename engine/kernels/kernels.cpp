@@ -82,15 +82,15 @@ struct Format {
 };
 
 #define SK_FORMAT(F) Format{#F, F::qk, F::bytes, F::dequant}
-const Format FORMATS[] = {SK_FORMAT(Q4_0), SK_FORMAT(Q5_0), SK_FORMAT(Q5_1), SK_FORMAT(Q4_K),
-                          SK_FORMAT(Q5_K), SK_FORMAT(Q6_K), SK_FORMAT(F16),  SK_FORMAT(BF16)};
+const Format FORMATS[] = {SK_FORMAT(Q4_0), SK_FORMAT(Q5_0), SK_FORMAT(Q5_1), SK_FORMAT(Q2_K), SK_FORMAT(Q3_K),
+                          SK_FORMAT(Q4_K), SK_FORMAT(Q5_K), SK_FORMAT(Q6_K), SK_FORMAT(F16),  SK_FORMAT(BF16)};
 
 #define SK_FP32(F, ISA) Kernel{#F, "fp32", #ISA, F::qk, F::bytes, ISA::fp32_range<F>, nullptr, F::dequant}
 #define SK_INT8(F, ISA) Kernel{#F, "int8", #ISA, F::qk, F::bytes, nullptr, ISA::int8_range<F>, F::dequant}
 #define SK_BLOCKS(F) SK_FP32(F, avx2), SK_FP32(F, avx512), SK_INT8(F, avx2), SK_INT8(F, avx512)
 #define SK_WIDE(F) SK_FP32(F, avx2), SK_FP32(F, avx512)
-const Kernel TABLE[] = {SK_BLOCKS(Q4_0), SK_BLOCKS(Q5_0), SK_BLOCKS(Q5_1), SK_BLOCKS(Q4_K),
-                        SK_BLOCKS(Q5_K), SK_BLOCKS(Q6_K), SK_WIDE(F16),    SK_WIDE(BF16)};
+const Kernel TABLE[] = {SK_BLOCKS(Q4_0), SK_BLOCKS(Q5_0), SK_BLOCKS(Q5_1), SK_BLOCKS(Q2_K), SK_BLOCKS(Q3_K),
+                        SK_BLOCKS(Q4_K), SK_BLOCKS(Q5_K), SK_BLOCKS(Q6_K), SK_WIDE(F16),    SK_WIDE(BF16)};
 constexpr int TABLE_SIZE = sizeof(TABLE) / sizeof(TABLE[0]);
 
 // A C++ caller's handle on a row (decode_layers.cpp's `fmt` field): TABLE_BIT | row << 4, apart from the older
