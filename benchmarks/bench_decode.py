@@ -14,6 +14,7 @@ import torch
 
 from benchmarks.common import code_prompts, console, machine, run_engine, table
 from specstep.engine.engine_config import EngineConfig
+from specstep.engine.gguf_checkpoint import fp32_folder
 from specstep.engine.model_source import default_target, resolve_model
 from specstep.engine.sampling_params import SamplingParams
 
@@ -42,7 +43,7 @@ def main() -> None:
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--overlap", action="store_true", help="worker-thread stream (default off: the CPU default)")
     args = ap.parse_args()
-    args.model = str(resolve_model(args.model or default_target().reference))
+    args.model = str(fp32_folder(resolve_model(args.model or default_target().reference)))  # (transformers too)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     prompts = code_prompts(64, args.prompt_tokens, seed=1, model=args.model)
     cfg = EngineConfig(model=args.model, spec="none", overlap=args.overlap)

@@ -20,6 +20,7 @@ import torch
 
 from benchmarks.common import code_prompts, console, machine, run_engine
 from specstep.engine.engine_config import EngineConfig
+from specstep.engine.gguf_checkpoint import fp32_folder
 from specstep.engine.model_source import default_target, resolve_model
 from specstep.engine.sampling_params import SamplingParams
 
@@ -30,7 +31,7 @@ FORMS = {"bf16 rows (default)": "auto", "Q8_0 at load (--quantization q8_0)": "q
 def write_folder(out: Path) -> None:
     import transformers
 
-    src = resolve_model(default_target().reference)
+    src = fp32_folder(resolve_model(default_target().reference))
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(torch.bfloat16)
     model.save_pretrained(out)
     shutil.copy(src / "tokenizer.json", out / "tokenizer.json")

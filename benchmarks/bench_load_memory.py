@@ -35,7 +35,7 @@ def main() -> None:
 
     path = args.model or pretrained_gguf()
     imports = peak_mib()
-    converted_folder(path)
+    converted_folder(path, full=False)  # what a start converts (the kernels read the blocks from the file)
     converted = peak_mib()
     model = load_model(path, "cpu", "float32", CpuKernels())
     loaded = peak_mib()

@@ -30,6 +30,7 @@ import torch
 from benchmarks.common import code_prompts, console, machine, run_engine
 from benchmarks.peers_report import markdown, report
 from specstep.engine.engine_config import EngineConfig
+from specstep.engine.gguf_checkpoint import fp32_folder
 from specstep.engine.model_source import default_draft, default_target, gguf_file_in, resolve_model
 from specstep.engine.sampling_params import SamplingParams
 
@@ -159,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = _parser().parse_args()
     reference = args.model or default_target().reference
-    model = str(resolve_model(reference))
+    model = str(fp32_folder(resolve_model(reference)))  # (vLLM and transformers read every weight as fp32)
     args.gguf = Path(reference) if Path(reference).is_file() else gguf_file_in(Path(reference))
     args.batches = [int(b) for b in args.batches.split(",")]
     args.activations = args.activations.split(",")

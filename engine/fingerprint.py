@@ -44,21 +44,37 @@ def identifying_tensors(names: set[str]) -> list[str]:
 
 
 def _weights_digest(folder: Path) -> bytes:
+    source = folder / "specstep_source.json"
+    if source.is_file():  # a partial GGUF conversion: digested at conversion, from the rows it did not write
+        recorded = json.loads(source.read_text()).get("weights_digest")
+        if recorded:
+            return bytes.fromhex(recorded)
     headers = {}  # tensor name -> (file, data start, its header entry)
     for path in sorted(folder.glob("*.safetensors")):
         start, header = _header(path)
         headers.update({name: (path, start, entry) for name, entry in header.items() if name != "__metadata__"})
+    return weights_digest(set(headers), lambda name: (headers[name][2]["shape"], _first_rows_bf16(*headers[name])))
+
+
+def weights_digest(names: set[str], rows) -> bytes:
+    """The weights' part of the fingerprint: for each identifying tensor among `names`, its full shape and
+    `rows(name)`'s (shape, first rows as bf16 bytes: `round_bf16`)."""
     h = hashlib.sha256()
-    for name in identifying_tensors(set(headers)):
+    for name in identifying_tensors(names):
         h.update(name.encode() + b"\0")
-        if name not in headers:
+        if name not in names:
             h.update(b"absent\0")
             continue
-        path, start, entry = headers[name]
-        shape = entry["shape"]
+        shape, data = rows(name)
         h.update(json.dumps(shape).encode())
-        h.update(_first_rows_bf16(path, start, entry))
+        h.update(data)
     return h.digest()
+
+
+def first_rows(values: np.ndarray, shape: list[int]) -> bytes:
+    """What the fingerprint reads of a tensor of `shape` whose leading values (at least ROWS rows) are `values`."""
+    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    return round_bf16(flat[:ROWS * int(np.prod(shape[1:]))] if len(shape) > 1 else flat)
 
 
 def _header(path: Path) -> tuple[int, dict]:
@@ -81,8 +97,12 @@ def _first_rows_bf16(path: Path, start: int, entry: dict) -> bytes:
         values = np.frombuffer(raw, np.dtype(_FLOAT[dtype]).newbyteorder("<")).astype(np.float32)
     else:  # integer or float8 storage: its raw bytes, tagged with the dtype
         return dtype.encode() + raw
+    return round_bf16(values)
+
+
+def round_bf16(values: np.ndarray) -> bytes:
+    """float32 -> bfloat16 bytes, rounding to nearest, ties to even (as torch's .to(torch.bfloat16) does)."""
     bits = values.view(np.uint32)
-    # float32 -> bfloat16, rounding to nearest, ties to even (as torch's .to(torch.bfloat16) does)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
 
 

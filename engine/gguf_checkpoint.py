@@ -4,6 +4,13 @@ Reading and dequantising are the `gguf` package's; this module only maps llama.c
 Hugging Face's, so the converted folder is an ordinary checkpoint: our loader, `transformers` and vLLM all read it.
 Conversion is cached (keyed by the file's path, size and mtime), so only the first start pays for it.
 
+Two conversions. The fp32 checkpoint (`converted_folder(full=True)`) holds every tensor dequantised: what
+`--quantization none`, tensor-parallel ranks, CUDA, transformers and vLLM read (4 bytes a weight: 5.2 GB for a
+1.5B Q4_K_M file, written in 25 s). The serving path first takes the partial one (`full=False`, what
+`resolve_model` returns): config, tokenizer and only the tensors in no GGUF kernel's format (norms, biases, other
+types), since the kernels read the rest from the file's blocks; the loader turns to the fp32 checkpoint
+(`fp32_folder`) only where the blocks do not supply a weight after all.
+
     GGUF                         Hugging Face
     token_embd / output_norm     model.embed_tokens / model.norm
     output (absent: tied)        lm_head
@@ -26,11 +33,17 @@ import numpy as np
 import torch
 
 from specstep.engine.errors import CheckpointError
+from specstep.engine.fingerprint import first_rows, weights_digest
 from specstep.engine.gguf_tokenizer import tokenizer_from_gguf
 from specstep.engine.model_source import cache_root
 
 CHUNK_ROWS = 4096  # rows dequantised at a time while converting
-CONVERTER_VERSION = 1  # bump when the converted folder's contents change, so caches are rebuilt
+CONVERTER_VERSION = 2  # bump when the converted folder's contents change, so caches are rebuilt
+# The GGML types some GGUF kernel reads as blocks (`gguf_kernel.FORMATS` and the kernel layer's table, on any host:
+# tests hold the two lists equal): a partial conversion leaves their 2-D tensors out.
+BLOCK_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16",
+                         "BF16"})
+PARTIAL_SUFFIX = "-partial"  # a partial conversion's folder: the fp32 checkpoint's name and this
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
@@ -40,15 +53,16 @@ _LAYER = {
 }
 
 
-def converted_folder(gguf_path: Path, cache: Path | None = None) -> Path:
-    """The Hugging Face-format folder for `gguf_path`, converting it on first use."""
-    out = (cache or cache_root()) / "gguf" / _cache_key(gguf_path)
+def converted_folder(gguf_path: Path, cache: Path | None = None, full: bool = True) -> Path:
+    """The Hugging Face-format folder for `gguf_path`, converting it on first use: the fp32 checkpoint, or with
+    `full=False` the partial one (the module docstring)."""
+    out = (cache or cache_root()) / "gguf" / (_cache_key(gguf_path) + ("" if full else PARTIAL_SUFFIX))
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
     try:
-        convert(gguf_path, tmp)
+        convert(gguf_path, tmp, full)
         try:
             tmp.rename(out)  # atomic: a concurrent start either sees nothing or the whole folder
         except OSError:
@@ -57,6 +71,22 @@ def converted_folder(gguf_path: Path, cache: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def is_partial(folder: Path) -> bool:
+    """Whether `folder` is a partial conversion (its block-format weights left in the GGUF file)."""
+    source = folder / "specstep_source.json"
+    return source.is_file() and json.loads(source.read_text()).get("weights") == "partial"
+
+
+def fp32_folder(folder: Path) -> Path:
+    """The fp32 checkpoint of a partial conversion (converted now if it is not yet), else `folder` itself."""
+    if not is_partial(folder):
+        return folder
+    gguf_path = Path(json.loads((folder / "specstep_source.json").read_text())["gguf"])
+    if not gguf_path.is_file():
+        raise CheckpointError(f"{folder} was converted from {gguf_path}, which is gone")
+    return converted_folder(gguf_path, folder.parent.parent, full=True)
 
 
 def _reader(path: Path):
@@ -73,8 +103,9 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def convert(gguf_path: Path, out: Path) -> None:
-    """Write config.json, model.safetensors, tokenizer.json and generation_config.json into `out`."""
+def convert(gguf_path: Path, out: Path, full: bool = True) -> None:
+    """Write config.json, model.safetensors, tokenizer.json and generation_config.json into `out`; with `full`
+    False, model.safetensors holds only the tensors that are not 2-D in a block type."""
     reader = _reader(gguf_path)
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -96,16 +127,24 @@ def convert(gguf_path: Path, out: Path) -> None:
 
     names = [_checked_name(t, gguf_path) for t in reader.tensors]
     config["tie_word_embeddings"] = "lm_head.weight" not in names
-    _stream_safetensors(out / "model.safetensors",
-                        [(n, [int(d) for d in reversed(t.shape)], lambda t=t: weights(t))
-                         for n, t in zip(names, reader.tensors, strict=True)])
+    tensors = [(n, [int(d) for d in reversed(t.shape)], lambda t=t: weights(t))
+               for n, t in zip(names, reader.tensors, strict=True)]
+    written = [x for x, t in zip(tensors, reader.tensors, strict=True)
+               if full or len(t.shape) != 2 or t.tensor_type.name not in BLOCK_TYPES]
+    _stream_safetensors(out / "model.safetensors", written)
+    # the fingerprint (shipped heads and drafts are found by it) of weights a partial conversion does not write
+    digest = None if full else weights_digest(
+        set(names), lambda name: next((shape, first_rows(next(iter(produce())), shape))
+                                      for n, shape, produce in tensors if n == name)).hex()
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     tokenizer_from_gguf(reader, gguf_path).save(str(out / "tokenizer.json"))
     (out / "specstep_source.json").write_text(json.dumps(
         {"gguf": str(gguf_path.resolve()), "name": _field(reader, "general.name"),
-         "file_type": _field(reader, "general.file_type"), "converter_version": CONVERTER_VERSION}, indent=2) + "\n")
+         "file_type": _field(reader, "general.file_type"), "converter_version": CONVERTER_VERSION,
+         "weights": "all" if full else "partial", **({"weights_digest": digest} if digest else {})}, indent=2)
+        + "\n")
 
 
 def _stream_safetensors(path: Path, tensors: list[tuple[str, list[int], Callable[[], Iterable[np.ndarray]]]]

@@ -15,11 +15,12 @@ from specstep.engine.attention.torch_backend import TorchAttention
 from specstep.engine.config import DTYPES, ModelConfig
 from specstep.engine.cpu_kernels import CpuKernels
 from specstep.engine.errors import CheckpointError, ConfigError
+from specstep.engine.gguf_checkpoint import fp32_folder, is_partial
 from specstep.engine.loader import load_state_dict, resolve_dtype
 from specstep.engine.model_source import resolve_model
 from specstep.engine.models.cpu_linear import describe_linears, plan_linears
 from specstep.engine.models.decode_layers import use_native_layers
-from specstep.engine.models.gguf_block_params import block_params, fill_unread
+from specstep.engine.models.gguf_block_params import block_params
 from specstep.engine.models.gguf_linear import use_gguf_linears
 from specstep.engine.models.half_linears import half_format, use_half_linears
 from specstep.engine.models.llama import LlamaForCausalLM
@@ -49,9 +50,11 @@ def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
     gguf = _gguf_source(folder, cpu_linear, tp, torch_dtype) if device.type == "cpu" else None
+    if gguf is None:
+        folder = fp32_folder(folder)  # (a GGUF file whose blocks no kernel reads here: its fp32 checkpoint)
     # a GGUF file's block-quantised weights are read as blocks only: never as fp32 tensors
     skip = block_params(model, gguf) if gguf is not None else frozenset()
-    load_state_dict(model, folder, torch_dtype if half is None else DTYPES[cfg.torch_dtype], skip=skip)
+    folder = _load_weights(model, folder, torch_dtype if half is None else DTYPES[cfg.torch_dtype], skip=skip)
     # Buffers (rotary tables) were built on meta; rebuild them for real on the target device.
     model.rotary.build_tables()
     if device.type == "cpu":
@@ -60,13 +63,30 @@ def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str
         else:
             model.gguf_note = (use_half_linears(model, half) if half is not None
                                else _quantized(model, folder, cpu_linear, tp, torch_dtype))
-        fill_unread(model, folder, torch_dtype)
+        if any(t.is_meta for t in model.state_dict().values()):  # what the blocks did not take after all
+            _load_weights(model, folder, torch_dtype, only=frozenset(n for n, t in model.state_dict().items()
+                                                                   if t.is_meta))
     model = model.to(device).eval().requires_grad_(False)  # serving weights; training heads keep the target frozen
     if device.type == "cpu":
         use_cpu_kernels(model, cpu_linear)
         layers = cpu_linear.layers if isinstance(cpu_linear, CpuKernels) else "torch"
         model.layers_note = use_native_layers(model, layers)
     return model
+
+
+def _load_weights(model: torch.nn.Module, folder: Path, dtype: torch.dtype, skip: frozenset[str] = frozenset(),
+                  only: frozenset[str] | None = None) -> Path:
+    """`load_state_dict` from `folder`, or where a partial GGUF conversion lacks a tensor the blocks do not supply
+    on this host, from its fp32 checkpoint (converted then); the folder read."""
+    try:
+        load_state_dict(model, folder, dtype, skip=skip, only=only)
+        return folder
+    except CheckpointError:
+        if not is_partial(folder):
+            raise
+    folder = fp32_folder(folder)
+    load_state_dict(model, folder, dtype, skip=skip, only=only)
+    return folder
 
 
 def _check_quantize(folder: Path, device: torch.device, dtype: torch.dtype, tp: TPGroup) -> None:

@@ -70,7 +70,9 @@ def gguf_file_in(path: Path) -> Path | None:
 
 
 def resolve_model(reference: str | Path) -> Path:
-    """The Hugging Face-format folder for a model reference, converting a GGUF file on first use."""
+    """The Hugging Face-format folder for a model reference, converting a GGUF file on first use (its partial
+    conversion: config, tokenizer and the tensors no GGUF kernel reads as blocks; `gguf_checkpoint.fp32_folder`
+    gives the fp32 checkpoint)."""
     path = Path(reference)
     if not path.exists():
         raise CheckpointError(f"model {str(path)!r} does not exist")
@@ -85,7 +87,7 @@ def resolve_model(reference: str | Path) -> Path:
         converted_folder,  # torch and numpy: only when there is a file to convert
     )
 
-    return converted_folder(gguf)
+    return converted_folder(gguf, full=False)
 
 
 def default_draft(spec: str, target_folder: Path) -> Path | None:

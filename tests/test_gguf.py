@@ -60,7 +60,7 @@ def test_quantised_gguf_is_dequantised_by_the_gguf_package(tmp_path, cache):
     assert torch.equal(model.layers[0].mlp.gate_up_proj.weight[inter:], torch.from_numpy(np.array(expect)))
     core = make_core(gguf_path)
     reqs = run_to_completion(core, PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    hf = hf_model(resolve_model(gguf_path))
+    hf = hf_model(converted_folder(gguf_path))  # the fp32 checkpoint
     for r, p in zip(reqs, PROMPTS):
         out = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
         assert r.output_token_ids == out[0, len(p):].tolist()
@@ -80,7 +80,7 @@ def test_conversion_is_cached_and_a_folder_holding_a_gguf_works(tmp_path, cache)
     src = make_checkpoint(tmp_path / "src", seed=6, tokenizer=True)
     (tmp_path / "dir").mkdir()
     gguf_path = write_gguf(tmp_path / "dir" / "m.gguf", src)
-    first = converted_folder(gguf_path)
+    first = converted_folder(gguf_path, full=False)
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert resolve_model(tmp_path / "dir") == first  # a folder with one GGUF and no config.json
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again

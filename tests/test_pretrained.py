@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from specstep.engine.gguf_checkpoint import fp32_folder
 from specstep.engine.model_source import default_draft, pretrained_gguf, resolve_model
 from specstep.engine.sampling_params import SamplingParams
 from tests.fixtures_models import hf_model, make_mtp_head
@@ -53,7 +54,7 @@ def test_greedy_tokens_equal_transformers(smollm2, prompts):
     """With fp32 activations (the exact reference; the default int8 activations round each linear's input as
     llama.cpp does, so their tokens are the speculative tests' plain decoding, not transformers')."""
     reqs = run_to_completion(make_core(smollm2, threads=2, activations="fp32"), prompts, PARAMS)
-    hf = hf_model(smollm2)
+    hf = hf_model(fp32_folder(smollm2))
     with torch.inference_mode():
         for p, ours in zip(prompts, [r.output_token_ids for r in reqs]):
             out = hf.generate(torch.tensor([p]), max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)

@@ -1,18 +1,16 @@
 """Which of a model's parameters a GGUF file's blocks supply, so that the loader never reads them as fp32.
 
 `block_params` names them before the load (the model is still on meta); the loader skips them, `use_gguf_linears`
-builds the block modules from the file, and `fill_unread` reads whatever the blocks did not take after all."""
+builds the block modules from the file, and the loader then reads whatever the blocks did not take after all."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from specstep.engine.gguf_checkpoint import _hf_name, tensor_index
 from specstep.engine.kernels import binding as kernel_layer
-from specstep.engine.loader import load_state_dict
 from specstep.engine.models.gguf_kernel import FORMATS, unavailable
 from specstep.engine.models.gguf_linear import _linears, _pieces
 
@@ -21,7 +19,7 @@ def block_params(model: nn.Module, gguf_path: Path) -> frozenset[str]:
     """The parameters of `model` (built on meta, one rank) that `use_gguf_linears` will read from `gguf_path`'s
     blocks: the weights of linears whose every piece the file stores in a format a kernel reads, and the
     embedding's. The loader leaves them unread, so a 7B-class Q4_K_M file never exists as fp32 weights (28 GiB);
-    any that the blocks do not take after all are read afterwards (`fill_unread`)."""
+    any that the blocks do not take after all are read afterwards (`model_loader._load_weights`)."""
     if unavailable() or not gguf_path.is_file():
         return frozenset()
     kinds = (*FORMATS, *(() if kernel_layer.unavailable() else kernel_layer.formats()))
@@ -33,9 +31,3 @@ def block_params(model: nn.Module, gguf_path: Path) -> frozenset[str]:
         out.add("embed_tokens.weight")
     return frozenset(out)
 
-
-def fill_unread(model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
-    """Read the parameters `block_params` left on meta that no block module took (the fp32 weights, as before)."""
-    unread = frozenset(name for name, t in model.state_dict().items() if t.is_meta)
-    if unread:
-        load_state_dict(model, folder, dtype, only=unread)

@@ -173,18 +173,28 @@ def _pieces(name: str, tied: bool) -> list[str]:
     return [f"model.{name}.weight"]
 
 
-def _leading_rows(folder: Path, hf_name: str) -> torch.Tensor:
+def _leading_rows(folder: Path, hf_name: str) -> torch.Tensor | None:
     """The converted checkpoint's first CHECK_ROWS rows of `hf_name`, read alone (the model's own copy of the
-    weight may never have been read: `block_params`)."""
+    weight may never have been read: `block_params`); None where a partial conversion left it in the file's blocks
+    (nothing converted to be stale against)."""
     from safetensors import safe_open
 
+    from specstep.engine.gguf_checkpoint import is_partial
     from specstep.engine.loader import safetensors_files
 
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             if hf_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 return f.get_slice(hf_name)[:CHECK_ROWS].float()
+    if is_partial(folder):
+        return None
     raise CheckpointError(f"{folder}: missing tensor {hf_name!r}")
+
+
+def _matches(got: torch.Tensor, folder: Path, hf_name: str) -> bool:
+    """Whether `got` (leading rows dequantised from the blocks) are the converted checkpoint's rows."""
+    rows = _leading_rows(folder, hf_name)
+    return rows is None or torch.equal(got, rows)
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
@@ -230,7 +240,7 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
             if not all(t in table_formats and child.in_features % kernel_layer.block_of(t)[0] == 0 for t in types):
                 continue
             got = dequantize(types[0], blocks[pieces[0]][1][:CHECK_ROWS], child.in_features)
-            if not torch.equal(got, _leading_rows(folder, pieces[0])):
+            if not _matches(got, folder, pieces[0]):
                 raise CheckpointError(f"{gguf_path}: {name}'s blocks do not hold the converted checkpoint's "
                                       "weights (a stale conversion? delete it from the cache)")
             lin = GGUFLinear.split([blocks[p] for p in pieces], child.in_features, child.bias, activations)
@@ -246,7 +256,7 @@ def use_gguf_linears(model: nn.Module, folder: Path, gguf_path: Path, required: 
         if fmt in table_formats and child.in_features % kernel_layer.block_of(fmt)[0]:
             continue  # (a width the format's blocks cannot hold: not written by llama.cpp)
         got = dequantize(fmt, rows[:CHECK_ROWS], child.in_features)
-        if not torch.equal(got, _leading_rows(folder, pieces[0])):
+        if not _matches(got, folder, pieces[0]):
             raise CheckpointError(f"{gguf_path}: {name}'s {fmt} blocks do not hold the converted checkpoint's "
                                   "weights (a stale conversion? delete it from the cache)")
         is_tied = tied and name == "lm_head" and embed is not None
@@ -353,7 +363,7 @@ def _use_gguf_embedding(model: nn.Module, blocks: dict[str, tuple[str, torch.Ten
     if rows.shape[0] != embed.num_embeddings:
         return ""
     gguf_embed = GGUFEmbedding(fmt, rows, embed.embedding_dim)
-    if not torch.equal(gguf_embed(torch.arange(CHECK_ROWS)), _leading_rows(folder, "model.embed_tokens.weight")):
+    if not _matches(gguf_embed(torch.arange(CHECK_ROWS)), folder, "model.embed_tokens.weight"):
         raise CheckpointError(f"the file's {fmt} embedding does not hold the converted checkpoint's rows (a stale "
                               "conversion? delete it from the cache)")
     model.embed_tokens = gguf_embed
