@@ -63,14 +63,22 @@ def quantize_q5_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(w.shape[0], -1)
 
 
-def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+def _symmetric(w: np.ndarray, levels: int, most_scale: int) -> tuple[np.ndarray, ...]:
+    """Per 16 values a signed scale (at most `most_scale` steps of a block's fp16 d) and quants -levels..levels - 1,
+    stored plus `levels`: d [n], sc [n, 16] int64, q [n, 256] uint8."""
     x = w.reshape(-1, 16, 16).astype(np.float32)
-    scale = np.abs(x).max(-1) / 31
-    d = _f16(scale.max(-1) / 127)
-    sc = np.clip(np.rint(_div(scale, d.astype(np.float32)[:, None])), -128, 127).astype(np.int8)
+    scale = np.abs(x).max(-1) / levels
+    d = _f16(scale.max(-1) / most_scale)
+    sc = np.clip(np.rint(_div(scale, d.astype(np.float32)[:, None])), -most_scale - 1, most_scale).astype(np.int64)
     step = d.astype(np.float32)[:, None] * sc
-    q = (np.clip(np.rint(_div(x, step[..., None])), -32, 31) + 32).astype(np.uint8).reshape(-1, 256)
-    n = x.shape[0]
+    q = (np.clip(np.rint(_div(x, step[..., None])), -levels, levels - 1) + levels).astype(np.uint8)
+    return d, sc, q.reshape(-1, 256)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    d, sc, q = _symmetric(w, 32, 127)
+    sc = sc.astype(np.int8)
+    n = q.shape[0]
     ql, qh = np.zeros((n, 128), np.uint8), np.zeros((n, 64), np.uint8)
     for h in range(2):
         for r in range(128):
@@ -107,12 +115,7 @@ def quantize_q2_k(w: np.ndarray) -> np.ndarray:
 def quantize_q3_k(w: np.ndarray) -> np.ndarray:
     """Per 16 values a signed 6-bit scale over a block's fp16 d; quants -4..3 (low 2 bits, and a high bit that is
     set unless the value is negative)."""
-    x = w.reshape(-1, 16, 16).astype(np.float32)
-    scale = np.abs(x).max(-1) / 4
-    d = _f16(scale.max(-1) / 31)
-    sc = np.clip(np.rint(_div(scale, d.astype(np.float32)[:, None])), -32, 31).astype(np.int64)
-    step = d.astype(np.float32)[:, None] * sc
-    q = (np.clip(np.rint(_div(x, step[..., None])), -4, 3) + 4).astype(np.uint8).reshape(-1, 256)
+    d, sc, q = _symmetric(w, 4, 31)
     hmask = np.zeros((q.shape[0], 32), np.uint8)
     for v in range(256):
         hmask[:, v % 32] |= (q[:, v] >> 2) << (v // 32)

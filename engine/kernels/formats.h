@@ -173,10 +173,33 @@ struct Q5_K {
     static void unpack(const uint8_t *b, Unpacked &u) { k4_unpack(b, u); }
 };
 
+// The K-quants with a signed scale a 16 values and no min (Q3_K, Q6_K: F gives `chunk` and `scale`):
+// w = (d sc_j) (u - OFF) in gguf's order, d the fp16 at byte D_AT; in the int8 terms sc_j and off_j = OFF sc_j.
+template <class F, int OFF, int D_AT> struct SignedScales16 {
+    static void dequant(const uint8_t *b, float *w) {
+        const float d = f16(b + D_AT);
+        alignas(32) uint8_t u[32];
+        for (int c = 0; c < 8; c++) {
+            _mm256_store_si256((__m256i *)u, F::chunk(b, c));
+            for (int g = 0; g < 2; g++) {
+                const float ds = d * (float)F::scale(b, 2 * c + g);
+                for (int l = 0; l < 16; l++) w[32 * c + 16 * g + l] = ds * (float)(u[16 * g + l] - OFF);
+            }
+        }
+    }
+    static void unpack(const uint8_t *b, Unpacked &u) {
+        for (int j = 0; j < 16; j++) {
+            const int sc = F::scale(b, j);
+            u.sc[j] = (int16_t)sc, u.off[j] = (int16_t)(OFF * sc);
+        }
+        u.d = f16(b + D_AT), u.dm = 0.f;
+    }
+};
+
 // Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16 values), fp16 d.
 // Value 128 h + r: low nibble of byte 64 h + r % 64 (shifted 4 (r / 64)), high bits 2 (r / 32) of byte
 // 128 + 32 h + r % 32. w = (d sc_j) (q - 32).
-struct Q6_K {
+struct Q6_K : SignedScales16<Q6_K, 32, 208> {
     static constexpr int qk = QK_K, bytes = 210;
     static constexpr bool int8 = true, has_off = true, has_min = false;
     // values 32 c .. 32 c + 31
@@ -188,24 +211,7 @@ struct Q6_K {
         const __m256i h2 = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * r)), _mm256_set1_epi8(3));
         return _mm256_or_si256(l4, _mm256_slli_epi16(h2, 4));
     }
-    static void dequant(const uint8_t *b, float *w) {
-        const float d = f16(b + 208);
-        alignas(32) uint8_t u[32];
-        for (int c = 0; c < 8; c++) {
-            _mm256_store_si256((__m256i *)u, chunk(b, c));
-            for (int g = 0; g < 2; g++) {
-                const float ds = d * (float)(int8_t)b[192 + 2 * c + g];
-                for (int l = 0; l < 16; l++) w[32 * c + 16 * g + l] = ds * (float)(u[16 * g + l] - 32);
-            }
-        }
-    }
-    static void unpack(const uint8_t *b, Unpacked &u) {
-        for (int j = 0; j < 16; j++) {
-            const int sc = (int8_t)b[192 + j];
-            u.sc[j] = (int16_t)sc, u.off[j] = (int16_t)(32 * sc);
-        }
-        u.d = f16(b + 208), u.dm = 0.f;
-    }
+    static int scale(const uint8_t *b, int j) { return (int8_t)b[192 + j]; }
 };
 
 // The 2-bit planes Q2_K and Q3_K share: 64 bytes whose bits 2 s of byte 32 h + l hold value 128 h + 32 s + l.
@@ -242,7 +248,7 @@ struct Q2_K {
 // Q3_K: 32 bytes of high bits (bit c of byte l: value 32 c + l's), 64 bytes of low 2 bits (plane2), 12 bytes of
 // 16 six-bit scales (low nibbles in bytes 0-7, two high bits in bytes 8-11; minus 32), fp16 d.
 // w = (d sc_j) (q - 4), q = low + 4 high (a clear high bit subtracts 4: gguf's Q3_K).
-struct Q3_K {
+struct Q3_K : SignedScales16<Q3_K, 4, 108> {
     static constexpr int qk = QK_K, bytes = 110;
     static constexpr bool int8 = true, has_off = true, has_min = false;
     static inline __m256i chunk(const uint8_t *b, int c) {
@@ -254,24 +260,6 @@ struct Q3_K {
         const uint8_t *s = b + 96;
         const int lo = (s[j % 8] >> (4 * (j / 8))) & 15, hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
         return (lo | (hi << 4)) - 32;
-    }
-    static void dequant(const uint8_t *b, float *w) {
-        const float d = f16(b + 108);
-        alignas(32) uint8_t u[32];
-        for (int c = 0; c < 8; c++) {
-            _mm256_store_si256((__m256i *)u, chunk(b, c));
-            for (int g = 0; g < 2; g++) {
-                const float ds = d * (float)scale(b, 2 * c + g);
-                for (int l = 0; l < 16; l++) w[32 * c + 16 * g + l] = ds * (float)(u[16 * g + l] - 4);
-            }
-        }
-    }
-    static void unpack(const uint8_t *b, Unpacked &u) {
-        for (int j = 0; j < 16; j++) {
-            const int sc = scale(b, j);
-            u.sc[j] = (int16_t)sc, u.off[j] = (int16_t)(4 * sc);
-        }
-        u.d = f16(b + 108), u.dm = 0.f;
     }
 };
 
