@@ -43,6 +43,36 @@ struct Unpacked {
     float d, dm;
 };
 
+// pshufb masks that give chunk c (values 32 c .. 32 c + 31) its scales from a block's 16 group scales (int16) held
+// in both 128-bit lanes (groups 0-7 for c < 4, 8-15 after): bytes 0-15 group 2c's, bytes 16-31 group 2c + 1's.
+struct ChunkScaleMasks {
+    alignas(32) uint8_t m[QK_K / 32][32];
+};
+constexpr ChunkScaleMasks chunk_scale_masks() {
+    ChunkScaleMasks t{};
+    for (int c = 0; c < QK_K / 32; c++)
+        for (int i = 0; i < 16; i++) {
+            t.m[c][i] = (uint8_t)(2 * ((2 * c) % 8) + (i & 1));
+            t.m[c][16 + i] = (uint8_t)(2 * ((2 * c + 1) % 8) + (i & 1));
+        }
+    return t;
+}
+inline constexpr ChunkScaleMasks CHUNK_SCALE_MASKS = chunk_scale_masks();
+
+// A block's group scales (Unpacked::sc) as the two lane-duplicated halves chunk_scale reads.
+struct BlockScales {
+    __m256i lo, hi;
+    explicit BlockScales(const int16_t *sc) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)sc);
+        lo = _mm256_permute4x64_epi64(v, 0x44), hi = _mm256_permute4x64_epi64(v, 0xEE);
+    }
+    // chunk c's scales as vpmaddwd's operand: 16-bit lanes 0-7 group 2c's, 8-15 group 2c + 1's (one pshufb, where
+    // building them from two scalars took four operations a chunk)
+    __m256i chunk(int c) const {
+        return _mm256_shuffle_epi8(c < 4 ? lo : hi, _mm256_load_si256((const __m256i *)CHUNK_SCALE_MASKS.m[c]));
+    }
+};
+
 // the K-quants' 6-bit scales and mins, 8 of each in 12 bytes (gguf's Q4_K.get_scale_min)
 inline void scale_min_k4(const uint8_t *s, int j, int &sc, int &mn) {
     if (j < 4) {

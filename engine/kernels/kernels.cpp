@@ -30,10 +30,6 @@ inline int32_t hsum_i32(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
     return _mm_cvtsi128_si32(s);
 }
-// bytes 0-15 scaled by a, 16-31 by b: as 16-bit lanes (vpmaddwd's second operand)
-inline __m256i scales(int16_t a, int16_t b) {
-    return _mm256_set_m128i(_mm_set1_epi16(b), _mm_set1_epi16(a));
-}
 // acc + 8 int32 lanes, lane k: sc * sum of bytes 4k..4k+3's products (u unsigned <= 63, q signed: no saturation)
 inline __m256i dot_scaled_add(__m256i acc, __m256i u, __m256i q, __m256i sc) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), sc));
@@ -48,7 +44,6 @@ namespace sk {
 namespace avx512 {
 using avx2::hsum;
 using avx2::hsum_i32;
-using avx2::scales;
 // the pairs' sums times the scales, accumulated in one VNNI instruction (vpdpwssd) where AVX2 takes a multiply-add
 // and an add: the same exact integers. (vpdpbusd's 4-byte sums need a 32-bit multiply by the scale after it, which
 // measured slower than AVX2's lanes on a Q4_K_M model's layers, AMD EPYC.)
