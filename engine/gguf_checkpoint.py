@@ -245,7 +245,7 @@ def quantized_blocks(gguf_path: Path, formats: tuple[str, ...], cache: Path | No
     """The file's 2-D weights stored in one of `formats` (GGML type names), as they are: Hugging Face name ->
     (type, blocks [out_features, in_features / 32 blocks] uint8), rows in the converted checkpoint's order (a
     llama q/k weight's rows un-permuted, as `convert` does: a row is whole blocks, so rows move exactly). For
-    kernels that read the quantised weights (`engine.models.gguf_linear`). Read at the offsets `tensor_index`
+    kernels that read the quantised weights (`engine.models.gguf_model_linears`). Read at the offsets `tensor_index`
     keeps."""
     index = tensor_index(gguf_path, cache)
     data = np.memmap(gguf_path, dtype=np.uint8, mode="r")

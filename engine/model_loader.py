@@ -21,7 +21,7 @@ from specstep.engine.model_source import resolve_model
 from specstep.engine.models.cpu_linear import describe_linears, plan_linears
 from specstep.engine.models.decode_layers import use_native_layers
 from specstep.engine.models.gguf_block_params import block_params
-from specstep.engine.models.gguf_linear import use_gguf_linears
+from specstep.engine.models.gguf_model_linears import use_gguf_linears
 from specstep.engine.models.half_linears import half_format, use_half_linears
 from specstep.engine.models.llama import LlamaForCausalLM
 from specstep.engine.models.mtp_head import MTPHead

@@ -12,7 +12,8 @@ from specstep.engine.cpu_kernels import CpuKernels
 from specstep.engine.errors import ConfigError
 from specstep.engine.model_loader import describe_cpu_kernels, load_model
 from specstep.engine.model_source import pretrained_gguf, resolve_model
-from specstep.engine.models.gguf_linear import GGUFLinear, use_gguf_linears
+from specstep.engine.models.gguf_linear import GGUFLinear
+from specstep.engine.models.gguf_model_linears import use_gguf_linears
 from specstep.engine.sampling_params import SamplingParams
 from tests.fixtures_gguf import write_gguf
 from tests.helpers import make_checkpoint, make_core, run_to_completion

@@ -351,7 +351,7 @@ def test_greedy_output_on_the_kernel_is_the_fp32_models(tmp_path, cache):
 def test_quantization_gguf_where_the_kernel_cannot_run_is_a_config_error(tmp_path, cache, monkeypatch):
     src = make_checkpoint(tmp_path / "src", seed=5, tokenizer=True)
     path = write_gguf(tmp_path / "m.gguf", src, qtype="Q4_1")
-    monkeypatch.setattr("specstep.engine.models.gguf_linear.unavailable", lambda: "this CPU lacks AVX2")
+    monkeypatch.setattr("specstep.engine.models.gguf_model_linears.unavailable", lambda: "this CPU lacks AVX2")
     with pytest.raises(ConfigError, match="lacks AVX2"):
         load_model(path, "cpu", "float32", CpuKernels(quantization="gguf"))
     auto = load_model(path, "cpu", "float32", CpuKernels(quantization="auto"))
@@ -387,16 +387,16 @@ def test_int8_activations_need_the_gguf_kernel(tmp_path, cache, monkeypatch):
     assert {m.kernel_fmt for m in int8.modules() if isinstance(m, GGUFLinear)} == {f"Q4_1/int8-{host}"}
     assert ("in AMX tiles" in describe_cpu_kernels(int8)) == (host == "tiles")
     assert ("times int8 activations in AVX-512 VNNI lanes" in describe_cpu_kernels(int8)) == (host == "vnni")
-    monkeypatch.setattr("specstep.engine.models.gguf_linear.tiles_unavailable", lambda: "this CPU lacks AMX_TILE")
+    monkeypatch.setattr("specstep.engine.models.int8_forms.tiles_unavailable", lambda: "this CPU lacks AMX_TILE")
     with monkeypatch.context() as pin, pytest.raises(ConfigError, match="SPECSTEP_CPU_ISA=amx: AMX tiles cannot "
                                                                         "run here: this CPU lacks"):
         load_model(path, "cpu", "float32", CpuKernels(activations=pin_int8_form("int8-tiles", pin)))
-    monkeypatch.setattr("specstep.engine.models.gguf_linear.vnni_unavailable", lambda: "")
+    monkeypatch.setattr("specstep.engine.models.int8_forms.vnni_unavailable", lambda: "")
     vnni = load_model(path, "cpu", "float32", CpuKernels(activations="int8"))  # (built, not run: the host may lack it)
     assert {m.kernel_fmt for m in vnni.modules() if isinstance(m, GGUFLinear)} == {"Q4_1/int8-vnni"}
     assert "in AVX-512 VNNI lanes" in describe_cpu_kernels(vnni)
     assert "(AMX tiles: this CPU lacks AMX_TILE)" in describe_cpu_kernels(vnni)
-    monkeypatch.setattr("specstep.engine.models.gguf_linear.vnni_unavailable", lambda: "this CPU lacks AVX512_VNNI")
+    monkeypatch.setattr("specstep.engine.models.int8_forms.vnni_unavailable", lambda: "this CPU lacks AVX512_VNNI")
     with monkeypatch.context() as pin, pytest.raises(ConfigError, match="SPECSTEP_CPU_ISA=avx512: AVX-512 VNNI "
                                                                         "lanes cannot run here: this CPU"):
         load_model(path, "cpu", "float32", CpuKernels(activations=pin_int8_form("int8-vnni", pin)))
@@ -404,6 +404,6 @@ def test_int8_activations_need_the_gguf_kernel(tmp_path, cache, monkeypatch):
     assert {m.kernel_fmt for m in lanes.modules() if isinstance(m, GGUFLinear)} == {"Q4_1/int8-packed"}
     assert "(AMX tiles: this CPU lacks AMX_TILE; AVX-512 VNNI: this CPU lacks AVX512_VNNI)" in describe_cpu_kernels(
         lanes)
-    monkeypatch.setattr("specstep.engine.models.gguf_linear.unavailable", lambda: "this CPU lacks AVX2")
+    monkeypatch.setattr("specstep.engine.models.gguf_model_linears.unavailable", lambda: "this CPU lacks AVX2")
     with pytest.raises(ConfigError, match="--activations int8: the GGUF kernel cannot run here: this CPU lacks"):
         load_model(path, "cpu", "float32", CpuKernels(activations="int8"))

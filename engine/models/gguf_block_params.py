@@ -12,7 +12,7 @@ from torch import nn
 from specstep.engine.gguf_checkpoint import _hf_name, tensor_index
 from specstep.engine.kernels import binding as kernel_layer
 from specstep.engine.models.gguf_kernel import FORMATS, unavailable
-from specstep.engine.models.gguf_linear import _linears, _pieces
+from specstep.engine.models.gguf_model_linears import _linears, _pieces
 
 
 def block_params(model: nn.Module, gguf_path: Path) -> frozenset[str]:

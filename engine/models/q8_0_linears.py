@@ -21,7 +21,9 @@ from torch import nn
 from specstep.engine.errors import ConfigError
 from specstep.engine.models.gguf_embedding import GGUFEmbedding
 from specstep.engine.models.gguf_kernel import BLOCK, unavailable
-from specstep.engine.models.gguf_linear import GGUFLinear, blocks_note, kernel_activations
+from specstep.engine.models.gguf_linear import GGUFLinear
+from specstep.engine.models.gguf_model_linears import blocks_note
+from specstep.engine.models.int8_forms import kernel_activations
 
 FLAG = "--quantization q8_0"
 ROWS_A_TASK = 1024  # rows a worker quantises at a time (numpy releases the GIL: both cores quantise)
