@@ -132,10 +132,12 @@ def convert(gguf_path: Path, out: Path, full: bool = True) -> None:
     written = [x for x, t in zip(tensors, reader.tensors, strict=True)
                if full or len(t.shape) != 2 or t.tensor_type.name not in BLOCK_TYPES]
     _stream_safetensors(out / "model.safetensors", written)
-    # the fingerprint (shipped heads and drafts are found by it) of weights a partial conversion does not write
+    # the fingerprint (shipped heads and drafts are found by it) of weights a partial conversion does not write:
+    # each identifying tensor's leading rows, from the first part its producer yields
+    produced = {n: (shape, produce) for n, shape, produce in tensors}
     digest = None if full else weights_digest(
-        set(names), lambda name: next((shape, first_rows(next(iter(produce())), shape))
-                                      for n, shape, produce in tensors if n == name)).hex()
+        set(names), lambda name: (produced[name][0], first_rows(next(iter(produced[name][1]())), produced[name][0]))
+    ).hex()
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

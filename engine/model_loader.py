@@ -63,9 +63,9 @@ def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str
         else:
             model.gguf_note = (use_half_linears(model, half) if half is not None
                                else _quantized(model, folder, cpu_linear, tp, torch_dtype))
-        if any(t.is_meta for t in model.state_dict().values()):  # what the blocks did not take after all
-            _load_weights(model, folder, torch_dtype, only=frozenset(n for n, t in model.state_dict().items()
-                                                                   if t.is_meta))
+        unread = frozenset(n for n, t in model.state_dict().items() if t.is_meta)  # what the blocks did not take
+        if unread:
+            _load_weights(model, folder, torch_dtype, only=unread)
     model = model.to(device).eval().requires_grad_(False)  # serving weights; training heads keep the target frozen
     if device.type == "cpu":
         use_cpu_kernels(model, cpu_linear)
