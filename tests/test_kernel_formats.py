@@ -97,6 +97,21 @@ def test_int8_activations_equal_the_numpy_model_bitwise(fmt: str) -> None:
             assert np.array_equal(y.view(np.uint32), model.view(np.uint32)), (fmt, isa, rows)
 
 
+@pytest.mark.parametrize("fmt", ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+def test_int8_long_k_quant_rows_equal_the_numpy_model_bitwise(fmt: str) -> None:
+    # 11 super-blocks a row: a decode row's blocks go 8 at a time, so a full group and a partial one
+    k = 11 * 256
+    raw = random_blocks(fmt, 8, k, seed=5)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(6))
+    x[0, 300:600] = 0.0  # a super-block of zeros in the middle of the row
+    for isa in _isas():
+        kernel = binding.linear_kernel(fmt, "int8", isa)
+        for rows in (1, 2, 3, 5):
+            y = binding.linear(x[:rows], torch.from_numpy(raw), 8, kernel).numpy()
+            model = int8_model.linear(fmt, 256, x[:rows].numpy(), raw, None)
+            assert np.array_equal(y.view(np.uint32), model.view(np.uint32)), (fmt, isa, rows)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("arith", ("fp32", "int8"))
 def test_rows_are_batch_invariant_and_thread_invariant(fmt: str, arith: str) -> None:

@@ -2,7 +2,8 @@
 // block of `qk` weights lies in `bytes` bytes, and gives two views of it:
 //   dequant: the block's fp32 weights, bit for bit what `gguf.quants.dequantize` computes (the same fp32
 //            operations in the same order; the build does not contract them into FMAs), for fp32 activations;
-//   unpack:  the block in the int8 arithmetic's terms (int8 activations, `linear.inc`):
+//   Scales:  the block in the int8 arithmetic's terms (int8 activations, `linear.inc`; most formats fill an
+//            Unpacked through `unpack`, the K-quants build theirs in registers):
 //                w = d * (sc_j * u - off_j) + dm * mn_j        for value i of 16-value group j = i / 16
 //            with u the unsigned integer weights (0..63), sc_j / off_j / mn_j small integers and d / dm floats,
 //            so that a block's dot product with activations quantised as q (scale dx, group sums bs_j) is
@@ -62,15 +63,26 @@ inline constexpr ChunkScaleMasks CHUNK_SCALE_MASKS = chunk_scale_masks();
 // A block's group scales (Unpacked::sc) as the two lane-duplicated halves chunk_scale reads.
 struct BlockScales {
     __m256i lo, hi;
-    explicit BlockScales(const int16_t *sc) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)sc);
-        lo = _mm256_permute4x64_epi64(v, 0x44), hi = _mm256_permute4x64_epi64(v, 0xEE);
-    }
+    explicit BlockScales(const int16_t *sc) : BlockScales(_mm256_loadu_si256((const __m256i *)sc)) {}
+    explicit BlockScales(__m256i v) : lo(_mm256_permute4x64_epi64(v, 0x44)), hi(_mm256_permute4x64_epi64(v, 0xEE)) {}
     // chunk c's scales as vpmaddwd's operand: 16-bit lanes 0-7 group 2c's, 8-15 group 2c + 1's (one pshufb, where
     // building them from two scalars took four operations a chunk)
     __m256i chunk(int c) const {
         return _mm256_shuffle_epi8(c < 4 ? lo : hi, _mm256_load_si256((const __m256i *)CHUNK_SCALE_MASKS.m[c]));
     }
+};
+
+// A block's scalars as a tile reads them (linear.inc): `chunk(c)` (BlockScales::chunk), the 16 offset terms and the
+// 16 min terms as int16 lanes (`off16`, `mn16`: what the activations' 16 group sums multiply), `d` and `dm`. A
+// format names its view `Scales`; this one goes through Unpacked, which the legacy formats' scalar terms read too.
+template <class F> struct UnpackedScales {
+    BlockScales scales;
+    const Unpacked &u;
+    float d, dm;
+    UnpackedScales(const uint8_t *b, Unpacked &un) : scales((F::unpack(b, un), un.sc)), u(un), d(un.d), dm(un.dm) {}
+    __m256i chunk(int c) const { return scales.chunk(c); }
+    __m256i off16() const { return _mm256_load_si256((const __m256i *)u.off); }
+    __m256i mn16() const { return _mm256_load_si256((const __m256i *)u.mn); }
 };
 
 // the K-quants' 6-bit scales and mins, 8 of each in 12 bytes (gguf's Q4_K.get_scale_min)
@@ -111,6 +123,7 @@ struct Q4_0 {
         const float d = f16(b);
         for (int l = 0; l < 32; l++) w[l] = d * (float)(u[l] - 8);
     }
+    using Scales = UnpackedScales<Q4_0>;
     static void unpack(const uint8_t *b, Unpacked &u) {
         u.sc[0] = u.sc[1] = 1, u.off[0] = u.off[1] = 8, u.d = f16(b), u.dm = 0.f;
     }
@@ -129,6 +142,7 @@ struct Q5_0 {
         const float d = f16(b);
         for (int l = 0; l < 32; l++) w[l] = d * (float)(u[l] - 16);
     }
+    using Scales = UnpackedScales<Q5_0>;
     static void unpack(const uint8_t *b, Unpacked &u) {
         u.sc[0] = u.sc[1] = 1, u.off[0] = u.off[1] = 16, u.d = f16(b), u.dm = 0.f;
     }
@@ -145,6 +159,7 @@ struct Q5_1 {
         const float d = f16(b), m = f16(b + 2);
         for (int l = 0; l < 32; l++) w[l] = d * (float)u[l] + m;
     }
+    using Scales = UnpackedScales<Q5_1>;
     static void unpack(const uint8_t *b, Unpacked &u) {
         u.sc[0] = u.sc[1] = 1, u.off[0] = u.off[1] = 0, u.mn[0] = u.mn[1] = 1, u.d = f16(b), u.dm = f16(b + 2);
     }
@@ -164,25 +179,40 @@ template <class F> static void k4_dequant(const uint8_t *b, float *w) {
     }
 }
 
-// 8 byte values -> 16 int16 lanes at dst, each twice (a sub-block's value for both of its 16-value groups)
-inline void twice16(uint64_t bytes, int16_t *dst) {
-    const __m128i v = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)bytes));
-    _mm256_storeu_si256((__m256i *)dst, _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v)));
+// pshufb masks over a Q4_K / Q5_K block's 8 scale (or min) bytes, held in every 64-bit lane: chunk c's scale in all
+// 16 int16 lanes; and the 16 groups' mins (group j: sub-block j / 2's) as int16 lanes.
+struct K4Masks {
+    alignas(32) uint8_t chunk[8][32];
+    alignas(32) uint8_t groups[32];
+};
+constexpr K4Masks k4_masks() {
+    K4Masks t{};
+    for (int i = 0; i < 32; i++) {
+        for (int c = 0; c < 8; c++) t.chunk[c][i] = i & 1 ? 0x80 : (uint8_t)c;
+        t.groups[i] = i & 1 ? 0x80 : (uint8_t)(4 * (i / 16) + (i % 16) / 4);  // (int16 lane l of 128-bit lane h: 4h + l / 2)
+    }
+    return t;
 }
+inline constexpr K4Masks K4_MASKS = k4_masks();
 
-// scale_min_k4 for all 8 sub-blocks at once, on 32-bit words (llama.cpp's kmask arrangement): a decode step's
-// block is unpacked for one row, so the 8 branchy scalar calls were a third of its int8 time.
-static inline void k4_unpack(const uint8_t *b, Unpacked &u) {
-    uint32_t t[3];
-    memcpy(t, b + 4, 12);
-    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-    const uint32_t s[4] = {t[0] & low6, (t[2] & low4) | (((t[0] >> 6) & low2) << 4),  // scales 0-3, 4-7
-                           t[1] & low6, ((t[2] >> 4) & low4) | (((t[1] >> 6) & low2) << 4)};  // mins 0-3, 4-7
-    twice16((uint64_t)s[0] | (uint64_t)s[1] << 32, u.sc);
-    twice16((uint64_t)s[2] | (uint64_t)s[3] << 32, u.mn);
-    _mm256_store_si256((__m256i *)u.off, _mm256_setzero_si256());
-    u.d = f16(b), u.dm = -f16(b + 2);
-}
+// Q4_K's and Q5_K's view (UnpackedScales' interface) straight from the header into registers: a decode step
+// unpacks each block for one row, and the trip through Unpacked and BlockScales was about a quarter of it.
+struct K4Scales {
+    __m256i sc, mn;  // the 8 scales' / mins' bytes in every 64-bit lane
+    float d, dm;
+    K4Scales(const uint8_t *b, Unpacked &) {
+        uint32_t t[3];
+        memcpy(t, b + 4, 12);
+        const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;  // llama.cpp's kmask arrangement
+        const uint64_t s = (uint64_t)(t[0] & low6) | (uint64_t)((t[2] & low4) | (((t[0] >> 6) & low2) << 4)) << 32;
+        const uint64_t m = (uint64_t)(t[1] & low6) | (uint64_t)(((t[2] >> 4) & low4) | (((t[1] >> 6) & low2) << 4)) << 32;
+        sc = _mm256_set1_epi64x((long long)s), mn = _mm256_set1_epi64x((long long)m);
+        d = f16(b), dm = -f16(b + 2);
+    }
+    __m256i chunk(int c) const { return _mm256_shuffle_epi8(sc, _mm256_load_si256((const __m256i *)K4_MASKS.chunk[c])); }
+    __m256i off16() const { return _mm256_setzero_si256(); }
+    __m256i mn16() const { return _mm256_shuffle_epi8(mn, _mm256_load_si256((const __m256i *)K4_MASKS.groups)); }
+};
 
 // Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes; sub-block j (32 values) is the low
 // (j even) or high nibbles of bytes 32 (j / 2) .. + 31. w = (d sc_j) q - (dmin m_j).
@@ -195,7 +225,7 @@ struct Q4_K {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (j / 2)));
         return _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
     }
-    static void unpack(const uint8_t *b, Unpacked &u) { k4_unpack(b, u); }
+    using Scales = K4Scales;
 };
 
 // Q5_K: Q4_K's header, 32 bytes of high bits (bit j of byte l: value 32 j + l's), then Q4_K's 128 bytes.
@@ -210,7 +240,7 @@ struct Q5_K {
         const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
         return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
     }
-    static void unpack(const uint8_t *b, Unpacked &u) { k4_unpack(b, u); }
+    using Scales = K4Scales;
 };
 
 // The K-quants with a signed scale a 16 values and no min (Q3_K, Q6_K: F gives `chunk` and `scale`):
@@ -227,12 +257,17 @@ template <class F, int OFF, int D_AT> struct SignedScales16 {
             }
         }
     }
-    static void unpack(const uint8_t *b, Unpacked &u) {
-        const __m256i sc = F::scales16(b);
-        _mm256_storeu_si256((__m256i *)u.sc, sc);
-        _mm256_store_si256((__m256i *)u.off, _mm256_mullo_epi16(sc, _mm256_set1_epi16(OFF)));
-        u.d = f16(b + D_AT), u.dm = 0.f;
-    }
+    // the view (UnpackedScales' interface) in registers
+    struct Scales {
+        BlockScales scales;
+        __m256i off;
+        float d, dm = 0.f;
+        Scales(const uint8_t *b, Unpacked &) : Scales(F::scales16(b), f16(b + D_AT)) {}
+        Scales(__m256i sc, float d_) : scales(sc), off(_mm256_mullo_epi16(sc, _mm256_set1_epi16(OFF))), d(d_) {}
+        __m256i chunk(int c) const { return scales.chunk(c); }
+        __m256i off16() const { return off; }
+        __m256i mn16() const { return _mm256_setzero_si256(); }
+    };
 };
 
 // Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16 values), fp16 d.
@@ -281,6 +316,7 @@ struct Q2_K {
             }
         }
     }
+    using Scales = UnpackedScales<Q2_K>;
     static void unpack(const uint8_t *b, Unpacked &u) {
         const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)b));
         _mm256_storeu_si256((__m256i *)u.sc, _mm256_and_si256(v, _mm256_set1_epi16(15)));
