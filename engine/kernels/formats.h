@@ -8,8 +8,8 @@
 //            with u the unsigned integer weights (0..63), sc_j / off_j / mn_j small integers and d / dm floats,
 //            so that a block's dot product with activations quantised as q (scale dx, group sums bs_j) is
 //                d dx (sum_i sc_j(i) u_i q_i - sum_j off_j bs_j) + dm dx (sum_j mn_j bs_j)
-//            in exact integers, then two fp32 products: llama.cpp's arithmetic for these formats (legacy formats
-//            against per-32 Q8 blocks, K-quants against per-256 Q8_K blocks with block sums).
+//            in exact integers, then fp32 products (linear.inc): llama.cpp's arithmetic for these formats (legacy
+//            formats against per-32 Q8 blocks, K-quants against per-256 Q8_K blocks with block sums).
 // Adding a format is adding a struct here and a row in kernels.cpp's table.
 #pragma once
 #include <immintrin.h>
@@ -189,7 +189,7 @@ constexpr K4Masks k4_masks() {
     K4Masks t{};
     for (int i = 0; i < 32; i++) {
         for (int c = 0; c < 8; c++) t.chunk[c][i] = i & 1 ? 0x80 : (uint8_t)c;
-        t.groups[i] = i & 1 ? 0x80 : (uint8_t)(4 * (i / 16) + (i % 16) / 4);  // (int16 lane l of 128-bit lane h: 4h + l / 2)
+        t.groups[i] = i & 1 ? 0x80 : (uint8_t)(4 * (i / 16) + (i % 16) / 4);  // (lane l of half h: 4h + l/2)
     }
     return t;
 }
@@ -204,12 +204,14 @@ struct K4Scales {
         uint32_t t[3];
         memcpy(t, b + 4, 12);
         const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;  // llama.cpp's kmask arrangement
-        const uint64_t s = (uint64_t)(t[0] & low6) | (uint64_t)((t[2] & low4) | (((t[0] >> 6) & low2) << 4)) << 32;
-        const uint64_t m = (uint64_t)(t[1] & low6) | (uint64_t)(((t[2] >> 4) & low4) | (((t[1] >> 6) & low2) << 4)) << 32;
-        sc = _mm256_set1_epi64x((long long)s), mn = _mm256_set1_epi64x((long long)m);
+        const uint64_t s = t[0] & low6, s_hi = (t[2] & low4) | (((t[0] >> 6) & low2) << 4);         // scales 0-3, 4-7
+        const uint64_t m = t[1] & low6, m_hi = ((t[2] >> 4) & low4) | (((t[1] >> 6) & low2) << 4);  // mins 0-3, 4-7
+        sc = _mm256_set1_epi64x((long long)(s | s_hi << 32)), mn = _mm256_set1_epi64x((long long)(m | m_hi << 32));
         d = f16(b), dm = -f16(b + 2);
     }
-    __m256i chunk(int c) const { return _mm256_shuffle_epi8(sc, _mm256_load_si256((const __m256i *)K4_MASKS.chunk[c])); }
+    __m256i chunk(int c) const {
+        return _mm256_shuffle_epi8(sc, _mm256_load_si256((const __m256i *)K4_MASKS.chunk[c]));
+    }
     __m256i off16() const { return _mm256_setzero_si256(); }
     __m256i mn16() const { return _mm256_shuffle_epi8(mn, _mm256_load_si256((const __m256i *)K4_MASKS.groups)); }
 };

@@ -30,14 +30,6 @@ inline int32_t hsum_i32(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
     return _mm_cvtsi128_si32(s);
 }
-// both vectors' lane sums at once (a K-quant block's scaled and min sums): half of two hsum_i32's operations
-inline void hsum2_i32(__m256i a, __m256i b, int32_t &sa, int32_t &sb) {
-    const __m128i a4 = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-    const __m128i b4 = _mm_add_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-    const __m128i ab = _mm_add_epi32(_mm_unpacklo_epi64(a4, b4), _mm_unpackhi_epi64(a4, b4));  // a01 a23 b01 b23
-    const __m128i t = _mm_add_epi32(ab, _mm_shuffle_epi32(ab, 0xB1));
-    sa = _mm_cvtsi128_si32(t), sb = _mm_extract_epi32(t, 2);
-}
 // acc + 8 int32 lanes, lane k: sc * sum of bytes 4k..4k+3's products (u unsigned <= 63, q signed: no saturation)
 inline __m256i dot_scaled_add(__m256i acc, __m256i u, __m256i q, __m256i sc) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), sc));
@@ -52,7 +44,6 @@ namespace sk {
 namespace avx512 {
 using avx2::hsum;
 using avx2::hsum_i32;
-using avx2::hsum2_i32;
 // the pairs' sums times the scales, accumulated in one VNNI instruction (vpdpwssd) where AVX2 takes a multiply-add
 // and an add: the same exact integers. (vpdpbusd's 4-byte sums need a 32-bit multiply by the scale after it, which
 // measured slower than AVX2's lanes on a Q4_K_M model's layers, AMD EPYC.)
