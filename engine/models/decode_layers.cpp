@@ -58,6 +58,28 @@ inline int64_t total_rows(const Linear &l) {
     return n;
 }
 
+// Thread t's rows of a table linear, split by weight bytes: a merged projection's parts differ in bytes a row (a
+// Q4_K_M file's q and k in Q4_K, v in Q6_K: 144 and 210 bytes a block), and a decode step's linear reads its weights
+// once, so its time follows their bytes. Row r goes to the thread whose byte share its first byte falls in.
+inline void byte_share(const Linear &l, int t, int nt, int64_t &a, int64_t &b) {
+    auto row_bytes = [](const Linear *s) {
+        const sk::Kernel &k = *sk::from_handle(s->fmt);
+        return s->k / k.qk * k.bytes;
+    };
+    int64_t total = 0;
+    for (const Linear *s = &l; s; s = s->rest) total += s->n * row_bytes(s);
+    auto rows_before = [&](int64_t at) {  // rows whose first byte lies before byte `at`
+        int64_t rows = 0, bytes = 0;
+        for (const Linear *s = &l; s; s = s->rest) {
+            const int64_t rb = row_bytes(s);
+            if (at <= bytes + s->n * rb) return rows + (at - bytes + rb - 1) / rb;
+            rows += s->n, bytes += s->n * rb;
+        }
+        return rows;
+    };
+    a = rows_before(total * t / nt), b = rows_before(total * (t + 1) / nt);
+}
+
 struct Layer {
     const float *norm_in, *norm_post;  // [hidden] RMSNorm weights
     Linear qkv, o, gate_up, down;      // q/k/v and gate/up merged, rows in that order
@@ -337,7 +359,7 @@ void linear(const Linear &l, const float *in, int64_t M, float *y, float *residu
     if (sk::from_handle(l.fmt)) {  // the kernel layer's table: every row, each part in its own format and arithmetic
         // (int8 rows quantise `in` into the thread's scratch: sk::xq_bytes(M, k) <= xsum_floats(M, k) floats)
         const int64_t N = total_rows(l);
-        cols = Range(N, t, nt);
+        byte_share(l, t, nt, cols.a, cols.b);
         int64_t first = 0;
         for (const Linear *s = &l; s; first += s->n, s = s->rest) {
             const int64_t a = cols.a > first ? cols.a : first, b = cols.b < first + s->n ? cols.b : first + s->n;
