@@ -114,8 +114,9 @@ def run_vllm(model: str, sets: dict, new_tokens: int, k: int, batches: list[int]
 
 
 def run_llamacpp(gguf: Path | None, model: str, sets: dict, new_tokens: int, k: int, only: set | None = None,
-                 threads: int = 2) -> dict:
-    """Plain and prompt lookup through llama.cpp's own programs (`peer_llamacpp`)."""
+                 threads: int = 2, batched_sets: dict | None = None, batches: tuple[int, ...] = ()) -> dict:
+    """Plain and prompt lookup through llama.cpp's own programs (`peer_llamacpp`) at batch 1 over `sets`, plain
+    at the other batches over `batched_sets`."""
     from benchmarks import peer_llamacpp
     from specstep.engine.tokenizer import Tokenizer
 
@@ -130,7 +131,8 @@ def run_llamacpp(gguf: Path | None, model: str, sets: dict, new_tokens: int, k: 
              if only is None or m in only or (m != "plain" and only & {"ngram", f"ngram k={k}"})]
     if not modes:
         return {}
-    out = peer_llamacpp.run(gguf, Tokenizer.from_folder(model), sets, new_tokens, modes, k, threads)
+    out = peer_llamacpp.run(gguf, Tokenizer.from_folder(model), sets, new_tokens, modes, k, threads,
+                            batched_sets=batched_sets, batches=batches)
     return {**out, "threads": threads}
 
 
@@ -222,13 +224,16 @@ def one_round(args, model: str, sets: dict, b1: dict, params: SamplingParams, on
                                   f"length {r.mean_accepted_length:.2f}")
     if "transformers" not in skip:
         out["transformers"] = run_transformers(model, b1, args.new_tokens, args.k, only)
-    for threads in args.llamacpp_threads if "llamacpp" not in skip and 1 in args.batches else []:
+    for threads in args.llamacpp_threads if "llamacpp" not in skip else []:
         engine = "llamacpp" if threads == 2 else f"llamacpp-{threads}t"
-        out[engine] = run_llamacpp(args.gguf, model, b1, args.new_tokens, args.k, only, threads)
+        b1_sets = b1 if 1 in args.batches else {}
+        out[engine] = run_llamacpp(args.gguf, model, b1_sets, args.new_tokens, args.k, only, threads,
+                                   batched_sets=sets, batches=tuple(args.batches))
         for key, v in out[engine].items():
             if isinstance(v, dict):
+                prompts = len(v["outputs"]) or v["tokens"] // args.new_tokens
                 console.print(f"llama.cpp {threads} threads {key}: {v['tokens'] / v['seconds']:.1f} tok/s, prompt "
-                              f"evaluation {1000 * v['prompt_seconds'] / len(v['outputs']):.0f} ms a prompt")
+                              f"evaluation {1000 * v['prompt_seconds'] / prompts:.0f} ms a prompt")
     if "vllm" not in skip:
         out["vllm"] = run_vllm(model, sets, args.new_tokens, args.k, args.batches, only)
         # batch 1 for vLLM ran every prompt; compare on the same first half as the others

@@ -39,3 +39,34 @@ def test_ratio_lines_cover_each_specstep_engine(monkeypatch):
     assert "code b1: fastest specstep-int8 (ngram) / fastest llama.cpp, 2 threads (plain) = 1.20" in lines
     assert "code b1: fastest specstep (ngram) / fastest llama.cpp, 2 threads (plain) = 0.80" in lines
     assert "code b1: specstep plain / vLLM plain = 5.00" in lines
+
+
+BATCHED_LOG = """
+llama_batched_bench: n_kv_max = 4096, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|   128 |     96 |    1 |    224 |    0.366 |   350.10 |    0.902 |   106.43 |    1.268 |   176.66 |
+|   128 |     96 |    8 |   1792 |    2.922 |   350.41 |    3.288 |   233.60 |    6.210 |   288.57 |
+"""
+
+
+def test_batched_bench_times_come_from_the_row_of_the_batch():
+    from benchmarks import peer_llamacpp
+
+    assert peer_llamacpp.batched_times(BATCHED_LOG, 128, 8) == (6.210, 2.922)
+    assert peer_llamacpp.batched_times(BATCHED_LOG, 128, 1) == (1.268, 0.366)
+
+
+def test_a_llamacpp_batch_row_is_compared_with_specstep_plain(monkeypatch):
+    res = results()
+    res["batches"] = [1, 8]
+    res["specstep"]["plain/code/b8"] = run(200.0, [[1, 2]] * 8)
+    # llama-batched-bench prints no tokens: 8 prompts' 10 tokens at 100 tok/s
+    res["llamacpp"]["plain/code/b8"] = {"seconds": 0.8, "seconds_all": [0.8], "tokens": 80, "outputs": []}
+    rows = {line.split(" | ")[0] + " | " + line.split(" | ")[1]: line
+            for line in peers_report.markdown(res).splitlines()[2:]}
+    assert "| 100.0 |" in rows["| llama.cpp, 2 threads | plain"]
+    lines = []
+    monkeypatch.setattr(peers_report.console, "print", lines.append)  # (the ratio lines go to the console)
+    peers_report.ratios(res)
+    assert "code b8: specstep plain / llama.cpp, 2 threads plain = 2.00" in lines
