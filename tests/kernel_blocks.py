@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 BLOCK = {"Q4_0": (32, 18), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q2_K": (256, 84), "Q3_K": (256, 110),
-         "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "F16": (32, 64), "BF16": (32, 64)}
+         "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "F16": (32, 64), "BF16": (32, 64),
+         "Q4_1": (32, 20), "Q8_0": (32, 34)}
 # where each format keeps its fp16 scales (byte offsets in a block)
 HALVES = {"Q4_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2),
-          "Q5_K": (0, 2), "Q6_K": (208,)}
+          "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2), "Q8_0": (0,)}
 # each format's bytes other than its fp16 scales: quants, sub-block scales and mins
 DATA = {"Q2_K": slice(0, 80), "Q3_K": slice(0, 108), "Q6_K": slice(0, 192)}
 

@@ -48,7 +48,7 @@ def test_table_has_every_format_arithmetic_and_isa() -> None:
         binding.linear_kernel("F16", "int8")
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", (*FORMATS, "Q4_1", "Q8_0"))  # (Q4_1, Q8_0: dequantisation only)
 def test_dequantize_is_gguf_bit_for_bit(fmt: str) -> None:
     raw = random_blocks(fmt, N, K)
     assert np.array_equal(binding.dequantize(fmt, raw).view(np.uint32),
@@ -137,3 +137,14 @@ def test_isa_override_names_a_runnable_isa(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(binding.ISA_ENV, "sse2")
     with pytest.raises(ConfigError, match="one of avx512, avx2 or amx"):
         binding.host_isa()
+
+
+@pytest.mark.parametrize("fmt", ("Q4_1", "Q8_0"))
+def test_q4_1_and_q8_0_embedding_rows_come_from_the_kernel_layer(fmt: str) -> None:
+    from specstep.engine.models.gguf_embedding import GGUFEmbedding
+
+    raw = random_blocks(fmt, N, K, seed=7)
+    emb = GGUFEmbedding(fmt, torch.from_numpy(raw), K)
+    assert emb._in_table  # (not the gguf package's Python dequantiser)
+    ids = torch.tensor([[3, 0, 23, 3]])
+    assert torch.equal(emb(ids)[0], torch.from_numpy(_reference(fmt, raw)[[3, 0, 23, 3]]))

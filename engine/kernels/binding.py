@@ -110,6 +110,12 @@ def formats() -> tuple[str, ...]:
     return tuple(dict.fromkeys(name.split("/")[0] for name in table()))
 
 
+def dequantizes(fmt: str) -> bool:
+    """Whether `dequantize` reads `fmt`: every table format, and Q4_1 / Q8_0 (whose linears run in the older
+    kernel, `engine/models/gguf_kernel.py`)."""
+    return _lib().sk_format(fmt.encode(), ctypes.byref(i64()), ctypes.byref(i64())) == 0
+
+
 def block_of(fmt: str) -> tuple[int, int]:
     """(values, bytes) of one block of `fmt`."""
     qk, nbytes = i64(), i64()

@@ -351,6 +351,28 @@ struct Q3_K : SignedScales16<Q3_K, 4, 108> {
     }
 };
 
+// Q4_1 and Q8_0 (dequantisation only: their linears run in the older kernel, engine/models/gguf_kernel.cpp, with
+// its AMX and repacked forms; this reads their rows for embedding lookups, bit for bit gguf's).
+// Q4_1: fp16 d, fp16 m, 16 bytes as Q4_0's. w = d q + m.
+struct Q4_1 {
+    static constexpr int qk = 32, bytes = 20;
+    static void dequant(const uint8_t *b, float *w) {
+        alignas(32) uint8_t u[32];
+        _mm256_store_si256((__m256i *)u, nibbles32(b + 4));
+        const float d = f16(b), m = f16(b + 2);
+        for (int l = 0; l < 32; l++) w[l] = d * (float)u[l] + m;
+    }
+};
+
+// Q8_0: fp16 d, 32 int8 quants. w = q d.
+struct Q8_0 {
+    static constexpr int qk = 32, bytes = 34;
+    static void dequant(const uint8_t *b, float *w) {
+        const float d = f16(b);
+        for (int l = 0; l < 32; l++) w[l] = (float)(int8_t)b[2 + l] * d;
+    }
+};
+
 // F16 / BF16 tensors, read 32 values at a time: fp32 activations only (exact widening).
 struct F16 {
     static constexpr int qk = 32, bytes = 64;

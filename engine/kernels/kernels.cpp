@@ -77,8 +77,10 @@ struct Format {
 };
 
 #define SK_FORMAT(F) Format{#F, F::qk, F::bytes, F::dequant}
+// (Q4_1 and Q8_0: dequantisation only, no rows in the table)
 const Format FORMATS[] = {SK_FORMAT(Q4_0), SK_FORMAT(Q5_0), SK_FORMAT(Q5_1), SK_FORMAT(Q2_K), SK_FORMAT(Q3_K),
-                          SK_FORMAT(Q4_K), SK_FORMAT(Q5_K), SK_FORMAT(Q6_K), SK_FORMAT(F16),  SK_FORMAT(BF16)};
+                          SK_FORMAT(Q4_K), SK_FORMAT(Q5_K), SK_FORMAT(Q6_K), SK_FORMAT(F16),  SK_FORMAT(BF16),
+                          SK_FORMAT(Q4_1), SK_FORMAT(Q8_0)};
 
 #define SK_FP32(F, ISA) Kernel{#F, "fp32", #ISA, F::qk, F::bytes, ISA::fp32_range<F>, nullptr, F::dequant}
 #define SK_INT8(F, ISA) Kernel{#F, "int8", #ISA, F::qk, F::bytes, nullptr, ISA::int8_range<F>, F::dequant}
