@@ -381,8 +381,6 @@ struct F16 {
         for (int c = 0; c < 4; c++)
             _mm256_storeu_ps(w + 8 * c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * c))));
     }
-    static inline __m256i chunk(const uint8_t *, int) { return _mm256_setzero_si256(); }
-    static void unpack(const uint8_t *, Unpacked &) {}
 };
 
 struct BF16 {
@@ -394,7 +392,5 @@ struct BF16 {
             _mm256_storeu_ps(w + 8 * c, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
         }
     }
-    static inline __m256i chunk(const uint8_t *, int) { return _mm256_setzero_si256(); }
-    static void unpack(const uint8_t *, Unpacked &) {}
 };
 }  // namespace sk
