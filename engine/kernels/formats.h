@@ -2,8 +2,8 @@
 // block of `qk` weights lies in `bytes` bytes, and gives two views of it:
 //   dequant: the block's fp32 weights, bit for bit what `gguf.quants.dequantize` computes (the same fp32
 //            operations in the same order; the build does not contract them into FMAs), for fp32 activations;
-//   Scales:  the block in the int8 arithmetic's terms (int8 activations, `linear.inc`; most formats fill an
-//            Unpacked through `unpack`, the K-quants build theirs in registers):
+//   Scales:  the block in the int8 arithmetic's terms (int8 activations, `linear.inc`; built in registers, or for
+//            Q2_K through an Unpacked its `unpack` fills):
 //                w = d * (sc_j * u - off_j) + dm * mn_j        for value i of 16-value group j = i / 16
 //            with u the unsigned integer weights (0..63), sc_j / off_j / mn_j small integers and d / dm floats,
 //            so that a block's dot product with activations quantised as q (scale dx, group sums bs_j) is
@@ -83,6 +83,19 @@ template <class F> struct UnpackedScales {
     __m256i chunk(int c) const { return scales.chunk(c); }
     __m256i off16() const { return _mm256_load_si256((const __m256i *)u.off); }
     __m256i mn16() const { return _mm256_load_si256((const __m256i *)u.mn); }
+    int off(int j) const { return u.off[j]; }  // (group j's terms, for the legacy formats' scalar epilogue)
+    int mn(int j) const { return u.mn[j]; }
+};
+
+// The legacy formats' view: both 16-value groups at scale 1, with offset OFF or (MIN) a min of 1 times m, the
+// block's second fp16. Constants, in registers: through Unpacked, a 32-byte load of the two scales just stored as
+// scalars missed store forwarding, and a one-row Q4_0 call read 1.2 GB/s.
+template <int OFF, bool MIN> struct LegacyScales {
+    float d, dm;
+    LegacyScales(const uint8_t *b, Unpacked &) : d(f16(b)), dm(MIN ? f16(b + 2) : 0.f) {}
+    __m256i chunk(int) const { return _mm256_set1_epi16(1); }
+    int off(int) const { return OFF; }  // (a legacy block's terms go through the scalar epilogue alone)
+    int mn(int) const { return MIN; }
 };
 
 // the K-quants' 6-bit scales and mins, 8 of each in 12 bytes (gguf's Q4_K.get_scale_min)
@@ -123,10 +136,7 @@ struct Q4_0 {
         const float d = f16(b);
         for (int l = 0; l < 32; l++) w[l] = d * (float)(u[l] - 8);
     }
-    using Scales = UnpackedScales<Q4_0>;
-    static void unpack(const uint8_t *b, Unpacked &u) {
-        u.sc[0] = u.sc[1] = 1, u.off[0] = u.off[1] = 8, u.d = f16(b), u.dm = 0.f;
-    }
+    using Scales = LegacyScales<8, false>;
 };
 
 // Q5_0: fp16 d, 32 high bits (bit l: value l's), 16 bytes of low nibbles as Q4_0's. w = d (q - 16).
@@ -142,10 +152,7 @@ struct Q5_0 {
         const float d = f16(b);
         for (int l = 0; l < 32; l++) w[l] = d * (float)(u[l] - 16);
     }
-    using Scales = UnpackedScales<Q5_0>;
-    static void unpack(const uint8_t *b, Unpacked &u) {
-        u.sc[0] = u.sc[1] = 1, u.off[0] = u.off[1] = 16, u.d = f16(b), u.dm = 0.f;
-    }
+    using Scales = LegacyScales<16, false>;
 };
 
 // Q5_1: fp16 d, fp16 m, then Q5_0's bits. w = d q + m.
@@ -159,10 +166,7 @@ struct Q5_1 {
         const float d = f16(b), m = f16(b + 2);
         for (int l = 0; l < 32; l++) w[l] = d * (float)u[l] + m;
     }
-    using Scales = UnpackedScales<Q5_1>;
-    static void unpack(const uint8_t *b, Unpacked &u) {
-        u.sc[0] = u.sc[1] = 1, u.off[0] = u.off[1] = 0, u.mn[0] = u.mn[1] = 1, u.d = f16(b), u.dm = f16(b + 2);
-    }
+    using Scales = LegacyScales<0, true>;
 };
 
 // Q4_K's and Q5_K's shared header: fp16 d, fp16 dmin, then 8 sub-blocks' 6-bit scales and mins (12 bytes).
