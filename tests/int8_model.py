@@ -1,8 +1,8 @@
 """A numpy model of the kernel layer's int8 arithmetic (`engine/kernels/formats.h`, `quantize.h`, `linear.inc`),
 written from the GGUF block layouts: the integer quants, sub-block scales, offsets and mins of each block, the
-activations' per-block quantisation, then per block the exact integer dot product: for the legacy formats its total's
-two fp32 products added in block order, for the K-quants its 8 SIMD lanes' products added into 8 fp32 lanes
-(`_k_quant_lanes`). The kernels must match it bit for bit."""
+activations' per-block quantisation, then per block the exact integer dot product in the SIMD layer's 8 lanes, each
+lane's products added into 8 fp32 lanes (`_lanes`, llama.cpp's accumulation). The kernels must match it bit for
+bit."""
 
 from __future__ import annotations
 
@@ -95,35 +95,29 @@ def linear(fmt: str, qk: int, x: np.ndarray, blocks: np.ndarray, bias: np.ndarra
     d, dm = d.reshape(n, nb), dm.reshape(n, nb)
     q, dx, bs = quantize(x, qk)
     bs = bs.reshape(m, nb, g)
-    has_min = fmt in ("Q5_1", "Q2_K", "Q4_K", "Q5_K")
-    if qk == 256:
-        acc = _k_quant_lanes(q, dx, bs, u, sc, off, mn, d, dm, has_min)
-        return acc if bias is None else acc + bias[None, :].astype(np.float32)
-    acc = np.zeros((m, n), np.float32)
-    for b in range(nb):
-        dots = np.einsum("mgi,ngi->mng", q[:, b].reshape(m, g, GROUP), u[:, b].reshape(n, g, GROUP))
-        isum = (dots * sc[None, :, b]).sum(-1) - (bs[:, None, b] * off[None, :, b]).sum(-1)
-        acc = acc + (d[None, :, b] * dx[:, None, b]) * isum.astype(np.float32)
-        if has_min:
-            imin = (bs[:, None, b] * mn[None, :, b]).sum(-1)
-            acc = acc + (dm[None, :, b] * dx[:, None, b]) * imin.astype(np.float32)
+    acc = _lanes(q, dx, bs, u, sc, off, mn, d, dm, fmt in ("Q5_1", "Q2_K", "Q4_K", "Q5_K"))
     return acc if bias is None else acc + bias[None, :].astype(np.float32)
 
 
-def _k_quant_lanes(q, dx, bs, u, sc, off, mn, d, dm, has_min: bool) -> np.ndarray:
-    """The K-quants' accumulation: 8 int32 lanes a block and row, lane l holding values 32 c + 4 l .. + 3 of every
-    32-value chunk c (their group 2 c + l // 4's scale) less groups 2 l and 2 l + 1's offset terms; each lane times
-    d dx (and the min terms' lanes times dm dx) added into 8 fp32 lanes, which end in the SIMD layer's fixed
-    horizontal sum (lanes l and l + 4, then those pairs 2 apart, then the two left)."""
+def _lanes(q, dx, bs, u, sc, off, mn, d, dm, has_min: bool) -> np.ndarray:
+    """The accumulation: 8 int32 lanes a block and row, lane l holding values 32 c + 4 l .. + 3 of every 32-value
+    chunk c (times their group's scale) less groups 2 l and 2 l + 1's offset terms (a legacy block's 2 groups: lane
+    0's); each lane times d dx (and the min terms' lanes times dm dx) added into 8 fp32 lanes, which end in the SIMD
+    layer's fixed horizontal sum (lanes l and l + 4, then those pairs 2 apart, then the two left)."""
     m, nb = dx.shape
-    n = u.shape[0]
+    n, qk, g = u.shape[0], u.shape[2], sc.shape[2]
     lanes = np.zeros((m, n, 8), np.float32)
-    group_of = (np.arange(256) // 32) * 2 + (np.arange(256) % 32) // 16  # = value // 16
-    lane_of = (np.arange(256) % 32) // 4
+    group_of = np.arange(qk) // GROUP
+    lane_of = (np.arange(qk) % 32) // 4
     for b in range(nb):
-        prod = q[:, None, b, :] * (u[None, :, b, :] * sc[None, :, b, group_of])  # [m, n, 256]
+        prod = q[:, None, b, :] * (u[None, :, b, :] * sc[None, :, b, group_of])  # [m, n, qk]
         tot = np.stack([prod[..., lane_of == ln].sum(-1) for ln in range(8)], axis=-1)
-        pair = lambda t: (bs[:, None, b, 0::2] * t[None, :, b, 0::2] + bs[:, None, b, 1::2] * t[None, :, b, 1::2])
+
+        def pair(t):  # groups 2 l and 2 l + 1's terms in lane l
+            out = np.zeros((m, n, 8), np.int64)
+            out[..., :g // 2] = bs[:, None, b, 0::2] * t[None, :, b, 0::2] + bs[:, None, b, 1::2] * t[None, :, b, 1::2]
+            return out
+
         tot = tot - pair(off)
         lanes = lanes + (d[None, :, b, None] * dx[:, None, b, None]) * tot.astype(np.float32)
         if has_min:

@@ -74,7 +74,7 @@ struct BlockScales {
 
 // A block's scalars as a tile reads them (linear.inc): `chunk(c)` (BlockScales::chunk), the 16 offset terms and the
 // 16 min terms as int16 lanes (`off16`, `mn16`: what the activations' 16 group sums multiply), `d` and `dm`. A
-// format names its view `Scales`; this one goes through Unpacked, which the legacy formats' scalar terms read too.
+// format names its view `Scales`; this one goes through the Unpacked a format's `unpack` fills (Q2_K's).
 template <class F> struct UnpackedScales {
     BlockScales scales;
     const Unpacked &u;
@@ -83,19 +83,18 @@ template <class F> struct UnpackedScales {
     __m256i chunk(int c) const { return scales.chunk(c); }
     __m256i off16() const { return _mm256_load_si256((const __m256i *)u.off); }
     __m256i mn16() const { return _mm256_load_si256((const __m256i *)u.mn); }
-    int off(int j) const { return u.off[j]; }  // (group j's terms, for the legacy formats' scalar epilogue)
-    int mn(int j) const { return u.mn[j]; }
 };
 
 // The legacy formats' view: both 16-value groups at scale 1, with offset OFF or (MIN) a min of 1 times m, the
-// block's second fp16. Constants, in registers: through Unpacked, a 32-byte load of the two scales just stored as
-// scalars missed store forwarding, and a one-row Q4_0 call read 1.2 GB/s.
+// block's second fp16 (their terms land in lane 0 of the tile's vpmaddwd). Constants, in registers: through
+// Unpacked, a 32-byte load of the two scales just stored as scalars missed store forwarding, and a one-row Q4_0
+// call read 1.2 GB/s.
 template <int OFF, bool MIN> struct LegacyScales {
     float d, dm;
     LegacyScales(const uint8_t *b, Unpacked &) : d(f16(b)), dm(MIN ? f16(b + 2) : 0.f) {}
     __m256i chunk(int) const { return _mm256_set1_epi16(1); }
-    int off(int) const { return OFF; }  // (a legacy block's terms go through the scalar epilogue alone)
-    int mn(int) const { return MIN; }
+    __m256i off16() const { return _mm256_setr_epi16(OFF, OFF, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); }
+    __m256i mn16() const { return _mm256_setr_epi16(MIN, MIN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); }
 };
 
 // the K-quants' 6-bit scales and mins, 8 of each in 12 bytes (gguf's Q4_K.get_scale_min)

@@ -24,12 +24,6 @@ inline float hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-inline int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
 // acc + 8 int32 lanes, lane k: sc * sum of bytes 4k..4k+3's products (u unsigned <= 63, q signed: no saturation)
 inline __m256i dot_scaled_add(__m256i acc, __m256i u, __m256i q, __m256i sc) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), sc));
@@ -43,7 +37,6 @@ inline __m256i dot_scaled_add(__m256i acc, __m256i u, __m256i q, __m256i sc) {
 namespace sk {
 namespace avx512 {
 using avx2::hsum;
-using avx2::hsum_i32;
 // the pairs' sums times the scales, accumulated in one VNNI instruction (vpdpwssd) where AVX2 takes a multiply-add
 // and an add: the same exact integers. (vpdpbusd's 4-byte sums need a 32-bit multiply by the scale after it, which
 // measured slower than AVX2's lanes on a Q4_K_M model's layers, AMD EPYC.)
