@@ -41,6 +41,11 @@ def version(bin_dir: Path = BIN) -> str:
     return found.group(1).strip() if found else "unknown"
 
 
+def _env() -> dict[str, str]:
+    """llama.cpp's own thread defaults, as a user runs it: not the PASSIVE OpenMP policy benchmarks.common sets."""
+    return {key: v for key, v in os.environ.items() if key != "OMP_WAIT_POLICY"}
+
+
 def _ms(log: str, label: str) -> float:
     found = re.search(rf"{label}\s*=\s*([0-9.]+) ms", log)
     if not found:
@@ -63,10 +68,8 @@ def generate(bin_dir: Path, gguf: Path, mode: str, prompt: str, new_tokens: int,
     args = [str(bin_dir / PROGRAMS[mode]), "-m", str(gguf), "-f", f.name, "-n", str(new_tokens), "--temp", "0",
             "--ignore-eos", "-t", str(threads), "-c", str(ctx), "--seed", "0"]
     args += ["-no-cnv", "--no-display-prompt"] if mode == "plain" else ["--spec-draft-n-max", str(k)]
-    # llama.cpp's own thread defaults, as a user runs it: not the PASSIVE OpenMP policy benchmarks.common sets
-    env = {key: v for key, v in os.environ.items() if key != "OMP_WAIT_POLICY"}
     try:
-        out = subprocess.run(args, capture_output=True, text=True, env=env, check=True)
+        out = subprocess.run(args, capture_output=True, text=True, env=_env(), check=True)
     finally:
         os.unlink(f.name)
     log = out.stderr
@@ -86,8 +89,7 @@ def batched(bin_dir: Path, gguf: Path, prompt_tokens: int, new_tokens: int, batc
     args = [str(bin_dir / BATCHED), "-m", str(gguf), "-c", str(batch * (prompt_tokens + new_tokens) + 64),
             "-b", "2048", "-ub", "512", "-npp", str(prompt_tokens), "-ntg", str(new_tokens), "-npl", str(batch),
             "-t", str(threads)]
-    env = {key: v for key, v in os.environ.items() if key != "OMP_WAIT_POLICY"}
-    out = subprocess.run(args, capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(args, capture_output=True, text=True, env=_env(), check=True)
     return batched_times(out.stdout + out.stderr, prompt_tokens, batch)
 
 
