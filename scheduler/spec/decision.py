@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from specstep.scheduler.spec.plain_hold import HoldTicket
 
 
 @dataclass(slots=True)
@@ -98,6 +102,7 @@ class Decision:
     # [B] drafts the proposer said each lane would make, when it knew before the decision (n-gram); their
     # outcomes are counted per limit (`AdaptivePolicy.by_limit`)
     limits: np.ndarray | None = None
+    hold: HoldTicket | None = None  # a plain choice's: it is reused while its inputs stay the same (plain_hold.py)
 
     @property
     def explored(self) -> bool:

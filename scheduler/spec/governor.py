@@ -114,6 +114,10 @@ class Governor:
             return False, False
         return True, self._since_probe + 1 >= self.cfg.probe_every and self._debt <= 0.0
 
+    def steps_to_probe(self) -> int:
+        """Off steps before a probe comes due by the clock (<= 0: due, or waiting only for the debt)."""
+        return self.cfg.probe_every - (self._since_probe + 1)
+
     def commit_tick(self, counted: bool, probe: bool) -> None:
         """Apply a `peek` once its step runs: the off step counted, the probe spent."""
         if not counted:

@@ -36,7 +36,8 @@ requests accept far more than sampled ones of the same model), as the prior a ne
 
 Where each part lives: `throughput.ThroughputModel` (the choice by expected tokens per second),
 `exploration.Exploration` (what to measure first, and re-measurement), `probes.Probes` (per-request and governor
-probes), `config.PolicyConfig`; this class owns the measurements and composes them.
+probes), `plain_hold.PlainHold` (a plain choice reused while nothing it reads changes), `config.PolicyConfig`; this
+class owns the measurements and composes them.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from specstep.scheduler.spec.costs import StepCosts, bucket
 from specstep.scheduler.spec.decision import Decision, PendingEffects, RequestAcceptance
 from specstep.scheduler.spec.exploration import Exploration
 from specstep.scheduler.spec.governor import Governor
+from specstep.scheduler.spec.plain_hold import PlainHold
 from specstep.scheduler.spec.probes import PROBE_CATCH_UP, Probes
 from specstep.scheduler.spec.throughput import Lanes, ThroughputModel, chain_sums, expected_tokens
 
@@ -75,6 +77,7 @@ class AdaptivePolicy:
         self.model = ThroughputModel(cfg, self.costs, self.governor)
         self.exploration = Exploration(cfg, self.costs, self.model)
         self.probes = Probes(cfg, self.model)
+        self.hold = PlainHold()  # a plain choice reused while nothing it reads changes (plain_hold.py)
         self.current_k = cfg.k_max
         self.global_acc = RequestAcceptance()
         # ... and per sampling kind (sampled: True), the prior a new request of that kind starts from
@@ -95,6 +98,8 @@ class AdaptivePolicy:
         step's overhead), not whether it accepted a token (one lucky token used to halve the interval, and a
         request whose acceptance fell went on probing a fifth of the steps)."""
         acc.update(num_draft, num_accepted, self.cfg.alpha_decay, probe)
+        if num_draft > 0:
+            self.hold.drop()
         if probe and num_draft > 0:
             if break_even is None:
                 acc.back_off(num_accepted > 0)
@@ -109,6 +114,7 @@ class AdaptivePolicy:
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A stale draft consumed `tokens` skipped tokens in `seconds`: what the next probe's catch-up costs."""
+        self.hold.drop()
         self.probes.observe_catch_up(tokens, seconds)
 
     @property
@@ -124,6 +130,8 @@ class AdaptivePolicy:
         decode rows of a fused mixed step, whose own cost cannot be told from the prompt chunks' (`seconds` is the
         predicted one): the governor judges the tokens against it, the step costs learn nothing."""
         num_draft = np.asarray(num_draft, dtype=np.int64)
+        if num_draft.any():
+            self.hold.drop()
         self.exploration.observed()
         probed, probe_acc = self.probes.take_seen()
         drafting = int((num_draft > 0).sum())
@@ -197,19 +205,28 @@ class AdaptivePolicy:
 
         commit=False has no side effects (on the policy, its governor, its cost model or `accs`): the decision
         carries what committing it applies (`Decision.effects`), and `commit` applies it when its step runs. A
-        decision never committed changes nothing. commit=True is choose-then-commit."""
-        pending = PendingEffects()
-        if limits is not None:
-            limits = np.asarray(limits, dtype=np.int64)
-            room = np.minimum(np.asarray(room, dtype=np.int64), limits)
-        d = self._choose(accs, overrides, room, behind, pending, limits)
-        d = replace(d, effects=pending.freeze(), limits=limits)
+        decision never committed changes nothing. commit=True is choose-then-commit. A committed plain choice is
+        reused while nothing it reads changes (`plain_hold`)."""
+        key = None if self.cfg.kind == "fixed" else self.hold.key(overrides, room, limits, self.cfg.k_max,
+                                                                         self.governor.on)
+        d = self.hold.reuse(accs, key, self.steps)
+        if d is None:
+            pending = PendingEffects()
+            if limits is not None:
+                limits = np.asarray(limits, dtype=np.int64)
+                room = np.minimum(np.asarray(room, dtype=np.int64), limits)
+            d = self._choose(accs, overrides, room, behind, pending, limits)
+            d = replace(d, effects=pending.freeze(), limits=limits)
+            if key is not None:
+                probe_in = self.probes.steps_to_due(accs) if self.governor.on else self.governor.steps_to_probe()
+                d = replace(d, hold=self.hold.ticket(key, d, accs, probe_in))
         if commit:
             self.commit(d)
         return d
 
     def commit(self, decision: Decision) -> None:
         """The decision's step runs: count it and apply its effects (call once per decision)."""
+        self.hold.committed(decision, self.steps)
         self.steps += 1
         self.reasons[decision.reason] += 1
         fx = decision.effects

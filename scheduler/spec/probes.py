@@ -125,13 +125,21 @@ class Probes:
         reason = "probe" if probing.any() and not speculating else "model"
         return self.model.decision(nd, auto, reason, best.expected_tokens, best.expected_cost, probing)
 
+    def intervals(self, accs: list[RequestAcceptance]) -> list[int]:
+        """Each request's probe interval as `due` reads it: its own, at least probe_every, at most probe_max."""
+        probe_max = self.probe_max
+        return [min(max(a.probe_interval, self.cfg.probe_every), probe_max) for a in accs]
+
+    def steps_to_due(self, accs: list[RequestAcceptance]) -> int:
+        """Idle steps before the first of `accs` comes due for its probe (<= 0: one is due already)."""
+        return min((n - a.idle_steps for a, n in zip(accs, self.intervals(accs))), default=1 << 30)
+
     def due(self, accs: list[RequestAcceptance], nd: np.ndarray, ln: Lanes, speculating: bool,
             px: PendingEffects) -> np.ndarray:
         """Requests whose per-request probe is due (idle for their interval); none under the latency objective
         within epsilon's spacing of the last probe while nobody speculates."""
         cfg = self.cfg
-        probe_max = self.probe_max
-        intervals = [min(max(a.probe_interval, cfg.probe_every), probe_max) for a in accs]
+        intervals = self.intervals(accs)
         for i, (a, interval) in enumerate(zip(accs, intervals)):
             if interval != a.probe_interval:
                 px.acceptance[i] = (a, None, interval)
