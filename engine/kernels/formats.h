@@ -347,10 +347,19 @@ struct Q3_K : SignedScales16<Q3_K, 4, 108> {
         const int lo = (s[j % 8] >> (4 * (j / 8))) & 15, hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
         return (lo | (hi << 4)) - 32;
     }
+    // the 16 scales at once (llama.cpp's kmask arrangement): scales 0-3 take the low nibbles of bytes 0-3 and
+    // bits 0-1 of bytes 8-11, 4-7 the low nibbles of bytes 4-7 and bits 2-3, 8-11 the high nibbles of bytes 0-3
+    // and bits 4-5, 12-15 those of bytes 4-7 and bits 6-7. (Scalar stores read back as one vector missed store
+    // forwarding: a one-row Q3_K call ran at 5.7 GB/s, a third of Q2_K's.)
     static inline __m256i scales16(const uint8_t *b) {
-        alignas(32) int16_t sc[16];
-        for (int j = 0; j < 16; j++) sc[j] = (int16_t)scale(b, j);
-        return _mm256_load_si256((const __m256i *)sc);
+        uint32_t a[3];
+        memcpy(a, b + 96, 12);
+        const uint32_t low4 = 0x0f0f0f0f, low2 = 0x03030303;
+        const __m128i u = _mm_setr_epi32((int)((a[0] & low4) | ((a[2] & low2) << 4)),
+                                         (int)((a[1] & low4) | (((a[2] >> 2) & low2) << 4)),
+                                         (int)(((a[0] >> 4) & low4) | (((a[2] >> 4) & low2) << 4)),
+                                         (int)(((a[1] >> 4) & low4) | (((a[2] >> 6) & low2) << 4)));
+        return _mm256_cvtepi8_epi16(_mm_sub_epi8(u, _mm_set1_epi8(32)));
     }
 };
 
