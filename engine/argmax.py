@@ -1,19 +1,17 @@
-"""Each row's argmax in `argmax.cpp` on CPU: the indices `torch.argmax(x, dim=-1)` returns (the first maximum, or a
-row's first NaN), at the memory's pace where torch's CPU reduction tracks an index beside every element (70 us
-for one 49152-wide row, 2.4 ms for a batch-8 verify step's 40 rows). Greedy sampling and greedy acceptance read
+"""Each row's argmax in `engine/kernels/argmax.cpp` on CPU: the indices `torch.argmax(x, dim=-1)` returns (the first
+maximum, or a row's first NaN), at the memory's pace where torch's CPU reduction tracks an index beside every element
+(70 us for one 49152-wide row, 2.4 ms for a batch-8 verify step's 40 rows). Greedy sampling and greedy acceptance read
 their tokens here; elsewhere (another device, dtype, no kernel) it is `torch.argmax`."""
 
 from __future__ import annotations
 
 import ctypes
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from specstep.engine.native import load_kernel
+from specstep.engine.kernels import library
 
-SOURCE = Path(__file__).with_name("argmax.cpp")
 # Rows x width from which both threads split the rows: below it, one thread (waking a sleeping one costs more
 # than it saves: a batch-1 row is ~0.2 MB).
 THREADED_ELEMENTS = 1 << 20
@@ -21,7 +19,7 @@ THREADED_ELEMENTS = 1 << 20
 
 @cache
 def _build() -> ctypes.CDLL | None:
-    lib, _ = load_kernel(SOURCE)
+    lib, _ = library.load()
     if lib is not None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.argmax_rows.argtypes = [p, i64, i64, i64, p, ctypes.c_int]

@@ -1,7 +1,7 @@
-"""Build and load the engine's own C++ kernels (`engine/models/gguf_kernel.cpp`, `engine/attention/
-cpu_attention.cpp`): plain C++ with AVX2/FMA/F16C intrinsics and OpenMP, no torch headers, so each compiles in
-seconds with the host's `g++` at the first load and is cached (`$SPECSTEP_CACHE/kernels`, keyed by the source,
-the flags and the compiler), like the measured linear plans. They are called through ctypes, which releases the
+"""Build and load the engine's native library (`engine/kernels/library.cpp`, every C++ kernel in one translation
+unit): plain C++ with AVX2/FMA/F16C intrinsics and OpenMP, no torch headers, so it compiles in seconds with the
+host's `g++` at the first load and is cached (`$SPECSTEP_CACHE/kernels`, keyed by the sources, the flags and the
+compiler), like the measured linear plans. They are called through ctypes, which releases the
 GIL for the call (a worker-thread stream keeps the host free while a kernel runs). Where one cannot run (not
 x86, no AVX2/FMA/F16C in /proc/cpuinfo, no compiler, a failed build), `load_kernel` says why and the caller keeps
 its torch path.

@@ -1,4 +1,4 @@
-"""The greedy readout (`engine/argmax.cpp`): the indices torch.argmax(dim=-1) returns, ties, NaNs and infinities
+"""The greedy readout (`engine/kernels/argmax.cpp`): the indices torch.argmax(dim=-1) returns, ties, NaNs and infinities
 included, on one thread and both; the samplers read their greedy tokens through it; and greedy acceptance in one
 pass gives the torch rule's tokens and counts."""
 

@@ -1,4 +1,4 @@
-"""The C++ attention kernel (`engine/attention/cpu_attention.cpp`): SDPA's results to fp32 rounding on ragged
+"""The C++ attention kernel (`engine/kernels/cpu_attention.cpp`): SDPA's results to fp32 rounding on ragged
 paged batches, and every row's bits independent of the lanes and rows beside it, the page table's width and the
 threads; in both of its forms (AVX2, and AVX-512 for heads of 64 and 128 where the host has it)."""
 

@@ -1,4 +1,4 @@
-"""The GGUF kernel (`engine/models/gguf_kernel.cpp`) and the linears that use it: results are the dequantised
+"""The GGUF kernel (`engine/kernels/gguf_kernel.cpp`) and the linears that use it: results are the dequantised
 weights' products up to fp32 rounding (with int8 activations: the quantised activations' products, the header's
 arithmetic), and every row's bits are independent of the rows beside it and of the threads. Loading a checkpoint
 onto it: `test_gguf_model_linears.py`."""

@@ -1,5 +1,7 @@
-"""The C++ kernels' build cache (`engine.native.load_kernel`) is keyed by every source a kernel #includes, so an
-edit to any of them rebuilds it: a file missing from a kernel's INCLUDES would keep serving the stale build."""
+"""The one native library (`engine/kernels/library.cpp`): its build cache (`engine.native.load_kernel`) is keyed by
+every source it #includes, so an edit to any of them rebuilds it (a file missing from INCLUDES would keep serving the
+stale build), and every module that calls C++ calls that one library, loaded once (one build a host, one copy of each
+setting a caller pushes in)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 
 from specstep.engine import argmax, native
 from specstep.engine.attention import cpu_attention
+from specstep.engine.kernels import binding, library
 from specstep.engine.models import decode_layers, gguf_kernel
 
 LOCAL_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"', re.M)
@@ -31,11 +34,12 @@ def included(source: Path) -> set[Path]:
     return found
 
 
-@pytest.mark.parametrize("module", [argmax, cpu_attention, gguf_kernel, decode_layers],
-                         ids=lambda m: m.__name__.rsplit(".", 1)[-1])
-def test_every_included_source_keys_the_build(module):
-    registered = {p.resolve() for p in getattr(module, "INCLUDES", ())}
-    assert included(module.SOURCE) == registered
+def test_every_included_source_keys_the_build():
+    registered = {p.resolve() for p in library.INCLUDES}
+    assert included(library.SOURCE) == registered
+    # every C++ source of the engine is in the library's folder (one place, one build)
+    sources = {p.resolve() for p in Path(native.__file__).parent.rglob("*.cpp")}
+    assert sources == {p for p in registered | {library.SOURCE.resolve()} if p.suffix == ".cpp"}
 
 
 HOST_BUILDS = (platform.machine() in ("x86_64", "AMD64")
@@ -43,10 +47,12 @@ HOST_BUILDS = (platform.machine() in ("x86_64", "AMD64")
 
 
 @pytest.mark.skipif(not HOST_BUILDS, reason="this host builds no kernels (not x86 with AVX2/FMA/F16C and g++)")
-@pytest.mark.parametrize("module", [argmax, cpu_attention, gguf_kernel, decode_layers],
-                         ids=lambda m: m.__name__.rsplit(".", 1)[-1])
-def test_every_kernel_compiles_where_the_host_can_build(module):
-    """A kernel that does not compile leaves its callers on their torch paths and its tests skipped (they skip
-    where the kernel cannot run): on a host that builds kernels, a compile error must fail here instead."""
-    _, why = native.load_kernel(module.SOURCE, tuple(getattr(module, "INCLUDES", ())))
+def test_the_library_compiles_where_the_host_can_build():
+    """A library that does not compile leaves its callers on their torch paths and their tests skipped (they skip
+    where the kernels cannot run): on a host that builds kernels, a compile error must fail here instead."""
+    lib, why = library.load()
     assert why == "", why
+    # every caller holds that very library: one load, so a setting pushed in by one holds for all
+    assert argmax._build() is lib
+    for module in (binding, cpu_attention, gguf_kernel, decode_layers):
+        assert module._build()[0] is lib, module.__name__

@@ -1,22 +1,19 @@
-"""Call `cpu_attention.cpp`: paged attention for steps of at most MAX_QUERY_ROWS positions, and prompts of at most
-PROMPT_ROWS, on CPU (fp32 queries, fp32 or bf16 caches), one call a layer and batch-invariant by construction (a
-row's bits never depend on what shares its step). Built and loaded by `engine.native`; where it cannot run
-(`unavailable()` says why), `invariant_attention` (torch ops) is the batch-invariant path."""
+"""Call `engine/kernels/cpu_attention.cpp`: paged attention for steps of at most MAX_QUERY_ROWS positions, and prompts
+of at most PROMPT_ROWS, on CPU (fp32 queries, fp32 or bf16 caches), one call a layer and batch-invariant by construction
+(a row's bits never depend on what shares its step). Part of the one native library (`engine/kernels/library.py`); where
+it cannot run (`unavailable()` says why), `invariant_attention` (torch ops) is the batch-invariant path."""
 
 from __future__ import annotations
 
 import ctypes
 from functools import cache
-from pathlib import Path
 
 import torch
 
 from specstep.engine.forward_batch import AttentionMetadata
-from specstep.engine.native import load_kernel
+from specstep.engine.kernels import library
 from specstep.engine.thread_choice import ThreadChoice
 
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-INCLUDES = (SOURCE.with_name("cpu_attention_avx512.cpp"),)  # #included by SOURCE
 # One thread or all of torch's, whichever a call of this much work (multiply-adds: rows x keys x head_dim, both
 # GEMM-like passes; its size the work's power of two, since the keys grow every step) measured faster
 # (`engine.thread_choice`, as `gguf_kernel.THREADS`: a batch-1 decode step's layer, ~9 x 200 x 64 x 2, is far
@@ -30,7 +27,7 @@ class AttentionKernelError(RuntimeError):
 
 @cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = load_kernel(SOURCE, INCLUDES)
+    lib, why = library.load()
     if lib is not None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.cpu_attention.argtypes = [p, p, p, p, ctypes.c_int, i64, i64, i64, i64, i64, p, p, p, p, p, i64, i64,

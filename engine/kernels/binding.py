@@ -1,6 +1,6 @@
 """The one binding of specstep's CPU kernel layer (`kernels.cpp`: formats.h's block formats times linear.inc's
-arithmetics, one dispatch table keyed by names): built once per host by `engine.native`, its C surface declared
-once below, its table rows looked up by name.
+arithmetics, one dispatch table keyed by names): part of the one native library (`library.py`), its C surface
+declared once below, its table rows looked up by name.
 
 A row is (weight format, activation arithmetic, ISA): formats are GGML type names (Q4_0, Q5_0, Q5_1, Q2_K, Q3_K,
 Q4_K, Q5_K, Q6_K, F16, BF16); arithmetics "fp32" (exact: gguf's dequantised weights times fp32 activations, batch-
@@ -16,17 +16,13 @@ import ctypes
 import os
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from specstep.engine.errors import ConfigError, SpecstepError
-from specstep.engine.native import load_kernel
+from specstep.engine.kernels import library
 
-HERE = Path(__file__).parent
-SOURCE = HERE / "kernels.cpp"
-INCLUDES = (HERE / "formats.h", HERE / "quantize.h", HERE / "linear.inc")  # what SOURCE #includes (keys the build)
 ISAS = ("avx512", "avx2")  # widest first
 ISA_ENV = "SPECSTEP_CPU_ISA"
 ARITHMETICS = ("fp32", "int8")
@@ -52,7 +48,7 @@ class KernelError(SpecstepError, RuntimeError):
 
 @cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = load_kernel(SOURCE, INCLUDES)
+    lib, why = library.load()
     if lib is not None:
         for name, (restype, argtypes) in SIGNATURES.items():
             fn = getattr(lib, name)

@@ -363,7 +363,7 @@ struct Q3_K : SignedScales16<Q3_K, 4, 108> {
     }
 };
 
-// Q4_1 and Q8_0 (dequantisation only: their linears run in the older kernel, engine/models/gguf_kernel.cpp, with
+// Q4_1 and Q8_0 (dequantisation only: their linears run in the older kernel, gguf_kernel.cpp, with
 // its AMX and repacked forms; this reads their rows for embedding lookups, bit for bit gguf's).
 // Q4_1: fp16 d, fp16 m, 16 bytes as Q4_0's. w = d q + m.
 struct Q4_1 {

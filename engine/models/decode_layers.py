@@ -1,5 +1,5 @@
-"""A GGUF model's decoder layers in C++ (`decode_layers.cpp`, `--cpu-layers auto`): the CPU's counterpart of a
-captured graph, for the part of a step that is not weights.
+"""A GGUF model's decoder layers in C++ (`engine/kernels/decode_layers.cpp`, `--cpu-layers auto`): the CPU's counterpart
+of a captured graph, for the part of a step that is not weights.
 
 Eager torch runs ~40 small ops a layer around the four linears (norms, rotary, the KV write, residuals, the MLP
 gate, views and casts), each dispatched from Python: at batch 1 on a 2-core host that was ~18 ms of a 42 ms
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache, partial
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -29,17 +28,12 @@ from specstep.engine.attention import cpu_attention
 from specstep.engine.attention.cpu_attention import KV_DTYPES
 from specstep.engine.attention.invariant_attention import MAX_QUERY_ROWS
 from specstep.engine.forward_batch import AttentionMetadata, ForwardBatch, SplitAttention
-from specstep.engine.kernels import binding as kernel_layer
+from specstep.engine.kernels import library
 from specstep.engine.kv_cache import KVPool
-from specstep.engine.models import gguf_kernel
 from specstep.engine.models.gguf_kernel import apply_amx_lane_defaults, bf16_tiles_unavailable, fmt_code
 from specstep.engine.models.gguf_linear import GGUFLinear
-from specstep.engine.native import load_kernel
 from specstep.engine.thread_choice import ThreadChoice, size_of
 
-SOURCE = Path(__file__).with_name("decode_layers.cpp")
-INCLUDES = (gguf_kernel.SOURCE, *gguf_kernel.INCLUDES, cpu_attention.SOURCE, *cpu_attention.INCLUDES,
-            kernel_layer.SOURCE, *kernel_layer.INCLUDES)  # #included
 # One thread or all of torch's for a call, chosen per kind of call (and model: a draft model's layers and the
 # target's cost differently) by timing row counts (`engine.thread_choice`); a call's work is counted as its rows
 # times its largest linear, so prompts take every thread untimed.
@@ -77,7 +71,7 @@ class LayerKernelError(RuntimeError):
 
 @cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = load_kernel(SOURCE, INCLUDES)
+    lib, why = library.load()
     if lib is None:
         return None, why
     p, c_int = ctypes.POINTER, ctypes.c_int

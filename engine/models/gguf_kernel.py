@@ -1,9 +1,8 @@
-"""Call `gguf_kernel.cpp`: GGUF's quantised blocks (Q4_1, Q8_0) times fp32 activations, or times activations
-quantised to int8 per 32-value block (`--activations int8`, llama.cpp's arithmetic: faster, not exact) in AVX2
-lanes or, where the host has AMX-INT8, in AMX tiles over a repacked copy of the blocks (`gguf_amx.cpp`: block
-sums, verify rows nearly free), built and loaded by `engine.native`; where it cannot run, `unavailable()` says why
-and the loader keeps the dequantised fp32 weights.
-"""
+"""Call `engine/kernels/gguf_kernel.cpp`: GGUF's quantised blocks (Q4_1, Q8_0) times fp32 activations, or times
+activations quantised to int8 per 32-value block (`--activations int8`, llama.cpp's arithmetic: faster, not exact) in
+AVX2 lanes or, where the host has AMX-INT8, in AMX tiles over a repacked copy of the blocks (`gguf_amx.cpp`: block sums,
+verify rows nearly free), part of the one native library (`engine/kernels/library.py`); where it cannot run,
+`unavailable()` says why and the loader keeps the dequantised fp32 weights."""
 
 from __future__ import annotations
 
@@ -13,17 +12,10 @@ from pathlib import Path
 
 import torch
 
-from specstep.engine.native import cpu_flags, load_kernel
+from specstep.engine.kernels import library
+from specstep.engine.native import cpu_flags
 from specstep.engine.thread_choice import ThreadChoice, size_of
 
-SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
-GEMM_SOURCE = Path(__file__).with_name("gguf_gemm.cpp")  # the prompt GEMM, #included by SOURCE
-INT8_SOURCE = Path(__file__).with_name("gguf_int8.cpp")  # int8 activations, #included by SOURCE
-AMX_SOURCE = Path(__file__).with_name("gguf_amx.cpp")  # int8 activations in AMX tiles, #included by SOURCE
-AMX_BF16_SOURCE = Path(__file__).with_name("gguf_amx_bf16.cpp")  # their prompt GEMM in AMX-BF16, #included by SOURCE
-AVX512_SOURCE = Path(__file__).with_name("gguf_avx512.cpp")  # fp32 activations in AVX-512, #included by SOURCE
-# what a build of SOURCE reads besides it (keys the build cache)
-INCLUDES = (GEMM_SOURCE, INT8_SOURCE, AMX_SOURCE, AMX_BF16_SOURCE, AVX512_SOURCE)
 FORMATS = {"Q4_1": 0, "Q8_0": 1}  # the GGML type names the kernel reads -> its `fmt` argument
 # The kernel's activation arithmetics -> the `fmt` argument's bits 1-3: fp32; int8 in AVX2 lanes; int8 in AMX
 # tiles (block sums, over `amx_pack`'s copy of the blocks); int8 in AVX2 lanes over `lanes_pack`'s copy (Q4_1
@@ -57,7 +49,7 @@ class KernelError(RuntimeError):
 
 @cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = load_kernel(SOURCE, INCLUDES)
+    lib, why = library.load()
     if lib is not None:
         lib.gguf_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                     ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]

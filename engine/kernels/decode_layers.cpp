@@ -11,8 +11,8 @@
 // core), woke a sleeping thread at 0.2-0.3 ms a linear, as much as a small linear's work at one row; here a
 // step wakes it once, and the spinning lasts only while both threads have work in the step.
 //
-// The GGUF linear (`gguf_kernel.cpp`) and the attention (`cpu_attention.cpp`) are included, not copied: their
-// range functions compute exactly the outputs their own entry points compute.
+// The GGUF linears (`gguf_kernel.cpp`, `kernels.cpp`) and the attention (`cpu_attention.cpp`) share this file's
+// library (`library.cpp`): their range functions compute exactly the outputs their own entry points compute.
 //
 // Batch invariance: every op below computes a row on its own, in a fixed order, so a row's bits never depend on
 // how many rows share the call, the threads, or whether the layer ran as one call or two:
@@ -34,9 +34,7 @@
 
 #include <atomic>
 
-#include "../attention/cpu_attention.cpp"
-#include "gguf_kernel.cpp"
-#include "../kernels/kernels.cpp"
+// (library.cpp includes cpu_attention.cpp, gguf_kernel.cpp and kernels.cpp before this file)
 
 extern "C" {
 // One GGUF linear: blocks [n, k / 32] of GGML type `fmt` (gguf_kernel's numbering), an fp32 bias [n] or null;
