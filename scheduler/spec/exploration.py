@@ -52,16 +52,20 @@ class Exploration:
             return 0
         if not (auto & (room > 0)).any():
             return None  # no auto request can draft: nothing this batch could measure
+        ks = [k for k in self.cfg.ks if k > 0 and k >= kf]
+        # A step still in flight (overlap: decided before the last one was read back) counts as measured; n-gram may
+        # draft less than asked: tries bound it too, so it does not insist for ever.
+        pending = self.unobserved[-1] if self.unobserved else None
+        first = next((k for k in ks if self.costs.total_samples(k, self.cfg.keeps_draft_kv) + (pending == k) < n
+                      and self.tries[k] < 3 * n), None)
+        if first is None:
+            return None  # every k measured: no need to price any (the common case, every step once warm)
         hi = 1.0 if evidence is None else acceptance_upper(evidence.accepted, evidence.trials)
-        for k in self.cfg.ks:
-            if k == 0 or k < kf:
-                continue
+        for k in ks:
             if not self.payback.can_pay(b, k, hi):
                 break  # nor any wider k: cheapest first
-            # A step still in flight (overlap: decided before the last one was read back) counts as measured.
-            pending = int(bool(self.unobserved) and self.unobserved[-1] == k)
-            if self.costs.total_samples(k, self.cfg.keeps_draft_kv) + pending < n and self.tries[k] < 3 * n:
-                px.explore_key = k  # n-gram may draft less than asked: do not insist for ever
+            if k == first:
+                px.explore_key = k
                 return k
             if self.cfg.objective == "latency" and not self.model.budget_ok(
                     b, np.maximum(forced, k), self.model.refill(np.ones(1, np.int64))):
