@@ -6,7 +6,6 @@ their tokens here; elsewhere (another device, dtype, no kernel) it is `torch.arg
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 
 import torch
 
@@ -17,16 +16,8 @@ from specstep.engine.kernels import library
 THREADED_ELEMENTS = 1 << 20
 
 
-@cache
 def _build() -> ctypes.CDLL | None:
-    lib, _ = library.load()
-    if lib is not None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.argmax_rows.argtypes = [p, i64, i64, i64, p, ctypes.c_int]
-        lib.argmax_rows.restype = None
-        lib.greedy_accept.argtypes = [p, i64, i64, i64, i64, p, i64, p, p, p, ctypes.c_int]
-        lib.greedy_accept.restype = None
-    return lib
+    return library.load()[0]
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -37,30 +37,24 @@ def restore_defaults():
     yield
     gguf_kernel.AMX_LANE_DEFAULTS.clear()
     gguf_kernel.AMX_LANE_DEFAULTS.update(saved)
-    for lib in (gguf_kernel._build()[0], decode_layers._build()[0]):
-        if lib is not None:
-            gguf_kernel.apply_amx_lane_defaults(lib)
+    if gguf_kernel._build()[0] is not None:
+        gguf_kernel.apply_amx_lane_defaults(gguf_kernel._build()[0])
 
 
 @needs_kernel
-def test_measured_defaults_reach_both_libraries_and_outlive_an_override(restore_defaults):
-    layers = decode_layers._build()[0]
-    if layers is None:
-        pytest.skip(f"C++ layers: {decode_layers.unavailable()}")
-    gguf_kernel.set_amx_lane_defaults({"Q4_1": 6, "Q8_0": 2}, layers)
-    for lib in (None, layers):
-        assert (gguf_kernel.amx_lane_rows_now("Q4_1", lib), gguf_kernel.amx_lane_rows_now("Q8_0", lib)) == (6, 2)
+def test_measured_defaults_hold_for_the_layers_and_outlive_an_override(restore_defaults):
+    if decode_layers._build()[0] is not gguf_kernel._build()[0]:  # (one library: the C++ layers read these too)
+        pytest.fail("the C++ layers load a library of their own")
+    gguf_kernel.set_amx_lane_defaults({"Q4_1": 6, "Q8_0": 2})
+    assert (gguf_kernel.amx_lane_rows_now("Q4_1"), gguf_kernel.amx_lane_rows_now("Q8_0")) == (6, 2)
     was = gguf_kernel.amx_lane_rows(3)  # a test's or an A/B's override: both formats
     try:
         assert (gguf_kernel.amx_lane_rows_now("Q4_1"), gguf_kernel.amx_lane_rows_now("Q8_0")) == (3, 3)
     finally:
         gguf_kernel.amx_lane_rows(was)
     assert (gguf_kernel.amx_lane_rows_now("Q4_1"), gguf_kernel.amx_lane_rows_now("Q8_0")) == (6, 2)
-    # a library loaded later (the C++ layers' library is built after the linears) is given the recorded ones
-    layers.gguf_amx_lane_defaults(-1, -1)
-    assert gguf_kernel.amx_lane_rows_now("Q4_1", layers) == 4  # the built-in default
-    gguf_kernel.apply_amx_lane_defaults(layers)
-    assert gguf_kernel.amx_lane_rows_now("Q4_1", layers) == 6
+    gguf_kernel.set_amx_lane_defaults({"Q4_1": -1})
+    assert gguf_kernel.amx_lane_rows_now("Q4_1") == 4  # the built-in default
 
 
 @pytest.mark.skipif(bool(gguf_kernel.tiles_unavailable()), reason=f"AMX tiles: {gguf_kernel.tiles_unavailable()}")
@@ -84,11 +78,6 @@ def test_loading_on_the_tiles_measures_the_crossover_on_the_models_linears(tmp_p
     assert timed == [sorted((m.out_features, m.in_features) for m in linears)]  # the model's own, all of them
     assert gguf_kernel.amx_lane_rows_now("Q8_0") == 3
     assert "calls of few rows (Q8_0 up to 3, measured faster here at load)" in describe_cpu_kernels(model)
-    layers = decode_layers._build()[0]
-    if layers is not None and not decode_layers.why_not(model):  # the C++ layers' own copy of the kernel
-        layers.gguf_amx_lane_defaults(-1, -1)
-        decode_layers.NativeLayers(model)
-        assert gguf_kernel.amx_lane_rows_now("Q8_0", layers) == 3
     stored = json.loads(PLANS.path().read_text())
     assert [k for k in stored if k.startswith("amx_lanes:Q8_0:")]  # cached per machine
     # a second load reads the cache, and a smaller model of the format (a draft) leaves the larger one's defaults

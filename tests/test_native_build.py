@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import platform
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,9 @@ def test_the_library_compiles_where_the_host_can_build():
     assert argmax._build() is lib
     for module in (binding, cpu_attention, gguf_kernel, decode_layers):
         assert module._build()[0] is lib, module.__name__
+    # its C surface is declared once: every function it exports, and nothing else
+    nm = shutil.which("nm")
+    if nm is not None:
+        out = subprocess.run([nm, "-D", "--defined-only", lib._name], capture_output=True, text=True).stdout
+        exported = {line.split()[-1] for line in out.splitlines() if " T " in line and " _Z" not in line}
+        assert exported == set(library.SIGNATURES)

@@ -6,7 +6,6 @@ it cannot run (`unavailable()` says why), `invariant_attention` (torch ops) is t
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 
 import torch
 
@@ -25,15 +24,8 @@ class AttentionKernelError(RuntimeError):
     """The kernel rejected a shape (head_dim not a multiple of 8 or over 256, keys past the page table)."""
 
 
-@cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = library.load()
-    if lib is not None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.cpu_attention.argtypes = [p, p, p, p, ctypes.c_int, i64, i64, i64, i64, i64, p, p, p, p, p, i64, i64,
-                                      ctypes.c_float, ctypes.c_int]
-        lib.cpu_attention.restype = ctypes.c_int
-    return lib, why
+    return library.load()
 
 
 # Forwards of more positions a lane (prompts, prompt chunks outside mixed steps) take the kernel too, up to

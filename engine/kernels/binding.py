@@ -1,6 +1,6 @@
 """The one binding of specstep's CPU kernel layer (`kernels.cpp`: formats.h's block formats times linear.inc's
-arithmetics, one dispatch table keyed by names): part of the one native library (`library.py`), its C surface
-declared once below, its table rows looked up by name.
+arithmetics, one dispatch table keyed by names): part of the one native library (`library.py`, where its C surface
+is declared with the rest), its table rows looked up by name.
 
 A row is (weight format, activation arithmetic, ISA): formats are GGML type names (Q4_0, Q5_0, Q5_1, Q2_K, Q3_K,
 Q4_K, Q5_K, Q6_K, F16, BF16); arithmetics "fp32" (exact: gguf's dequantised weights times fp32 activations, batch-
@@ -15,29 +15,18 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
 import torch
 
 from specstep.engine.errors import ConfigError, SpecstepError
 from specstep.engine.kernels import library
+from specstep.engine.kernels.library import i64
 
 ISAS = ("avx512", "avx2")  # widest first
 ISA_ENV = "SPECSTEP_CPU_ISA"
 ARITHMETICS = ("fp32", "int8")
 
-i64, ptr, c_int, c_char_p = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
-# The C surface, declared once: name -> (result, arguments).
-SIGNATURES = {
-    "sk_lookup": (c_int, [c_char_p, c_char_p, c_char_p]),
-    "sk_table_size": (c_int, []),
-    "sk_row_name": (None, [c_int, c_char_p]),
-    "sk_isa_runs": (c_int, [c_char_p]),
-    "sk_format": (c_int, [c_char_p, ctypes.POINTER(i64), ctypes.POINTER(i64)]),
-    "sk_dequantize": (c_int, [c_char_p, ptr, i64, ptr, c_int]),
-    "sk_linear": (c_int, [c_int, ptr, i64, i64, ptr, i64, ptr, ptr, c_int]),
-}
 TABLE_BIT = 1 << 16  # kernels.cpp's: a table row's handle in a C++ caller's `fmt` field
 
 
@@ -46,14 +35,8 @@ class KernelError(SpecstepError, RuntimeError):
     reports it as a message, not a traceback)."""
 
 
-@cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = library.load()
-    if lib is not None:
-        for name, (restype, argtypes) in SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
-    return lib, why
+    return library.load()
 
 
 def _lib() -> ctypes.CDLL:

@@ -266,8 +266,6 @@ inline int64_t scores_floats(int64_t G, int64_t Q, int64_t most_keys) { return G
 }  // namespace cpu_attention_kernel
 
 extern "C" {
-int cpu_attention_version(void) { return 4; }
-
 // 0: the AVX2 form on an AVX-512 host too (tests compare the two forms); 1: by the CPU. Returns whether the
 // AVX-512 form now runs for heads of 64.
 int cpu_attention_use_avx512(int on) {

@@ -548,9 +548,6 @@ void bf16_round_rows(const float *x, uint16_t *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = to_bf16(x[i]);
 }
 
-// The library's version: bump it with any change to the arithmetic above.
-int decode_layers_version(void) { return 6; }
-
 // x [M, hidden] (the residual stream, read) -> q [M, heads * D] rotated, and the rotated keys and the values
 // written to k_cache / v_cache [num_slots, kv_heads, D] (fp32, or bf16 with kv_bf16) at slots [M]. gemm_rows [M]
 // (uint8) or null: the rows whose linears take the prompt GEMM (1), or for AMX-format linears its AMX-BF16 form (2;

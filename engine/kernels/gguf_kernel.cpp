@@ -282,9 +282,6 @@ inline void linear_range_xq(XQ8 xq, int64_t M, int64_t K, const uint8_t *w, int6
 #include "gguf_gemm.cpp"
 
 extern "C" {
-// The kernel's version: bump it with any change to the arithmetic above (the build cache keys on the source too).
-int gguf_kernel_version(void) { return 3; }
-
 // x [M, K] fp32 contiguous; w [N, K / 32 blocks] of `fmt` (0: Q4_1, 1: Q8_0; + 2: int8 activations; + 4 more:
 // in AMX tiles, w repacked by gguf_amx_pack); bias [N] or null; y [M, N]. Returns 0, or -1 if K is not a
 // multiple of 32 or fmt is unknown, -2 if the scratch cannot be allocated.

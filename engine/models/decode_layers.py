@@ -19,7 +19,7 @@ activations and caches, and the library builds; the ready line says which way it
 from __future__ import annotations
 
 import ctypes
-from functools import cache, partial
+from functools import partial
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from specstep.engine.attention.invariant_attention import MAX_QUERY_ROWS
 from specstep.engine.forward_batch import AttentionMetadata, ForwardBatch, SplitAttention
 from specstep.engine.kernels import library
 from specstep.engine.kv_cache import KVPool
-from specstep.engine.models.gguf_kernel import apply_amx_lane_defaults, bf16_tiles_unavailable, fmt_code
+from specstep.engine.models.gguf_kernel import bf16_tiles_unavailable, fmt_code
 from specstep.engine.models.gguf_linear import GGUFLinear
 from specstep.engine.thread_choice import ThreadChoice, size_of
 
@@ -39,56 +39,15 @@ from specstep.engine.thread_choice import ThreadChoice, size_of
 # times its largest linear, so prompts take every thread untimed.
 THREADS = ThreadChoice()
 
-i64, ptr = ctypes.c_int64, ctypes.c_void_p
-
-
-class _Linear(ctypes.Structure):
-    pass
-
-
-_Linear._fields_ = [("blocks", ptr), ("bias", ptr), ("n", i64), ("k", i64), ("fmt", i64), ("packed", ptr),
-                    ("rest", ctypes.POINTER(_Linear))]  # rest: the next rows' linear (another format), or null
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("norm_in", ptr), ("norm_post", ptr), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear)]
-
-
-class _Shape(ctypes.Structure):
-    _fields_ = [("hidden", i64), ("heads", i64), ("kv_heads", i64), ("head_dim", i64), ("inter", i64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-
-
-class _Paging(ctypes.Structure):
-    _fields_ = [("q_index", ptr), ("q_valid", ptr), ("q_pos", ptr), ("kv_len", ptr), ("table", ptr), ("B", i64),
-                ("Q", i64), ("P", i64), ("page_size", i64)]
+ptr = ctypes.c_void_p
 
 
 class LayerKernelError(RuntimeError):
     """The C++ layers rejected a call (a shape or KV slot out of range) or failed to allocate."""
 
 
-@cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = library.load()
-    if lib is None:
-        return None, why
-    p, c_int = ctypes.POINTER, ctypes.c_int
-    lib.attention_in.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, c_int,
-                                 c_int]
-    lib.attention_out_mlp.argtypes = [p(_Shape), p(_Layer), ptr, i64, ptr, ptr, c_int]
-    lib.decode_stack.argtypes = [p(_Shape), p(_Layer), i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, p(_Paging),
-                                 ptr, c_int, c_int]
-    for fn in (lib.attention_in, lib.attention_out_mlp, lib.decode_stack):
-        fn.restype = ctypes.c_int
-    lib.final_norm.argtypes = [p(_Shape), ptr, ptr, i64]
-    lib.final_norm.restype = None
-    lib.silu_mul_rows.argtypes = [ptr, ptr, i64, i64, c_int]
-    lib.silu_mul_rows.restype = None
-    lib.bf16_round_rows.argtypes = [ptr, ptr, i64]
-    lib.bf16_round_rows.restype = None
-    return lib, ""
+    return library.load()
 
 
 def unavailable() -> str:
@@ -144,21 +103,22 @@ def prompt_rows(meta: AttentionMetadata | SplitAttention, tokens: int, kind: int
     return flags
 
 
-def _linear(lin: GGUFLinear, keep: list) -> _Linear:
+def _linear(lin: GGUFLinear, keep: list) -> library.Linear:
     """The C++ struct of `lin`: for the kernel layer's formats one struct a part (a merged projection of several
     formats), chained by `rest`; `keep` holds what the structs point at."""
     bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
     if bias is not None:
         keep.append(bias)
     if lin.kernel is None:
-        return _Linear(lin.blocks.data_ptr(), 0 if bias is None else bias.data_ptr(), lin.out_features,
-                       lin.in_features, fmt_code(lin.kernel_fmt), 0 if lin.packed is None else lin.packed.data_ptr())
+        return library.Linear(lin.blocks.data_ptr(), 0 if bias is None else bias.data_ptr(), lin.out_features,
+                              lin.in_features, fmt_code(lin.kernel_fmt),
+                              0 if lin.packed is None else lin.packed.data_ptr())
     rest, first = None, lin.out_features
     for i in reversed(range(len(lin.parts))):
         kernel, rows, _ = lin.parts[i]
         first -= rows
-        part = _Linear(lin.part_blocks(i).data_ptr(), 0 if bias is None else bias[first:].data_ptr(), rows,
-                       lin.in_features, kernel.handle, 0, None if rest is None else ctypes.pointer(rest))
+        part = library.Linear(lin.part_blocks(i).data_ptr(), 0 if bias is None else bias[first:].data_ptr(), rows,
+                              lin.in_features, kernel.handle, 0, None if rest is None else ctypes.pointer(rest))
         keep.append(part)
         rest = part
     return rest
@@ -170,7 +130,6 @@ class NativeLayers:
 
     def __init__(self, model: nn.Module) -> None:
         self._lib = _build()[0]
-        apply_amx_lane_defaults(self._lib)  # this library's own copy of the kernel: the loader's measured crossovers
         cfg = model.rank_cfg
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.scale = model.layers[0].self_attn.scale
@@ -191,18 +150,18 @@ class NativeLayers:
         asked = sorted({lin.activations for lin in model.modules()
                         if isinstance(lin, GGUFLinear) and (lin.kernel is None or lin.activations == "fp32")})
         self.prompt_gemm = prompt_gemm_kind(asked) if asked else 0
-        self._shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                             cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
+        self._shape = library.Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                    cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
         self._keep: list[torch.Tensor] = []  # contiguous copies the structs point at
         layers = []
         for layer in model.layers:
             norms = [n.weight.detach().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
             self._keep += norms
             attn, mlp = layer.self_attn, layer.mlp
-            layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), _linear(attn.qkv_proj, self._keep),
-                                 _linear(attn.o_proj, self._keep), _linear(mlp.gate_up_proj, self._keep),
-                                 _linear(mlp.down_proj, self._keep)))
-        self._layers = (_Layer * len(layers))(*layers)
+            layers.append(library.Layer(norms[0].data_ptr(), norms[1].data_ptr(), _linear(attn.qkv_proj, self._keep),
+                                        _linear(attn.o_proj, self._keep), _linear(mlp.gate_up_proj, self._keep),
+                                        _linear(mlp.down_proj, self._keep)))
+        self._layers = (library.Layer * len(layers))(*layers)
         # the final norm's weight (its eps is the layers', the model's rms_norm_eps)
         self._norm = model.norm.weight.detach().float().contiguous()
         self._keep.append(self._norm)
@@ -252,8 +211,8 @@ class NativeLayers:
     def _stack(self, step: tuple, meta: AttentionMetadata, kv: KVPool) -> None:
         shape, x, m, cos, sin, slots = step
         q_index, q_valid, q_pos, kv_len, table = cpu_attention._indices(meta)
-        paging = _Paging(q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(), kv_len.data_ptr(),
-                         table.data_ptr(), q_index.shape[0], q_index.shape[1], table.shape[1], meta.page_size)
+        paging = library.Paging(q_index.data_ptr(), q_valid.data_ptr(), q_pos.data_ptr(), kv_len.data_ptr(),
+                                table.data_ptr(), q_index.shape[0], q_index.shape[1], table.shape[1], meta.page_size)
         ks, vs = self._cache_arrays(kv)
         # prompts the kernel attends (`cpu_attention.takes_prompt`) come here too, their linears' rows flagged for
         # the prompt GEMM; a step of few positions asks nothing of the host (a captured step may not)

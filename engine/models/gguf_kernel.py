@@ -47,24 +47,8 @@ class KernelError(RuntimeError):
     """The kernel rejected its arguments (a shape it cannot take), or failed to allocate."""
 
 
-@cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = library.load()
-    if lib is not None:
-        lib.gguf_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                    ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        lib.gguf_linear.restype = ctypes.c_int
-        lib.gguf_gemm.argtypes = lib.gguf_linear.argtypes
-        lib.gguf_gemm.restype = ctypes.c_int
-        lib.gguf_amx_bytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-        lib.gguf_amx_bytes.restype = ctypes.c_int64
-        lib.gguf_amx_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
-        lib.gguf_amx_pack.restype = ctypes.c_int
-        lib.gguf_lanes_bytes.argtypes = lib.gguf_amx_bytes.argtypes
-        lib.gguf_lanes_bytes.restype = ctypes.c_int64
-        lib.gguf_lanes_pack.argtypes = lib.gguf_amx_pack.argtypes
-        lib.gguf_lanes_pack.restype = ctypes.c_int
-    return lib, why
+    return library.load()
 
 
 def unavailable() -> str:
@@ -124,8 +108,8 @@ def vnni_unavailable() -> str:
 def amx_lane_rows(rows: int) -> int:
     """Calls of at most `rows` rows of x (0-8) take the AMX formats' AVX-512 VNNI lanes, more the tiles; -1 restores
     the defaults (`set_amx_lane_defaults`, else `gguf_amx.cpp`'s built-in ones). The same bits either way: tests
-    and benchmarks compare the two. Sets the kernel library's own calls (not the C++ layers', a library of its
-    own). Returns the previous setting."""
+    and benchmarks compare the two. Holds for the C++ layers' calls too (one library). Returns the previous
+    setting."""
     lib = _build()[0]
     if lib is None:
         raise KernelError(f"the GGUF kernel cannot run here: {unavailable()}")
@@ -133,29 +117,27 @@ def amx_lane_rows(rows: int) -> int:
 
 
 # The crossovers the loader measured (`engine.models.amx_crossover`), per GGML type: calls of at most that many rows
-# take the AMX formats' VNNI lanes. Every library that compiles the kernel (this one, the C++ layers') is given them.
+# take the AMX formats' VNNI lanes: the linears' calls and the C++ layers' alike (one library).
 AMX_LANE_DEFAULTS: dict[str, int] = {}
 
 
-def set_amx_lane_defaults(rows: dict[str, int], lib: ctypes.CDLL | None = None) -> None:
-    """Calls of at most `rows[fmt]` rows (0-8) of the AMX formats take the VNNI lanes (the same bits), in the kernel
-    library and, given `lib`, in that library too (the C++ layers'); a format not named keeps its built-in default.
-    Recorded, so a library loaded later gets them (`apply_amx_lane_defaults`)."""
+def set_amx_lane_defaults(rows: dict[str, int]) -> None:
+    """Calls of at most `rows[fmt]` rows (0-8) of the AMX formats take the VNNI lanes (the same bits); a format not
+    named keeps its built-in default. Recorded (`AMX_LANE_DEFAULTS`) and given to the library (`apply_...`)."""
     AMX_LANE_DEFAULTS.update(rows)
-    for target in (_build()[0], lib):
-        if target is not None:
-            apply_amx_lane_defaults(target)
+    lib = _build()[0]
+    if lib is not None:
+        apply_amx_lane_defaults(lib)
 
 
 def apply_amx_lane_defaults(lib: ctypes.CDLL) -> None:
-    """Give a library that compiles the kernel the recorded crossovers (-1: its built-in default)."""
+    """Give the library the recorded crossovers (-1: its built-in default)."""
     lib.gguf_amx_lane_defaults(AMX_LANE_DEFAULTS.get("Q4_1", -1), AMX_LANE_DEFAULTS.get("Q8_0", -1))
 
 
-def amx_lane_rows_now(fmt: str, lib: ctypes.CDLL | None = None) -> int:
-    """The row count up to which calls of GGML type `fmt`'s AMX format take the VNNI lanes now, in the kernel
-    library (or `lib`)."""
-    lib = lib or _build()[0]
+def amx_lane_rows_now(fmt: str) -> int:
+    """The row count up to which calls of GGML type `fmt`'s AMX format take the VNNI lanes now."""
+    lib = _build()[0]
     if lib is None:
         raise KernelError(f"the GGUF kernel cannot run here: {unavailable()}")
     return lib.gguf_amx_lane_rows_now(FORMATS[fmt])
