@@ -83,3 +83,29 @@ def test_a_due_probe_ends_the_hold(monkeypatch):
     accs = [RequestAcceptance(accepted=0.0, trials=40.0, probe_interval=6, idle_steps=interval - 3) for _ in range(4)]
     d = pol.choose(accs, [None] * 4, np.full(4, 100))
     assert d.hold is not None and d.hold.span == 3
+
+
+def test_a_plain_choice_that_spends_the_governors_probe_is_not_held(monkeypatch):
+    """Off, its probe due, and nobody able to draft (no n-gram match): the step is plain but spends the governor's
+    probe. Held, each reuse would spend it again (and push the next one back)."""
+    counts = []
+    for steps in (1, HOLD):
+        _, pol = run("ngram", False, monkeypatch, steps)
+        pol.governor._switch(False)
+        pol.governor._since_probe = pol.governor.cfg.probe_every - 1
+        accs = [RequestAcceptance(accepted=0.0, trials=40.0, probe_interval=64) for _ in range(4)]
+        for _ in range(HOLD):
+            d = pol.choose(accs, [None] * 4, np.full(4, 100), limits=np.zeros(4, np.int64))
+            assert not d.num_draft.any()
+        counts.append((pol.governor.probes, pol.governor._since_probe))
+    assert counts[0] == counts[1] == (1, HOLD - 1)
+
+
+def test_a_request_that_waits_does_not_hold_back_anothers_probe(monkeypatch):
+    """A request due already but unable to probe (no room) must not stretch the hold past another's coming probe."""
+    _, pol = run("ngram", False, monkeypatch, HOLD)
+    interval = pol.probes.intervals([RequestAcceptance(probe_interval=6)])[0]
+    accs = [RequestAcceptance(accepted=0.0, trials=40.0, probe_interval=6, idle_steps=interval + 5)] + \
+           [RequestAcceptance(accepted=0.0, trials=40.0, probe_interval=6, idle_steps=interval - 2) for _ in range(3)]
+    d = pol.choose(accs, [None] * 4, np.array([0, 100, 100, 100]))
+    assert d.hold is not None and d.hold.span == 2

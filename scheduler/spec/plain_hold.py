@@ -73,9 +73,14 @@ class PlainHold:
         """The ticket a freshly derived decision carries if it is plain: the model's choice (governor on), or the
         governor's while off. `probe_in`: committed steps before a probe comes due, a request's (on) or the
         governor's (off); <= 0: one is due and waits (for its evidence to age, or for the governor's debt)."""
-        plain = decision.reason in ("model", "off") and not decision.num_draft.any() and (
-            decision.effects is None or decision.effects.explore_key is None)
-        if key is None or not plain:
+        fx = decision.effects
+        plain = decision.reason in ("model", "off") and not decision.num_draft.any()
+        # Held, its effects are applied again at every step it is reused for: only those that mean "one more
+        # plain step" may repeat (not a spent governor probe, an exploration or re-measurement's counter, nor
+        # lanes a probe backed off, whose idle steps it resets).
+        repeatable = fx is None or (not fx.governor_probe and fx.explore_key is None and fx.next_remeasure is None
+                                    and all(idle is None for _, idle, _ in fx.acceptance))
+        if key is None or not plain or not repeatable:
             return None
         return HoldTicket(key, self.steps if probe_in <= 0 else min(self.steps, probe_in), tuple(accs))
 

@@ -131,8 +131,12 @@ class Probes:
         return [min(max(a.probe_interval, self.cfg.probe_every), probe_max) for a in accs]
 
     def steps_to_due(self, accs: list[RequestAcceptance]) -> int:
-        """Idle steps before the first of `accs` comes due for its probe (<= 0: one is due already)."""
-        return min((n - a.idle_steps for a, n in zip(accs, self.intervals(accs))), default=1 << 30)
+        """Steps before the first of `accs` that is not due yet comes due for its probe, by the clocks alone (under
+        the latency objective the probe clock's spacing too); <= 0 where none is ahead (a request due already waits
+        for its evidence to age, or for room)."""
+        gate = self.cfg.governor.probe_every - (self.since_probe + 1) if self.cfg.objective == "latency" else 0
+        ahead = [t for t in (max(n - a.idle_steps, gate) for a, n in zip(accs, self.intervals(accs))) if t > 0]
+        return min(ahead, default=0)
 
     def due(self, accs: list[RequestAcceptance], nd: np.ndarray, ln: Lanes, speculating: bool,
             px: PendingEffects) -> np.ndarray:
