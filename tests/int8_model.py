@@ -113,7 +113,7 @@ def _lanes(q, dx, bs, u, sc, off, mn, d, dm, has_min: bool) -> np.ndarray:
         prod = q[:, None, b, :] * (u[None, :, b, :] * sc[None, :, b, group_of])  # [m, n, qk]
         tot = np.stack([prod[..., lane_of == ln].sum(-1) for ln in range(8)], axis=-1)
 
-        def pair(t):  # groups 2 l and 2 l + 1's terms in lane l
+        def pair(t, b=b):  # groups 2 l and 2 l + 1's terms in lane l (this block's)
             out = np.zeros((m, n, 8), np.int64)
             out[..., :g // 2] = bs[:, None, b, 0::2] * t[None, :, b, 0::2] + bs[:, None, b, 1::2] * t[None, :, b, 1::2]
             return out
