@@ -27,14 +27,15 @@ def _high_bits(raw: np.ndarray, at: int) -> np.ndarray:
 
 def unpack(fmt: str, blocks: np.ndarray) -> tuple[np.ndarray, ...]:
     """blocks [nblk, bytes] -> u [nblk, qk], sc / off / mn [nblk, qk / 16] (int64), d / dm [nblk] (float32):
-    w = d (sc u - off) + dm mn, per 16-value group."""
+    w = d (sc u - off) + dm mn, per 16-value group. The legacy formats' offsets are in u (u - off, signed: their
+    arithmetic's lanes hold sum (u - off) q), with off 0."""
     n = blocks.shape[0]
     ones, zeros = np.ones((n, 2), np.int64), np.zeros((n, 2), np.int64)
     if fmt == "Q4_0":
-        return _nibbles(blocks[:, 2:18]), ones, 8 * ones, zeros, _f16(blocks, 0), np.zeros(n, np.float32)
+        return _nibbles(blocks[:, 2:18]) - 8, ones, zeros, zeros, _f16(blocks, 0), np.zeros(n, np.float32)
     if fmt == "Q5_0":
         u = _nibbles(blocks[:, 6:22]) | (_high_bits(blocks, 2) << 4)
-        return u, ones, 16 * ones, zeros, _f16(blocks, 0), np.zeros(n, np.float32)
+        return u - 16, ones, zeros, zeros, _f16(blocks, 0), np.zeros(n, np.float32)
     if fmt == "Q5_1":
         u = _nibbles(blocks[:, 8:24]) | (_high_bits(blocks, 4) << 4)
         return u, ones, zeros, ones, _f16(blocks, 0), _f16(blocks, 2)
@@ -95,15 +96,16 @@ def linear(fmt: str, qk: int, x: np.ndarray, blocks: np.ndarray, bias: np.ndarra
     d, dm = d.reshape(n, nb), dm.reshape(n, nb)
     q, dx, bs = quantize(x, qk)
     bs = bs.reshape(m, nb, g)
-    acc = _lanes(q, dx, bs, u, sc, off, mn, d, dm, fmt in ("Q5_1", "Q2_K", "Q4_K", "Q5_K"))
+    acc = _lanes(q, dx, bs, u, sc, off, mn, d, dm, fmt in ("Q5_1", "Q2_K", "Q4_K", "Q5_K"), legacy=qk == 32)
     return acc if bias is None else acc + bias[None, :].astype(np.float32)
 
 
-def _lanes(q, dx, bs, u, sc, off, mn, d, dm, has_min: bool) -> np.ndarray:
+def _lanes(q, dx, bs, u, sc, off, mn, d, dm, has_min: bool, legacy: bool) -> np.ndarray:
     """The accumulation: 8 int32 lanes a block and row, lane l holding values 32 c + 4 l .. + 3 of every 32-value
-    chunk c (times their group's scale) less groups 2 l and 2 l + 1's offset terms (a legacy block's 2 groups: lane
-    0's); each lane times d dx (and the min terms' lanes times dm dx) added into 8 fp32 lanes, which end in the SIMD
-    layer's fixed horizontal sum (lanes l and l + 4, then those pairs 2 apart, then the two left)."""
+    chunk c (times their group's scale) less groups 2 l and 2 l + 1's offset terms; each lane times d dx (and the
+    min terms' lanes times dm dx) added into 8 fp32 lanes, which end in the SIMD layer's fixed horizontal sum (lanes
+    l and l + 4, then those pairs 2 apart, then the two left). A legacy block (one 32-value chunk, its offset in u)
+    has one min, and its min terms' lane l is the sum of q over lane l's 4 values."""
     m, nb = dx.shape
     n, qk, g = u.shape[0], u.shape[2], sc.shape[2]
     lanes = np.zeros((m, n, 8), np.float32)
@@ -121,7 +123,11 @@ def _lanes(q, dx, bs, u, sc, off, mn, d, dm, has_min: bool) -> np.ndarray:
         tot = tot - pair(off)
         lanes = lanes + (d[None, :, b, None] * dx[:, None, b, None]) * tot.astype(np.float32)
         if has_min:
-            lanes = lanes + (dm[None, :, b, None] * dx[:, None, b, None]) * pair(mn).astype(np.float32)
+            if legacy:
+                mins = np.stack([q[:, b, lane_of == ln].sum(-1) for ln in range(8)], axis=-1)[:, None, :]
+            else:
+                mins = pair(mn)
+            lanes = lanes + (dm[None, :, b, None] * dx[:, None, b, None]) * mins.astype(np.float32)
     s4 = lanes[..., :4] + lanes[..., 4:]
     s2 = s4[..., :2] + s4[..., 2:]
     return s2[..., 0] + s2[..., 1]

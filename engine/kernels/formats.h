@@ -8,8 +8,11 @@
 //            with u the unsigned integer weights (0..63), sc_j / off_j / mn_j small integers and d / dm floats,
 //            so that a block's dot product with activations quantised as q (scale dx, group sums bs_j) is
 //                d dx (sum_i sc_j(i) u_i q_i - sum_j off_j bs_j) + dm dx (sum_j mn_j bs_j)
-//            in exact integers, then fp32 products (linear.inc): llama.cpp's arithmetic for these formats (legacy
-//            formats against per-32 Q8 blocks, K-quants against per-256 Q8_K blocks with block sums).
+//            in exact integers, then fp32 products (linear.inc): llama.cpp's arithmetic for the K-quants, against
+//            per-256 Q8_K blocks with block sums. The legacy formats (one 32-value block, one scale: `off`, and a
+//            min for Q5_1) take llama.cpp's arithmetic against per-32 Q8 blocks instead, in 8 lanes of 4 values:
+//                d dx sum_lane (u - off) q  (+ dm dx sum_lane q)
+//            with no view (their u from `chunk`, d and dm the block's fp16s).
 // Adding a format is adding a struct here and a row in kernels.cpp's table.
 #pragma once
 #include <immintrin.h>
@@ -85,18 +88,6 @@ template <class F> struct UnpackedScales {
     __m256i mn16() const { return _mm256_load_si256((const __m256i *)u.mn); }
 };
 
-// The legacy formats' view: both 16-value groups at scale 1, with offset OFF or (MIN) a min of 1 times m, the
-// block's second fp16 (their terms land in lane 0 of the tile's vpmaddwd). Constants, in registers: through
-// Unpacked, a 32-byte load of the two scales just stored as scalars missed store forwarding, and a one-row Q4_0
-// call read 1.2 GB/s.
-template <int OFF, bool MIN> struct LegacyScales {
-    float d, dm;
-    LegacyScales(const uint8_t *b, Unpacked &) : d(f16(b)), dm(MIN ? f16(b + 2) : 0.f) {}
-    __m256i chunk(int) const { return _mm256_set1_epi16(1); }
-    __m256i off16() const { return _mm256_setr_epi16(OFF, OFF, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); }
-    __m256i mn16() const { return _mm256_setr_epi16(MIN, MIN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); }
-};
-
 // the K-quants' 6-bit scales and mins, 8 of each in 12 bytes (gguf's Q4_K.get_scale_min)
 inline void scale_min_k4(const uint8_t *s, int j, int &sc, int &mn) {
     if (j < 4) {
@@ -128,6 +119,7 @@ inline __m256i high_bits32(const uint8_t *b) {
 struct Q4_0 {
     static constexpr int qk = 32, bytes = 18;
     static constexpr bool int8 = true, has_off = true, has_min = false;
+    static constexpr int off = 8;
     static inline __m256i chunk(const uint8_t *b, int) { return nibbles32(b + 2); }
     static void dequant(const uint8_t *b, float *w) {
         alignas(32) uint8_t u[32];
@@ -135,13 +127,13 @@ struct Q4_0 {
         const float d = f16(b);
         for (int l = 0; l < 32; l++) w[l] = d * (float)(u[l] - 8);
     }
-    using Scales = LegacyScales<8, false>;
 };
 
 // Q5_0: fp16 d, 32 high bits (bit l: value l's), 16 bytes of low nibbles as Q4_0's. w = d (q - 16).
 struct Q5_0 {
     static constexpr int qk = 32, bytes = 22;
     static constexpr bool int8 = true, has_off = true, has_min = false;
+    static constexpr int off = 16;
     // the 32 values' q (b: from the high bits on)
     static inline __m256i quants(const uint8_t *b) { return _mm256_or_si256(nibbles32(b + 4), high_bits32(b)); }
     static inline __m256i chunk(const uint8_t *b, int) { return quants(b + 2); }
@@ -151,13 +143,13 @@ struct Q5_0 {
         const float d = f16(b);
         for (int l = 0; l < 32; l++) w[l] = d * (float)(u[l] - 16);
     }
-    using Scales = LegacyScales<16, false>;
 };
 
 // Q5_1: fp16 d, fp16 m, then Q5_0's bits. w = d q + m.
 struct Q5_1 {
     static constexpr int qk = 32, bytes = 24;
     static constexpr bool int8 = true, has_off = false, has_min = true;
+    static constexpr int off = 0;
     static inline __m256i chunk(const uint8_t *b, int) { return Q5_0::quants(b + 4); }
     static void dequant(const uint8_t *b, float *w) {
         alignas(32) uint8_t u[32];
@@ -165,7 +157,6 @@ struct Q5_1 {
         const float d = f16(b), m = f16(b + 2);
         for (int l = 0; l < 32; l++) w[l] = d * (float)u[l] + m;
     }
-    using Scales = LegacyScales<0, true>;
 };
 
 // Q4_K's and Q5_K's shared header: fp16 d, fp16 dmin, then 8 sub-blocks' 6-bit scales and mins (12 bytes).

@@ -3,7 +3,8 @@
 //
 // linear.inc is written once and compiled once per ISA inside that ISA's namespace, after its SIMD layer:
 //   avx2    AVX2 + FMA + F16C (the build's baseline flags): int8 products by vpmaddubsw + vpmaddwd;
-//   avx512  AVX-512 F/BW/VL/DQ + VNNI (a target region): int8 products by vpdpbusd.
+//   avx512  AVX-512 F/BW/VL/DQ + VNNI (a target region): int8 products by vpdpbusd (4-byte sums) and vpdpwssd
+//           (scaled pairs).
 // Both form the same exact integer sums and the same fp32 operations, so they give the same bits (tested); the
 // host probe (`sk_isa_runs`) says which run here.
 #include <immintrin.h>
@@ -28,6 +29,10 @@ inline float hsum(__m256 v) {
 inline __m256i dot_scaled_add(__m256i acc, __m256i u, __m256i q, __m256i sc) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), sc));
 }
+// acc + 8 int32 lanes, lane k: the sum of bytes 4k..4k+3's products (u unsigned <= 31, q signed: no saturation)
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i q) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1)));
+}
 #include "linear.inc"
 }  // namespace avx2
 }  // namespace sk
@@ -43,6 +48,7 @@ using avx2::hsum;
 inline __m256i dot_scaled_add(__m256i acc, __m256i u, __m256i q, __m256i sc) {
     return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, q), sc);
 }
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i q) { return _mm256_dpbusd_epi32(acc, u, q); }
 #include "linear.inc"
 }  // namespace avx512
 }  // namespace sk
