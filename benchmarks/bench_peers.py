@@ -86,6 +86,13 @@ def run_transformers(model: str, sets: dict, new_tokens: int, k: int, only: set 
     return out
 
 
+def folder_dtype(model: str) -> str:
+    """The dtype a Hugging Face folder's weights are stored in (config.json's `dtype`, or the older
+    `torch_dtype`), which vLLM runs it in as a user would: float32 for the fp32 conversions of GGUF files."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
 def run_vllm(model: str, sets: dict, new_tokens: int, k: int, batches: list[int], only: set | None = None) -> dict:
     """Each mode in a fresh process of the vLLM venv (its engine spawns workers; one LLM per process)."""
     if not (VLLM_VENV / "bin" / "python").is_file():
@@ -97,7 +104,8 @@ def run_vllm(model: str, sets: dict, new_tokens: int, k: int, batches: list[int]
             if only is not None and mode not in only and f"{mode} k={k}" not in only:
                 continue
             job, res = Path(tmp) / f"{mode}.json", Path(tmp) / f"{mode}.out.json"
-            job.write_text(json.dumps({"model": model, "prompts": sets, "new_tokens": new_tokens,
+            job.write_text(json.dumps({"model": model, "dtype": folder_dtype(model), "prompts": sets,
+                                       "new_tokens": new_tokens,
                                        "batches": batches, "modes": [mode], "k": k, "threads": 2}))
             # Both cores for vLLM's compute threads, as specstep gets: its `auto` binding reserves one of the two
             # cores for its frontend and computes on one thread (measured: 0.6-0.75x of its two-thread speed).

@@ -2,9 +2,10 @@
 
     .vllm-venv/bin/python benchmarks/peer_vllm.py JOB.json OUT.json
 
-JOB: {"model": DIR, "prompts": {set: [[ids]]}, "new_tokens": N, "batches": [1, 8], "modes": ["plain", "ngram"],
-      "k": 4, "threads": 2}. OUT: per (mode, set, batch): seconds, tokens and the output token ids.
-Usage follows CPU_NOTES.md: token prompts, no tokenizer, detokenize off, ignore_eos, fp32, `__main__` guard.
+JOB: {"model": DIR, "dtype": "float32", "prompts": {set: [[ids]]}, "new_tokens": N, "batches": [1, 8],
+      "modes": ["plain", "ngram"], "k": 4, "threads": 2}. OUT: per (mode, set, batch): seconds, tokens and the
+output token ids. Usage follows CPU_NOTES.md: token prompts, no tokenizer, detokenize off, ignore_eos, the
+checkpoint's own dtype, `__main__` guard.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def run_mode(job: dict, mode: str) -> dict:
 
     spec = None if mode == "plain" else {"method": "ngram", "num_speculative_tokens": job["k"],
                                          "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-    llm = LLM(model=job["model"], skip_tokenizer_init=True, dtype="float32", max_model_len=2048,
+    llm = LLM(model=job["model"], skip_tokenizer_init=True, dtype=job.get("dtype", "float32"), max_model_len=2048,
               max_num_seqs=max(job["batches"]), speculative_config=spec, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=job["new_tokens"], ignore_eos=True, detokenize=False)
     first = next(iter(job["prompts"].values()))[0]

@@ -70,3 +70,14 @@ def test_a_llamacpp_batch_row_is_compared_with_specstep_plain(monkeypatch):
     monkeypatch.setattr(peers_report.console, "print", lines.append)  # (the ratio lines go to the console)
     peers_report.ratios(res)
     assert "code b8: specstep plain / llama.cpp, 2 threads plain = 2.00" in lines
+
+
+def test_vllm_runs_a_folder_in_the_dtype_its_weights_are_stored_in(tmp_path):
+    import json
+
+    from benchmarks.bench_peers import folder_dtype
+
+    for config, dtype in (({"dtype": "bfloat16"}, "bfloat16"), ({"torch_dtype": "float16"}, "float16"),
+                          ({}, "float32")):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert folder_dtype(str(tmp_path)) == dtype
