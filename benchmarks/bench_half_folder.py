@@ -1,7 +1,9 @@
 """Plain decode of a bf16 Hugging Face folder in each form its linears can take, alternating in one run:
-its own bf16 rows in the kernel layer (the default), Q8_0 blocks quantised at load (`--quantization q8_0`, int8
-activations under the default `--activations auto`), and fp32 (`--quantization none`: the torch / oneDNN
-linears, 4 bytes a weight). Batch 1 and batch 8 (`--batches`), greedy, prompts of held-out code.
+its own bf16 rows in the kernel layer (the default: bf16 dot products where the CPU has AVX-512 BF16, else fp32
+activations), the same rows with exact fp32 activations (`--activations fp32`), Q8_0 blocks quantised at load
+(`--quantization q8_0`, int8 activations under the default `--activations auto`), and fp32 (`--quantization
+none`: the torch / oneDNN linears, 4 bytes a weight). Batch 1 and batch 8 (`--batches`), greedy, prompts of
+held-out code.
 
     python -m benchmarks.bench_half_folder [--out /tmp/smollm2-135m-bf16] [--repeats 3] [--new-tokens 64]
 
@@ -24,8 +26,8 @@ from specstep.engine.gguf_checkpoint import fp32_folder
 from specstep.engine.model_source import default_target, resolve_model
 from specstep.engine.sampling_params import SamplingParams
 
-FORMS = {"bf16 rows (default)": "auto", "Q8_0 at load (--quantization q8_0)": "q8_0",
-         "fp32 (--quantization none)": "none"}
+FORMS = {"bf16 rows (default)": ("auto", "auto"), "bf16 rows, exact (--activations fp32)": ("auto", "fp32"),
+         "Q8_0 at load (--quantization q8_0)": ("q8_0", "auto"), "fp32 (--quantization none)": ("none", "fp32")}
 
 
 def write_folder(out: Path) -> None:
@@ -53,8 +55,9 @@ def main() -> None:
     outputs: dict[str, list[list[int]]] = {}
     for i in range(args.repeats):
         for batch in args.batches:
-            for name, quantization in FORMS.items():
-                cfg = EngineConfig(model=str(args.out), spec="none", quantization=quantization)
+            for name, (quantization, activations) in FORMS.items():
+                cfg = EngineConfig(model=str(args.out), spec="none", quantization=quantization,
+                                   activations=activations)
                 r = run_engine(cfg, prompts if batch > 1 else prompts[:2], params, batch)
                 seen[name, batch].append(r.tok_per_s)
                 outputs.setdefault(name, r.outputs[:2])

@@ -61,7 +61,7 @@ def load_model(model: str | Path, device: str | torch.device = "cpu", dtype: str
         if quantize:
             model.gguf_note = use_q8_0_linears(model, cpu_linear.activations)
         else:
-            model.gguf_note = (use_half_linears(model, half) if half is not None
+            model.gguf_note = (use_half_linears(model, half, cpu_linear.activations) if half is not None
                                else _quantized(model, folder, cpu_linear, tp, torch_dtype))
         unread = frozenset(n for n, t in model.state_dict().items() if t.is_meta)  # what the blocks did not take
         if unread:

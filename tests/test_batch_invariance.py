@@ -12,6 +12,7 @@ from specstep.engine.batch_builder import build_forward_batch
 from specstep.engine.cpu_kernels import CpuKernels
 from specstep.engine.errors import ConfigError
 from specstep.engine.gguf_checkpoint import converted_folder
+from specstep.engine.kernels import binding as kernel_layer
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.model_loader import describe_cpu_kernels, load_model, load_mtp_head
 from specstep.engine.models.cpu_linear import onednn_available
@@ -129,6 +130,8 @@ def proposers(tiny_target, tmp_path_factory):
 
 TILES = pytest.mark.skipif(bool(tiles_unavailable()), reason=f"AMX tiles: {tiles_unavailable()}")
 VNNI = pytest.mark.skipif(bool(vnni_unavailable()), reason=f"AVX-512 VNNI: {vnni_unavailable()}")
+BF16_DOT = pytest.mark.skipif(bool(gguf_unavailable()) or not kernel_layer.runs_here("BF16", "bf16"),
+                              reason="no AVX-512 BF16 dot products here")
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft_model", "mtp", "ngram_gguf_q4_1", "ngram_gguf_q4_1_int8-lanes",
@@ -261,16 +264,21 @@ def tiny_bf16(tiny_target, tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("acts", ["fp32", "int8-lanes", pytest.param("int8-vnni", marks=VNNI), "bf16-folder"])
+@pytest.mark.parametrize("acts", ["fp32", "int8-lanes", pytest.param("int8-vnni", marks=VNNI), "bf16-folder",
+                                  pytest.param("bf16-folder-dot", marks=BF16_DOT)])
 def test_a_prompts_rows_do_not_depend_on_its_forwards_company(acts, request, monkeypatch):
     """A prompt's hidden states are the same bits prefilled alone, in a batch with prompts of other lengths, and
     in chunks beside other requests: with int8 activations a rounding difference in a prompt's attention turned
     into other tokens, so whether a prompt was batched (as plain and speculative serving admit differently) or how
     it was chunked changed the output. A bf16 folder's prompt rows take the fp32 GEMM, a 5-row prompt beside them
-    the kernel."""
+    the kernel; with bf16 dot products (the default where they run) every row takes the kernel."""
     if acts == "bf16-folder":
         core = make_core(request.getfixturevalue("tiny_bf16"), page_size=PAGE, activations="fp32")
         assert core.engine.target.native.prompt_gemm == PROMPT_GEMM_FP32
+    elif acts == "bf16-folder-dot":
+        core = make_core(request.getfixturevalue("tiny_bf16"), page_size=PAGE, activations="auto")
+        assert {m.activations for m in core.engine.target.modules() if isinstance(m, GGUFLinear)} == {"bf16"}
+        assert core.engine.target.native.prompt_gemm == 0
     else:
         core = make_core(request.getfixturevalue("tiny_gguf"), page_size=PAGE,
                          activations=pin_int8_form(acts, monkeypatch))

@@ -1,7 +1,8 @@
 """Hugging Face folders saved in bf16 / fp16 on CPU: the linears read the file's 16-bit weights through the kernel
-layer's BF16 / F16 rows (no fp32 copy), with fp32 activations. Greedy tokens are transformers' in fp32 on the same
-weights (exact widening), speculative output is plain output, and the weights stay about 2 bytes a parameter;
-fp32 folders and `--quantization none` keep the fp32 torch linears."""
+layer's BF16 / F16 rows (no fp32 copy). With fp32 activations greedy tokens are transformers' in fp32 on the same
+weights (exact widening); by default a bf16 folder takes bf16 dot products where the CPU has them. Speculative
+output is plain output, and the weights stay about 2 bytes a parameter; fp32 folders and `--quantization none` keep
+the fp32 torch linears."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def test_greedy_tokens_are_transformers_fp32_on_the_16_bit_weights(tmp_path, dty
     folder = half_folder(tmp_path / "m", dtype, arch, tied)
     config = json.loads((folder / "config.json").read_text())
     assert (config.get("dtype") or config.get("torch_dtype")) == dtype
-    core = make_core(folder)
+    core = make_core(folder, activations="fp32")
     target = core.engine.target
     fmt = {"bfloat16": "BF16", "float16": "F16"}[dtype]
     linears = [m for m in target.modules() if isinstance(m, GGUFLinear)]
@@ -70,6 +71,7 @@ def test_greedy_tokens_are_transformers_fp32_on_the_16_bit_weights(tmp_path, dty
     assert target.native is not None  # the decoder layers ran in C++
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
     assert f"{short} weights as the checkpoint holds them" in describe_cpu_kernels(target)
+    assert "fp32 activations (exact)" in describe_cpu_kernels(target)
     # (the long prompt's rows take the C++ layers' prompt GEMM over the weights' dequantised panels)
     reqs = run_to_completion(core, [PROMPT, LONG_PROMPT], GREEDY)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)  # exact widening
@@ -80,13 +82,17 @@ def test_greedy_tokens_are_transformers_fp32_on_the_16_bit_weights(tmp_path, dty
         assert req.output_token_ids == out[0, len(prompt):].tolist()
 
 
-def test_ngram_speculation_is_plain_decoding(tmp_path):
+@pytest.mark.parametrize("activations", ["fp32", "auto"])
+def test_ngram_speculation_is_plain_decoding(tmp_path, activations):
     folder = half_folder(tmp_path / "m", "bfloat16")
-    (plain,) = run_to_completion(make_core(folder), [PROMPT], GREEDY)
-    core = make_core(folder, num_spec_tokens=4, spec="ngram")
-    assert any(isinstance(m, GGUFLinear) for m in core.engine.target.modules())
-    (spec,) = run_to_completion(core, [PROMPT], GREEDY)
-    assert spec.output_token_ids == plain.output_token_ids
+    plain = run_to_completion(make_core(folder, activations=activations), [PROMPT, LONG_PROMPT], GREEDY)
+    core = make_core(folder, num_spec_tokens=4, spec="ngram", activations=activations)
+    linears = [m for m in core.engine.target.modules() if isinstance(m, GGUFLinear)]
+    dot = activations == "auto" and binding.runs_here("BF16", "bf16")
+    assert {m.activations for m in linears} == {"bf16" if dot else "fp32"}
+    assert ("bf16 activations in AVX-512 BF16 dot products" in describe_cpu_kernels(core.engine.target)) == dot
+    spec = run_to_completion(core, [PROMPT, LONG_PROMPT], GREEDY)
+    assert [r.output_token_ids for r in spec] == [r.output_token_ids for r in plain]
 
 
 def test_weights_stay_2_bytes_a_parameter(tmp_path):

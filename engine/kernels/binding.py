@@ -4,8 +4,9 @@ is declared with the rest), its table rows looked up by name.
 
 A row is (weight format, activation arithmetic, ISA): formats are GGML type names (Q4_0, Q5_0, Q5_1, Q2_K, Q3_K,
 Q4_K, Q5_K, Q6_K, F16, BF16); arithmetics "fp32" (exact: gguf's dequantised weights times fp32 activations, batch-
-invariant) and "int8" (llama.cpp's: activations quantised per block, integer products; block formats only); ISAs
-"avx2" and "avx512" (AVX-512 with VNNI: the same bits). The host probe picks the widest ISA that runs here;
+invariant), "int8" (llama.cpp's: activations quantised per block, integer products; block formats only) and "bf16"
+(BF16 weights times activations rounded to bf16, in AVX-512 BF16 dot products; hosts with them); ISAs "avx2" and
+"avx512" (AVX-512 with VNNI: the same bits). The host probe picks the widest ISA that runs here;
 `SPECSTEP_CPU_ISA=avx2|avx512` pins one (tests and A/B benchmarks compare them; `amx` pins the older Q4_1 / Q8_0
 kernel's tiles, and avx512 here).
 """
@@ -25,7 +26,7 @@ from specstep.engine.kernels.library import i64
 
 ISAS = ("avx512", "avx2")  # widest first
 ISA_ENV = "SPECSTEP_CPU_ISA"
-ARITHMETICS = ("fp32", "int8")
+ARITHMETICS = ("fp32", "int8", "bf16")
 
 TABLE_BIT = 1 << 16  # kernels.cpp's: a table row's handle in a C++ caller's `fmt` field
 
@@ -129,12 +130,18 @@ class LinearKernel:
         return TABLE_BIT | self.row << 4
 
 
+def runs_here(fmt: str, arith: str) -> bool:
+    """Whether the table has `fmt` x `arith` on the host's ISA, and this CPU runs it."""
+    return _lib().sk_lookup(fmt.encode(), arith.encode(), host_isa().encode()) >= 0
+
+
 def linear_kernel(fmt: str, arith: str, isa: str | None = None) -> LinearKernel:
     """The row for `fmt` x `arith` on `isa` (the host's, `host_isa()`, if None)."""
     isa = isa or host_isa()
     row = _lib().sk_lookup(fmt.encode(), arith.encode(), isa.encode())
     if row == -2:
-        raise KernelError(f"{fmt}/{arith}/{isa}: this CPU cannot run {isa}")
+        needs = f"{isa} with AVX-512 BF16" if arith == "bf16" else isa
+        raise KernelError(f"{fmt}/{arith}/{isa}: this CPU cannot run {needs}")
     if row < 0:
         raise KernelError(f"no kernel for {fmt} weights with {arith} activations (the table: {', '.join(table())})")
     qk, nbytes = block_of(fmt)

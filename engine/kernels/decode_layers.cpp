@@ -274,7 +274,9 @@ struct Buffers {
         n_kernel = gemm_rows ? M - gemm_rows : M;
         const int64_t mixed = gemm_rows && n_kernel;
         auto up = [](int64_t n) { return (n + 7) / 8 * 8; };  // whole 32-byte lines: every buffer stays aligned
-        xsum_n = up(gguf_kernel::xsum_floats(M, widest));
+        // (a table linear's scratch too: sk::scratch_bytes, at most the bf16 arithmetic's rows, 2 bytes a value)
+        const int64_t sums = gguf_kernel::xsum_floats(M, widest), rounded = (M * widest + 1) / 2;
+        xsum_n = up(sums > rounded ? sums : rounded);
         // (the bf16 panel is as large: 32 outputs x 2 bytes a k against 16 x 4)
         panel_n = gemm_rows ? up(gguf_kernel::panel_floats(widest)) : 0;
         xb_n = gemm_bf16 ? up((M * widest + 1) / 2) : 0;  // a linear's input rows as bf16 (shared)
@@ -355,7 +357,7 @@ void linear(const Linear &l, const float *in, int64_t M, float *y, float *residu
             int nt, const gguf_kernel::XQ8 *xq = nullptr) {
     Range cols(l.n, t, nt);
     if (sk::from_handle(l.fmt)) {  // the kernel layer's table: every row, each part in its own format and arithmetic
-        // (int8 rows quantise `in` into the thread's scratch: sk::xq_bytes(M, k) <= xsum_floats(M, k) floats)
+        // (int8 rows quantise `in` into the thread's scratch, bf16 rows round it: sk::scratch_bytes, within xsum_n)
         const int64_t N = total_rows(l);
         byte_share(l, t, nt, cols.a, cols.b);
         int64_t first = 0;

@@ -1,5 +1,6 @@
-// specstep's CPU kernel layer: GGUF block formats (formats.h) times fp32 or int8 activations (linear.inc), one
-// dispatch table keyed by names (weight format x activation arithmetic x ISA), one C surface (binding.py).
+// specstep's CPU kernel layer: GGUF block formats (formats.h) times fp32 or int8 activations (linear.inc), and BF16
+// weights times bf16 activations (bf16_dot.cpp); one dispatch table keyed by names (weight format x activation
+// arithmetic x ISA), one C surface (binding.py).
 //
 // linear.inc is written once and compiled once per ISA inside that ISA's namespace, after its SIMD layer:
 //   avx2    AVX2 + FMA + F16C (the build's baseline flags): int8 products by vpmaddubsw + vpmaddwd;
@@ -53,12 +54,15 @@ inline __m256i dot4_add(__m256i acc, __m256i u, __m256i q) { return _mm256_dpbus
 }  // namespace avx512
 }  // namespace sk
 #pragma GCC pop_options
+#include "bf16_dot.cpp"
 
 namespace sk {
 using Fp32Fn = void (*)(const float *, int64_t, int64_t, const uint8_t *, int64_t, const float *, float *, int64_t,
                         int64_t);
 using Int8Fn = void (*)(const XQ &, int64_t, const uint8_t *, int64_t, const float *, float *, int64_t, int64_t);
 using DequantFn = void (*)(const uint8_t *, float *);
+using Bf16Fn = void (*)(const uint16_t *, int64_t, int64_t, const uint8_t *, int64_t, const float *, float *, int64_t,
+                        int64_t);
 
 // One row of the table: a kernel and what it reads.
 struct Kernel {
@@ -67,6 +71,7 @@ struct Kernel {
     Fp32Fn fp32;  // set for arith "fp32"
     Int8Fn int8;  // set for arith "int8"
     DequantFn dequant;  // the format's block -> fp32 (a prompt GEMM's panels: decode_layers.cpp)
+    Bf16Fn bf16 = nullptr;  // set for arith "bf16" (x rounded to bf16 first; AVX-512 BF16 hosts)
 };
 
 struct Format {
@@ -86,7 +91,9 @@ const Format FORMATS[] = {SK_FORMAT(Q4_0), SK_FORMAT(Q5_0), SK_FORMAT(Q5_1), SK_
 #define SK_BLOCKS(F) SK_FP32(F, avx2), SK_FP32(F, avx512), SK_INT8(F, avx2), SK_INT8(F, avx512)
 #define SK_WIDE(F) SK_FP32(F, avx2), SK_FP32(F, avx512)
 const Kernel TABLE[] = {SK_BLOCKS(Q4_0), SK_BLOCKS(Q5_0), SK_BLOCKS(Q5_1), SK_BLOCKS(Q2_K), SK_BLOCKS(Q3_K),
-                        SK_BLOCKS(Q4_K), SK_BLOCKS(Q5_K), SK_BLOCKS(Q6_K), SK_WIDE(F16),    SK_WIDE(BF16)};
+                        SK_BLOCKS(Q4_K), SK_BLOCKS(Q5_K), SK_BLOCKS(Q6_K), SK_WIDE(F16),    SK_WIDE(BF16),
+                        Kernel{"BF16", "bf16", "avx512", BF16::qk, BF16::bytes, nullptr, nullptr, BF16::dequant,
+                               bf16dot::range}};
 constexpr int TABLE_SIZE = sizeof(TABLE) / sizeof(TABLE[0]);
 
 // A C++ caller's handle on a row (decode_layers.cpp's `fmt` field): TABLE_BIT | row << 4, apart from the older
@@ -106,14 +113,24 @@ inline bool isa_runs(const char *isa) {
     return false;
 }
 
-// Scratch bytes kernel `k` needs for M rows of width K on one thread (the quantised rows; none for fp32).
-inline int64_t scratch_bytes(const Kernel &k, int64_t M, int64_t K) { return k.int8 ? xq_bytes(M, K, k.qk) : 0; }
+// Whether row `k` runs on this CPU: its ISA, and AVX-512 BF16 for the bf16 arithmetic.
+inline bool runs(const Kernel &k) { return isa_runs(k.isa) && (!k.bf16 || bf16dot::runs()); }
+
+// Scratch bytes kernel `k` needs for M rows of width K on one thread (the quantised or rounded rows; none for fp32).
+inline int64_t scratch_bytes(const Kernel &k, int64_t M, int64_t K) {
+    return k.int8 ? xq_bytes(M, K, k.qk) : k.bf16 ? M * K * 2 : 0;
+}
 
 // Weight rows [n0, n1) on the calling thread, x quantised into `scratch` first (int8): the same bits as
 // sk_linear's. For callers that split a linear's rows over their own threads (decode_layers.cpp).
 inline void linear_range(const Kernel &k, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                          const float *bias, float *y, int64_t n0, int64_t n1, void *scratch) {
     if (k.fp32) return k.fp32(x, M, K, w, N, bias, y, n0, n1);
+    if (k.bf16) {
+        uint16_t *xb = (uint16_t *)scratch;
+        for (int64_t r = 0; r < M; r++) bf16dot::round_row(x, xb, K, r);
+        return k.bf16(xb, M, K, w, N, bias, y, n0, n1);
+    }
     const XQ xq = xq_view(scratch, M, K, k.qk);
     for (int64_t r = 0; r < M; r++) quantize_row(x, xq, r);
     k.int8(xq, M, w, N, bias, y, n0, n1);
@@ -126,7 +143,7 @@ int sk_lookup(const char *format, const char *arith, const char *isa) {
     for (int i = 0; i < sk::TABLE_SIZE; i++) {
         const sk::Kernel &k = sk::TABLE[i];
         if (!strcmp(k.format, format) && !strcmp(k.arith, arith) && !strcmp(k.isa, isa))
-            return sk::isa_runs(isa) ? i : -2;
+            return sk::runs(k) ? i : -2;
     }
     return -1;
 }
@@ -162,19 +179,26 @@ int sk_dequantize(const char *format, const uint8_t *blocks, int64_t nblocks, fl
     return -1;
 }
 
-// y [M, N] = x [M, K] @ W.T (+ bias [N]) by table row `kernel`, W as [N, K / qk] blocks. x's rows quantised once
-// (int8: the threads split them), then the threads split the weight rows. 0, -1 (a bad row or K), -2 (no memory).
+// y [M, N] = x [M, K] @ W.T (+ bias [N]) by table row `kernel`, W as [N, K / qk] blocks. x's rows quantised or
+// rounded once (int8, bf16: the threads split them), then the threads split the weight rows. 0, -1 (a bad row or K,
+// or a row this CPU cannot run), -2 (no memory).
 int sk_linear(int kernel, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
               float *y, int threads) {
     if (kernel < 0 || kernel >= sk::TABLE_SIZE || K % sk::TABLE[kernel].qk) return -1;
     const sk::Kernel &k = sk::TABLE[kernel];
+    if (!sk::runs(k)) return -1;
     void *scratch = nullptr;
-    if (k.int8 && !(scratch = aligned_alloc(64, (sk::scratch_bytes(k, M, K) + 63) / 64 * 64))) return -2;
+    const int64_t need = sk::scratch_bytes(k, M, K);
+    if (need && !(scratch = aligned_alloc(64, (need + 63) / 64 * 64))) return -2;
     const sk::XQ xq = sk::xq_view(scratch, M, K, k.qk);
     #pragma omp parallel num_threads(threads)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        if (k.int8) {
+        if (k.bf16) {
+            for (int64_t r = M * t / nt; r < M * (t + 1) / nt; r++) sk::bf16dot::round_row(x, (uint16_t *)scratch, K, r);
+            #pragma omp barrier
+            k.bf16((const uint16_t *)scratch, M, K, w, N, bias, y, N * t / nt, N * (t + 1) / nt);
+        } else if (k.int8) {
             for (int64_t r = M * t / nt; r < M * (t + 1) / nt; r++) sk::quantize_row(x, xq, r);
             #pragma omp barrier
             k.int8(xq, M, w, N, bias, y, N * t / nt, N * (t + 1) / nt);

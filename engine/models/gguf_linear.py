@@ -40,6 +40,17 @@ def dequantize(fmt: str, blocks: torch.Tensor, in_features: int) -> torch.Tensor
     return torch.from_numpy(np.ascontiguousarray(w.reshape(blocks.shape[0], in_features), dtype=np.float32))
 
 
+def table_arith(fmt: str, activations: str) -> str:
+    """The kernel layer's arithmetic for `fmt` weights: fp32 where asked (exact), else the fastest the format and
+    this CPU have: int8 for block formats (llama.cpp's), bf16 for BF16 weights on AVX-512 BF16 hosts (what a bf16
+    checkpoint computes in elsewhere), fp32 otherwise (F16 weights, BF16 without those dot products)."""
+    if activations == "fp32":
+        return "fp32"
+    if kernel_layer.runs(fmt, "int8"):
+        return "int8"
+    return "bf16" if kernel_layer.runs_here(fmt, "bf16") else "fp32"
+
+
 class GGUFLinear(nn.Module):
     """y = x @ W.T + b with W read from GGUF blocks (`blocks` [out_features, in_features / 32 blocks], uint8);
     `activations` "int8": x quantised per 32-value block first (`gguf_kernel.cpp`'s header: not exact), in AVX2
@@ -88,15 +99,15 @@ class GGUFLinear(nn.Module):
         self.parts: list[tuple[kernel_layer.LinearKernel, int, int]] = []
         offset = 0
         for fmt, rows in pieces:
-            arith = "int8" if activations != "fp32" and kernel_layer.runs(fmt, "int8") else "fp32"
-            kernel = kernel_layer.linear_kernel(fmt, arith)
+            kernel = kernel_layer.linear_kernel(fmt, table_arith(fmt, activations))
             if in_features % kernel.qk:
                 raise CheckpointError(f"a {fmt} weight's input width {in_features} is not a multiple of {kernel.qk}")
             self.parts.append((kernel, rows.shape[0], offset))
             offset += rows.numel()
         self.kernel = self.parts[0][0]
         self.fmt = "+".join(dict.fromkeys(fmt for fmt, _ in pieces))
-        self.activations = "int8" if any(k.arith == "int8" for k, _, _ in self.parts) else "fp32"
+        ariths = {k.arith for k, _, _ in self.parts}
+        self.activations = next((a for a in ("int8", "bf16") if a in ariths), "fp32")
         self.kernel_fmt = "+".join(dict.fromkeys(k.name for k, _, _ in self.parts))
         self.in_features, self.out_features = in_features, sum(n for _, n, _ in self.parts)
         blocks = pieces[0][1].contiguous() if len(pieces) == 1 else torch.cat([r.reshape(-1) for _, r in pieces])

@@ -2,12 +2,14 @@
 
 Such a checkpoint's weights are bf16 (fp16) values: widened to fp32 at load they take 4 bytes a weight, and a batch-1
 decode step, which reads every weight once, reads twice the bytes it must. Here the loader reads the tensors in the
-file's dtype, and every linear's rows, as they are, become the kernel layer's BF16 / F16 blocks (`engine/kernels`:
-fp32 activations times the exactly widened weights, summed in a fixed order, batch-invariant); the embedding is
-looked up in the same rows, and a tied `lm_head` reads them too (one storage). Norms and biases are widened to fp32
-(a few KB). Exact for these checkpoints: the weights are what the file holds, only the summation order is the
-kernel's. fp32 folders, `--quantization none`, `--dtype bfloat16|float16` and tensor-parallel ranks keep the
-torch linears."""
+file's dtype, and every linear's rows, as they are, become the kernel layer's BF16 / F16 blocks (`engine/kernels`,
+summed in a fixed order, batch-invariant); the embedding is looked up in the same rows, and a tied `lm_head` reads
+them too (one storage). Norms and biases are widened to fp32 (a few KB). The weights are what the file holds. With
+`--activations fp32` the linears take fp32 activations times the exactly widened weights: exact for these
+checkpoints but for the summation order. By default (`auto`) a bf16 checkpoint on a CPU with AVX-512 BF16 takes
+bf16 dot products, its activations rounded to bf16 at each linear as the checkpoint's dtype computes in other
+engines (1.7-2x the widened form's speed); elsewhere, and for fp16, the fp32 form. fp32 folders, `--quantization
+none`, `--dtype bfloat16|float16` and tensor-parallel ranks keep the torch linears."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from specstep.engine.config import DTYPES, ModelConfig
 from specstep.engine.cpu_kernels import CpuKernels
 from specstep.engine.kernels import binding as kernel_layer
 from specstep.engine.models.gguf_embedding import GGUFEmbedding
-from specstep.engine.models.gguf_linear import GGUFLinear
+from specstep.engine.models.gguf_linear import GGUFLinear, table_arith
 
 HALF_FORMATS = {torch.bfloat16: "BF16", torch.float16: "F16"}  # torch dtype -> the kernel layer's format
 
@@ -45,9 +47,10 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
             if type(child) is nn.Linear]
 
 
-def use_half_linears(model: nn.Module, fmt: str) -> str:
+def use_half_linears(model: nn.Module, fmt: str, activations: str = "fp32") -> str:
     """Swap a model loaded in its checkpoint's 16-bit dtype onto `fmt` blocks over its own weights' storage (no
-    copy), and widen what is left (norms, biases) to fp32; returns the ready line's note."""
+    copy), and widen what is left (norms, biases) to fp32; returns the ready line's note. `activations`: fp32
+    (exact), or auto / int8 (the fastest arithmetic the format has here: `table_arith`)."""
     qk = kernel_layer.block_of(fmt)[0]
     linears = _linears(model)
     narrow = [(name, lin.in_features) for name, _, _, lin in linears if lin.in_features % qk]
@@ -60,7 +63,7 @@ def use_half_linears(model: nn.Module, fmt: str) -> str:
     for _name, parent, child_name, child in linears:
         rows = child.weight.detach().contiguous().view(torch.uint8)  # [out, in * 2]: the same bytes, as blocks
         bias = None if child.bias is None else nn.Parameter(child.bias.detach().float(), requires_grad=False)
-        setattr(parent, child_name, GGUFLinear(fmt, rows, child.in_features, bias))
+        setattr(parent, child_name, GGUFLinear(fmt, rows, child.in_features, bias, activations=activations))
         if not (tied and child.weight is getattr(embed, "weight", None)):
             nbytes += rows.numel()
     note = ""
@@ -71,5 +74,7 @@ def use_half_linears(model: nn.Module, fmt: str) -> str:
     model.float()  # what is left in 16 bits: norms, biases (the blocks are uint8: untouched)
     isa = {"avx512": "AVX-512", "avx2": "AVX2"}[kernel_layer.host_isa()]
     name = {"BF16": "bf16", "F16": "fp16"}[fmt]
+    acts = ("bf16 activations in AVX-512 BF16 dot products (not exact; --activations fp32 for exact)"
+            if table_arith(fmt, activations) == "bf16" else "fp32 activations (exact)")
     return (f"{name} weights as the checkpoint holds them ({len(linears)} linears, {nbytes / 2**20:.0f} MB, "
-            f"2 bytes a weight) in specstep's {isa} {fmt} kernels, fp32 activations (exact), batch-invariant{note}")
+            f"2 bytes a weight) in specstep's {isa} {fmt} kernels, {acts}, batch-invariant{note}")
