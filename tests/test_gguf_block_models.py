@@ -11,6 +11,7 @@ import torch
 from specstep.engine.errors import ConfigError
 from specstep.engine.gguf_checkpoint import converted_folder
 from specstep.engine.kernels import binding
+from specstep.engine.model_loader import describe_cpu_kernels
 from specstep.engine.models.gguf_linear import GGUFLinear
 from specstep.engine.sampling_params import SamplingParams
 from tests.fixtures_gguf import write_gguf
@@ -69,13 +70,17 @@ def test_fp32_greedy_tokens_are_transformers_on_the_dequantised_checkpoint(tmp_p
     assert req.output_token_ids == out[0, len(PROMPT):].tolist()
 
 
-@pytest.mark.parametrize("fmt,arch,tied", [m for m in MODELS if m[0] not in ("F16", "BF16")])
-def test_int8_verify_rows_are_plain_decode_rows_bitwise(tmp_path, cache, sources, fmt, arch, tied):
-    """int8 activations (the default on blocks): the model as its own draft (every draft accepted), so each verify
-    row's inputs are plain decoding's and its logits must be plain decoding's bit for bit; the tokens too."""
+@pytest.mark.parametrize("fmt,arch,tied", [m for m in MODELS if m[0] != "F16"])
+def test_default_activations_verify_rows_are_plain_decode_rows_bitwise(tmp_path, cache, sources, fmt, arch, tied):
+    """The default arithmetic (int8 on blocks; bf16 dot products on BF16 tensors where the CPU has them): the model
+    as its own draft (every draft accepted), so each verify row's inputs are plain decoding's and its logits must
+    be plain decoding's bit for bit; the tokens too."""
     path = _gguf(tmp_path, sources, fmt, arch, tied)
     plain_core = make_core(path)
-    assert {m.activations for m in _linears(plain_core)} == {"int8"}
+    expected = "int8" if fmt != "BF16" else "bf16" if binding.runs_here("BF16", "bf16") else "fp32"
+    assert {m.activations for m in _linears(plain_core)} == {expected}
+    note = describe_cpu_kernels(plain_core.engine.target)
+    assert ("bf16 activations in AVX-512 BF16 dot products" in note) == (expected == "bf16")
     plain_logits = record_target_logits(plain_core)
     (plain,) = run_to_completion(plain_core, [PROMPT], GREEDY)
     core = make_core(path, num_spec_tokens=4, spec="draft_model", draft=str(path))

@@ -166,11 +166,15 @@ def _table_note(swapped: dict[str, int], nbytes: int, table: list[GGUFLinear]) -
     """The ready line's note for a model whose linears read the kernel layer's formats (some perhaps the older
     kernel's Q4_1 / Q8_0)."""
     kinds = ", ".join(f"{n} {fmt}" for fmt, n in sorted(swapped.items()))
-    ariths = sorted({m.activations for m in table})
+    ariths = {m.activations for m in table}
     isa = {"avx512": "AVX-512 VNNI", "avx2": "AVX2"}[table[0].kernel.isa]
-    acts = ("int8 activations (llama.cpp's arithmetic: not exact; --activations fp32 for exact)"
-            if "int8" in ariths else "fp32 activations (exact)")
-    mixed = " (16-bit tensors in fp32)" if len(ariths) > 1 else ""
+    main = next(a for a in ("int8", "bf16", "fp32") if a in ariths)
+    acts = {"int8": "int8 activations (llama.cpp's arithmetic: not exact; --activations fp32 for exact)",
+            "bf16": "bf16 activations in AVX-512 BF16 dot products (not exact; --activations fp32 for exact)",
+            "fp32": "fp32 activations (exact)"}[main]
+    others = [text for a, text in (("bf16", "BF16 tensors in bf16 dot products"), ("fp32", "16-bit tensors in fp32"))
+              if a in ariths and a != main]
+    mixed = f" ({'; '.join(others)})" if others else ""
     return (f"GGUF blocks ({kinds} linears, {nbytes / 2**20:.0f} MB) in specstep's {isa} kernels, {acts}{mixed}, "
             "batch-invariant")
 
