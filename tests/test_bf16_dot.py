@@ -75,7 +75,7 @@ def test_a_bf16_linear_takes_bf16_dot_products_unless_fp32_is_asked() -> None:
     assert lin.activations == "bf16" and lin.kernel_fmt == f"BF16/bf16/{binding.host_isa()}"
 
 
-def test_a_cpu_without_the_dot_products_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernels_pinned_off_avx512_take_fp32_for_bf16_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(binding.ISA_ENV, "avx2")  # (the row is AVX-512's: pinned off it, it does not run)
     assert not binding.runs_here("BF16", "bf16")
     assert table_arith("BF16", "auto") == "fp32"

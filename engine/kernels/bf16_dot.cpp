@@ -1,16 +1,16 @@
 // BF16 weights times bf16 activations in AVX-512 BF16 dot products (`vdpbf16ps`): the kernel layer's "bf16"
 // arithmetic, for a bf16 checkpoint on a CPU that has them (kernels.cpp's table: BF16/bf16/avx512).
 //
-// x's rows are rounded to bf16 (nearest even, `vcvtneps2bf16`) once a call; each weight row's bf16 values, as the
-// file holds them, are read 32 at a time into a dot product whose bf16 products are exact in fp32 and added in
-// the instruction's fixed order into 16 fp32 lanes. Two chains a row, over alternate 32-value steps, so a decode
-// step's one row is not one dependent chain (the instruction's latency a step); the row ends in a fixed horizontal
-// sum, then the bias. Every output's operations are fixed by its weight row and row of x alone: batch-invariant at
-// every row count, tiling and thread split. Not exact against fp32 activations (x loses its low 16 bits: what the
-// checkpoint's dtype computes in every other engine); `--activations fp32` keeps the exact widening (linear.inc).
-// Against that widening (fp32 FMAs over weights widened a block at a time), 1.7x at one row and 2x at 5-8 rows from
-// L2 on one AMD EPYC (Zen 4) core; a decode step's one row streams its weights from memory at the same speed in
-// either form.
+// x's rows are rounded to bf16 once a call (nearest even, `vcvtneps2bf16`, which flushes denormal inputs to zero);
+// each weight row's bf16 values, as the file holds them, are read 32 at a time into a dot product whose bf16 products
+// are exact in fp32 and added in the instruction's fixed order into 16 fp32 lanes. Two chains a row, over alternate
+// 32-value steps, so a decode step's one row is not one dependent chain (the instruction's latency a step); the row
+// ends in a fixed horizontal sum, then the bias. Every output's operations are fixed by its weight row and row of x
+// alone: batch-invariant at every row count, tiling and thread split. Not exact against fp32 activations (x loses
+// its low 16 bits: what the checkpoint's dtype computes in every other engine); `--activations fp32` keeps the exact
+// widening (linear.inc). Against that widening (fp32 FMAs over weights widened a block at a time), 1.7x at one row
+// and 2x at 5-8 rows from L2 on one AMD EPYC (Zen 4) core; a decode step's one row streams its weights from memory
+// at the same speed in either form.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 namespace sk {

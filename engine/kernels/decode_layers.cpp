@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include <atomic>
+#include <initializer_list>
 
 // (library.cpp includes cpu_attention.cpp, gguf_kernel.cpp and kernels.cpp before this file)
 
@@ -244,6 +245,18 @@ struct Scratch {
 };
 thread_local Scratch scratch;
 
+// Whether a table linear of layers [0, n) rounds its input rows to bf16 (the bf16 arithmetic: `Buffers` sizes each
+// thread's scratch for them only then).
+bool bf16_rows(const Layer *layers, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        for (const Linear *l : {&layers[i].qkv, &layers[i].o, &layers[i].gate_up, &layers[i].down})
+            for (const Linear *p = l; p; p = p->rest) {
+                const sk::Kernel *k = sk::from_handle(p->fmt);
+                if (k && k->bf16) return true;
+            }
+    return false;
+}
+
 // A call's buffers: shared ones [M, width], each thread's scratch (a linear's block sums and GEMM panel,
 // attention's slots and scores, the kernel rows of a call that mixes prompt rows with others), and the list of
 // those kernel rows, in one allocation.
@@ -263,7 +276,9 @@ struct Buffers {
     // gemm: [M] uint8, the rows that take the prompt GEMM (1; 2: its AMX-BF16 form for AMX-format linears), or
     // null (none)
     // q_rows: the most query rows a lane has (attention's scores), 0 where the call does not attend
-    Buffers(const Shape *s, int64_t M, int threads, int64_t most_keys, int64_t q_rows, const uint8_t *gemm)
+    // rounds: a linear of the layers rounds its input rows to bf16 (its scratch: 2 bytes a value, `bf16_rows`)
+    Buffers(const Shape *s, int64_t M, int threads, int64_t most_keys, int64_t q_rows, const uint8_t *gemm,
+            bool rounds)
         : mem(nullptr) {
         const int64_t D = s->head_dim, qn = s->heads * D, width = qn + 2 * s->kv_heads * D;
         auto most = [](int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); };
@@ -274,8 +289,8 @@ struct Buffers {
         n_kernel = gemm_rows ? M - gemm_rows : M;
         const int64_t mixed = gemm_rows && n_kernel;
         auto up = [](int64_t n) { return (n + 7) / 8 * 8; };  // whole 32-byte lines: every buffer stays aligned
-        // (a table linear's scratch too: sk::scratch_bytes, at most the bf16 arithmetic's rows, 2 bytes a value)
-        const int64_t sums = gguf_kernel::xsum_floats(M, widest), rounded = (M * widest + 1) / 2;
+        // (a table linear's scratch too: sk::scratch_bytes, within the block sums' but for bf16 rows)
+        const int64_t sums = gguf_kernel::xsum_floats(M, widest), rounded = rounds ? (M * widest + 1) / 2 : 0;
         xsum_n = up(sums > rounded ? sums : rounded);
         // (the bf16 panel is as large: 32 outputs x 2 bytes a k against 16 x 4)
         panel_n = gemm_rows ? up(gguf_kernel::panel_floats(widest)) : 0;
@@ -559,7 +574,7 @@ int attention_in(const Shape *s, const Layer *layer, const float *x, int64_t M, 
                  const int64_t *slots, void *k_cache, void *v_cache, int64_t num_slots, float *q,
                  const uint8_t *gemm_rows, int kv_bf16, int threads) {
     if (!layer_ok(s, layer) || !slots_ok(slots, M, num_slots)) return -1;
-    Buffers buf(s, M, threads, 0, 0, gemm_rows);
+    Buffers buf(s, M, threads, 0, 0, gemm_rows, bf16_rows(layer, 1));
     if (!buf.gemm_flags_ok()) return -1;
     if (!buf.mem) return -2;
     Barrier bar;
@@ -578,7 +593,7 @@ int attention_in(const Shape *s, const Layer *layer, const float *x, int64_t M, 
 int attention_out_mlp(const Shape *s, const Layer *layer, float *x, int64_t M, const float *attn,
                       const uint8_t *gemm_rows, int threads) {
     if (!layer_ok(s, layer)) return -1;
-    Buffers buf(s, M, threads, 0, 0, gemm_rows);
+    Buffers buf(s, M, threads, 0, 0, gemm_rows, bf16_rows(layer, 1));
     if (!buf.gemm_flags_ok()) return -1;
     if (!buf.mem) return -2;
     Barrier bar;
@@ -610,7 +625,7 @@ int decode_stack(const Shape *s, const Layer *layers, int64_t L, const float *no
     if (!slots_ok(slots, M, num_slots) || most_keys > pg->P * pg->page_size || pg->Q > M) return -1;
     for (int64_t i = 0; i < pg->B * pg->Q; i++)  // every query row names one of the call's rows
         if (pg->q_valid[i] && (pg->q_index[i] < 0 || pg->q_index[i] >= M)) return -1;
-    Buffers buf(s, M, threads, most_keys, pg->Q, gemm_rows);
+    Buffers buf(s, M, threads, most_keys, pg->Q, gemm_rows, bf16_rows(layers, L));
     if (!buf.gemm_flags_ok()) return -1;
     if (!buf.mem) return -2;
     Barrier bar;

@@ -195,9 +195,10 @@ int sk_linear(int kernel, const float *x, int64_t M, int64_t K, const uint8_t *w
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         if (k.bf16) {
-            for (int64_t r = M * t / nt; r < M * (t + 1) / nt; r++) sk::bf16dot::round_row(x, (uint16_t *)scratch, K, r);
+            uint16_t *xb = (uint16_t *)scratch;
+            for (int64_t r = M * t / nt; r < M * (t + 1) / nt; r++) sk::bf16dot::round_row(x, xb, K, r);
             #pragma omp barrier
-            k.bf16((const uint16_t *)scratch, M, K, w, N, bias, y, N * t / nt, N * (t + 1) / nt);
+            k.bf16(xb, M, K, w, N, bias, y, N * t / nt, N * (t + 1) / nt);
         } else if (k.int8) {
             for (int64_t r = M * t / nt; r < M * (t + 1) / nt; r++) sk::quantize_row(x, xq, r);
             #pragma omp barrier

@@ -166,7 +166,7 @@ def _table_note(swapped: dict[str, int], nbytes: int, table: list[GGUFLinear]) -
     """The ready line's note for a model whose linears read the kernel layer's formats (some perhaps the older
     kernel's Q4_1 / Q8_0)."""
     kinds = ", ".join(f"{n} {fmt}" for fmt, n in sorted(swapped.items()))
-    ariths = {m.activations for m in table}
+    ariths = {k.arith for m in table for k, _, _ in m.parts}  # (a merged linear's parts may differ)
     isa = {"avx512": "AVX-512 VNNI", "avx2": "AVX2"}[table[0].kernel.isa]
     main = next(a for a in ("int8", "bf16", "fp32") if a in ariths)
     acts = {"int8": "int8 activations (llama.cpp's arithmetic: not exact; --activations fp32 for exact)",
