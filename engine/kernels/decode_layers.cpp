@@ -271,6 +271,9 @@ struct Buffers {
     // model's prompt rows take one kind); a call with both is refused (`gemm_flags_ok`)
     bool gemm_fp32 = false, gemm_bf16 = false;
     bool owned = false;  // mem is the call's own (larger than Scratch::KEEP), freed with it
+    // a table linear found its thread's scratch (xsum_n floats) smaller than its rows need: it computed nothing, and
+    // the call returns -3 (a sizing bug, reported rather than written past)
+    std::atomic<bool> short_scratch{false};
     void *mem;
 
     // gemm: [M] uint8, the rows that take the prompt GEMM (1; 2: its AMX-BF16 form for AMX-format linears), or
@@ -379,6 +382,10 @@ void linear(const Linear &l, const float *in, int64_t M, float *y, float *residu
         for (const Linear *s = &l; s; first += s->n, s = s->rest) {
             const int64_t a = cols.a > first ? cols.a : first, b = cols.b < first + s->n ? cols.b : first + s->n;
             const sk::Kernel &k = *sk::from_handle(s->fmt);
+            if (a < b && sk::scratch_bytes(k, M, s->k) > (int64_t)sizeof(float) * buf.xsum_n) {
+                buf.short_scratch = true;
+                continue;
+            }
             if (a < b && buf.gemm_rows && k.fp32)
                 table_gemm(k, *s, in, M, N, y + first, a - first, b - first, buf, t);
             else if (a < b)
@@ -569,7 +576,8 @@ void bf16_round_rows(const float *x, uint16_t *out, int64_t n) {
 // written to k_cache / v_cache [num_slots, kv_heads, D] (fp32, or bf16 with kv_bf16) at slots [M]. gemm_rows [M]
 // (uint8) or null: the rows whose linears take the prompt GEMM (1), or for AMX-format linears its AMX-BF16 form (2;
 // one kind a call). Returns 0, -1 for a bad shape, slot or flags (both kinds, or AMX-BF16 where it cannot run), -2
-// if scratch cannot be allocated.
+// if scratch cannot be allocated, -3 if a linear's rows would not fit its thread's scratch (`Buffers::short_scratch`;
+// attention_out_mlp and decode_stack return the same codes).
 int attention_in(const Shape *s, const Layer *layer, const float *x, int64_t M, const float *cos, const float *sin,
                  const int64_t *slots, void *k_cache, void *v_cache, int64_t num_slots, float *q,
                  const uint8_t *gemm_rows, int kv_bf16, int threads) {
@@ -584,6 +592,7 @@ int attention_in(const Shape *s, const Layer *layer, const float *x, int64_t M, 
         phase_in(s, layer, x, M, cos, sin, slots, Caches{k_cache, v_cache, kv_bf16 != 0}, buf, bar,
                  omp_get_thread_num(), omp_get_num_threads());
     }
+    if (buf.short_scratch) return -3;
     memcpy(q, buf.q, sizeof(float) * M * s->heads * s->head_dim);
     return 0;
 }
@@ -602,6 +611,7 @@ int attention_out_mlp(const Shape *s, const Layer *layer, float *x, int64_t M, c
         bar.join(omp_get_num_threads());
         phase_out(s, layer, x, M, attn, buf, bar, omp_get_thread_num(), omp_get_num_threads());
     }
+    if (buf.short_scratch) return -3;
     return 0;
 }
 
@@ -644,6 +654,6 @@ int decode_stack(const Shape *s, const Layer *layers, int64_t L, const float *no
         }
         rms_norm(x, norm, x, Range(M, t, nt), s->hidden, s->eps);  // a row at a time: in place is safe
     }
-    return 0;
+    return buf.short_scratch ? -3 : 0;
 }
 }
