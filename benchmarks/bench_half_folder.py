@@ -56,8 +56,9 @@ def main() -> None:
     for i in range(args.repeats):
         for batch in args.batches:
             for name, (quantization, activations) in FORMS.items():
+                # (inline with 2 threads: what the CLI runs on CPU; the library's default overlaps, on 1 thread)
                 cfg = EngineConfig(model=str(args.out), spec="none", quantization=quantization,
-                                   activations=activations)
+                                   activations=activations, overlap=False, threads=2)
                 r = run_engine(cfg, prompts if batch > 1 else prompts[:2], params, batch)
                 seen[name, batch].append(r.tok_per_s)
                 outputs.setdefault(name, r.outputs[:2])
