@@ -559,6 +559,26 @@ bool slots_ok(const int64_t *slots, int64_t M, int64_t num_slots) {
         if (slots[r] < 0 || slots[r] >= num_slots) return false;
     return true;
 }
+// One layer's phase over M rows in a parallel region (attention_in's, attention_out_mlp's): the call's buffers,
+// the phase on every thread, then `done` with the buffers (what the caller copies out); their return codes.
+template <class Phase, class Done>
+int one_layer_phase(const Shape *s, const Layer *layer, int64_t M, const uint8_t *gemm_rows, int threads,
+                    Phase phase, Done done) {
+    if (!layer_ok(s, layer)) return -1;
+    Buffers buf(s, M, threads, 0, 0, gemm_rows, bf16_rows(layer, 1));
+    if (!buf.gemm_flags_ok()) return -1;
+    if (!buf.mem) return -2;
+    Barrier bar;
+    #pragma omp parallel num_threads(threads)
+    {
+        bar.join(omp_get_num_threads());
+        phase(buf, bar, omp_get_thread_num(), omp_get_num_threads());
+    }
+    if (buf.short_scratch) return -3;
+    done(buf);
+    return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -581,38 +601,19 @@ void bf16_round_rows(const float *x, uint16_t *out, int64_t n) {
 int attention_in(const Shape *s, const Layer *layer, const float *x, int64_t M, const float *cos, const float *sin,
                  const int64_t *slots, void *k_cache, void *v_cache, int64_t num_slots, float *q,
                  const uint8_t *gemm_rows, int kv_bf16, int threads) {
-    if (!layer_ok(s, layer) || !slots_ok(slots, M, num_slots)) return -1;
-    Buffers buf(s, M, threads, 0, 0, gemm_rows, bf16_rows(layer, 1));
-    if (!buf.gemm_flags_ok()) return -1;
-    if (!buf.mem) return -2;
-    Barrier bar;
-    #pragma omp parallel num_threads(threads)
-    {
-        bar.join(omp_get_num_threads());
-        phase_in(s, layer, x, M, cos, sin, slots, Caches{k_cache, v_cache, kv_bf16 != 0}, buf, bar,
-                 omp_get_thread_num(), omp_get_num_threads());
-    }
-    if (buf.short_scratch) return -3;
-    memcpy(q, buf.q, sizeof(float) * M * s->heads * s->head_dim);
-    return 0;
+    if (!slots_ok(slots, M, num_slots)) return -1;
+    return one_layer_phase(s, layer, M, gemm_rows, threads, [&](Buffers &buf, Barrier &bar, int t, int nt) {
+        phase_in(s, layer, x, M, cos, sin, slots, Caches{k_cache, v_cache, kv_bf16 != 0}, buf, bar, t, nt);
+    }, [&](Buffers &buf) { memcpy(q, buf.q, sizeof(float) * M * s->heads * s->head_dim); });
 }
 
 // x [M, hidden] += o_proj(attn); x += down(silu(gate) * up) of post_attention_norm(x). attn [M, heads * D];
 // gemm_rows as attention_in's.
 int attention_out_mlp(const Shape *s, const Layer *layer, float *x, int64_t M, const float *attn,
                       const uint8_t *gemm_rows, int threads) {
-    if (!layer_ok(s, layer)) return -1;
-    Buffers buf(s, M, threads, 0, 0, gemm_rows, bf16_rows(layer, 1));
-    if (!buf.gemm_flags_ok()) return -1;
-    if (!buf.mem) return -2;
-    Barrier bar;
-    #pragma omp parallel num_threads(threads)
-    {
-        bar.join(omp_get_num_threads());
-        phase_out(s, layer, x, M, attn, buf, bar, omp_get_thread_num(), omp_get_num_threads());
-    }
-    if (buf.short_scratch) return -3;
-    return 0;
+    return one_layer_phase(s, layer, M, gemm_rows, threads, [&](Buffers &buf, Barrier &bar, int t, int nt) {
+        phase_out(s, layer, x, M, attn, buf, bar, t, nt);
+    }, [](Buffers &) {});
 }
 
 // x [M, hidden] = the model's final RMS norm of x (weight w [hidden]), in place: the per-layer calls' last step
