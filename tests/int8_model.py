@@ -1,8 +1,8 @@
 """A numpy model of the kernel layer's int8 arithmetic (`engine/kernels/formats.h`, `quantize.h`, `linear.inc`),
 written from the GGUF block layouts: the integer quants, sub-block scales, offsets and mins of each block, the
 activations' per-block quantisation, then per block the exact integer dot product in the SIMD layer's 8 lanes, each
-lane's products added into 8 fp32 lanes (`_lanes`, llama.cpp's accumulation). The kernels must match it bit for
-bit."""
+lane's products added into 8 fp32 lanes (`_lanes`, llama.cpp's accumulation); and the K-quants' prompt GEMM
+(`int8_gemm.cpp`), with exact integer totals a block (`gemm`). The kernels must match it bit for bit."""
 
 from __future__ import annotations
 
@@ -131,3 +131,26 @@ def _lanes(q, dx, bs, u, sc, off, mn, d, dm, has_min: bool, legacy: bool) -> np.
     s4 = lanes[..., :4] + lanes[..., 4:]
     s2 = s4[..., :2] + s4[..., 2:]
     return s2[..., 0] + s2[..., 1]
+
+
+def gemm(fmt: str, x: np.ndarray, blocks: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [M, K] float32 @ W.T by the K-quants' prompt GEMM: per block the exact integer totals
+    S = sum_j sc_j (sum_i u_i q_i) - sum_j off_j bs_j and T = sum_j mn_j bs_j, then in fp32, each operation rounded,
+    acc + float(S) (d dx) and, for formats with a min, + float(T) (dm dx), over the blocks in order; then the bias."""
+    m, k = x.shape
+    n, nb = blocks.shape[0], k // 256
+    u, sc, off, mn, d, dm = unpack(fmt, blocks.reshape(n * nb, -1))
+    u, sc, off, mn = u.reshape(n, nb, 256), sc.reshape(n, nb, 16), off.reshape(n, nb, 16), mn.reshape(n, nb, 16)
+    d, dm = d.reshape(n, nb), dm.reshape(n, nb)
+    q, dx, bs = quantize(x, 256)
+    bs = bs.reshape(m, nb, 16)
+    has_min = fmt in ("Q2_K", "Q4_K", "Q5_K")
+    acc = np.zeros((m, n), np.float32)
+    for b in range(nb):
+        dots = (q[:, None, b, :] * u[None, :, b, :]).reshape(m, n, 16, GROUP).sum(-1)  # [m, n, 16 groups]
+        s = (dots * sc[None, :, b, :]).sum(-1) - (bs[:, None, b, :] * off[None, :, b, :]).sum(-1)
+        acc = acc + s.astype(np.float32) * (d[None, :, b] * dx[:, None, b])
+        if has_min:
+            t = (bs[:, None, b, :] * mn[None, :, b, :]).sum(-1)
+            acc = acc + t.astype(np.float32) * (dm[None, :, b] * dx[:, None, b])
+    return acc if bias is None else acc + bias[None, :].astype(np.float32)

@@ -16,7 +16,7 @@ from specstep.engine.kernels import binding as kernel_layer
 from specstep.engine.kv_cache import KVPool
 from specstep.engine.model_loader import describe_cpu_kernels, load_model, load_mtp_head
 from specstep.engine.models.cpu_linear import onednn_available
-from specstep.engine.models.decode_layers import PROMPT_GEMM_FP32, prompt_gemm_kind
+from specstep.engine.models.decode_layers import PROMPT_GEMM, prompt_gemm_kind
 from specstep.engine.models.gguf_kernel import tiles_unavailable, vnni_unavailable
 from specstep.engine.models.gguf_kernel import unavailable as gguf_unavailable
 from specstep.engine.models.gguf_linear import GGUFLinear
@@ -271,14 +271,14 @@ def test_a_prompts_rows_do_not_depend_on_its_forwards_company(acts, request, mon
     in chunks beside other requests: with int8 activations a rounding difference in a prompt's attention turned
     into other tokens, so whether a prompt was batched (as plain and speculative serving admit differently) or how
     it was chunked changed the output. A bf16 folder's prompt rows take the fp32 GEMM, a 5-row prompt beside them
-    the kernel; with bf16 dot products (the default where they run) every row takes the kernel."""
+    the kernel; with bf16 dot products (the default where they run) the bf16 GEMM and the bf16 kernel."""
     if acts == "bf16-folder":
         core = make_core(request.getfixturevalue("tiny_bf16"), page_size=PAGE, activations="fp32")
-        assert core.engine.target.native.prompt_gemm == PROMPT_GEMM_FP32
+        assert core.engine.target.native.prompt_gemm == PROMPT_GEMM
     elif acts == "bf16-folder-dot":
         core = make_core(request.getfixturevalue("tiny_bf16"), page_size=PAGE, activations="auto")
         assert {m.activations for m in core.engine.target.modules() if isinstance(m, GGUFLinear)} == {"bf16"}
-        assert core.engine.target.native.prompt_gemm == 0
+        assert core.engine.target.native.prompt_gemm == PROMPT_GEMM
     else:
         core = make_core(request.getfixturevalue("tiny_gguf"), page_size=PAGE,
                          activations=pin_int8_form(acts, monkeypatch))

@@ -65,6 +65,27 @@ def test_bf16_rows_are_batch_invariant_and_thread_invariant() -> None:
 
 
 @needs_bf16
+@pytest.mark.parametrize("k", (96, 576))
+def test_the_prompt_gemm_is_the_rounded_activations_exact_product_and_row_invariant(k: int) -> None:
+    """Prompt rows' GEMM (`gemm_range`: 16 weight rows in the lanes, one fp32 sum an output): the same bound against
+    the fp64 product, its own bits (not the kernel's two chains), and every row's bits alone whatever the rows
+    beside it (tiles of 8 rows by 2 panels of 16: 41 outputs end in a partial panel) and the threads."""
+    raw = torch.from_numpy(random_blocks("BF16", N, k, seed=6))
+    bias = torch.randn(N)
+    kernel = binding.linear_kernel("BF16", "bf16")
+    assert kernel.gemm
+    x = _x(70, k, seed=7)
+    full = binding.gemm(x, raw, N, kernel, bias, threads=2)
+    exact, bound = _exact(x, raw, k, bias)
+    assert ((full.double() - exact).abs() <= bound).all()
+    assert not torch.equal(full, binding.linear(x, raw, N, kernel, bias))
+    for rows in (1, 7, 8, 9, 13):
+        for start in (0, 70 - rows):
+            part = binding.gemm(x[start:start + rows], raw, N, kernel, bias, threads=1)
+            assert torch.equal(part, full[start:start + rows]), (rows, start)
+
+
+@needs_bf16
 def test_a_bf16_linear_takes_bf16_dot_products_unless_fp32_is_asked() -> None:
     assert table_arith("BF16", "auto") == "bf16" and table_arith("BF16", "int8") == "bf16"
     assert table_arith("BF16", "fp32") == "fp32"

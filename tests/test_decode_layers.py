@@ -132,7 +132,7 @@ def test_int8_activations_keep_verify_rows_bitwise_and_stay_near_the_fp32_logits
     spy = decode_layers.prompt_rows
     monkeypatch.setattr(decode_layers, "prompt_rows", lambda *a: flagged.append(spy(*a)) or flagged[-1])
     steps(net)  # the 40-token lane's rows: the prompt GEMM of the kind the activations take, or their own kernel
-    kind = {"int8-lanes": decode_layers.PROMPT_GEMM_FP32, "int8-vnni": 0,
+    kind = {"int8-lanes": decode_layers.PROMPT_GEMM, "int8-vnni": 0,
             "int8-tiles": 0 if bf16_tiles_unavailable() else decode_layers.PROMPT_GEMM_BF16_TILES}[acts]
     assert {int(v) for f in flagged if f is not None for v in f.unique()} == ({0, kind} if kind else set())
     monkeypatch.undo()
@@ -154,7 +154,7 @@ def test_prompt_rows_take_the_gemm_and_decode_rows_beside_them_keep_their_bits(g
     layers' to rounding (fp32), or near them (the tiles: the torch layers take the int8 kernel, about 1% away)."""
     pinned = pin_int8_form(acts, monkeypatch)
     net, eager = load(gguf_model, "auto", pinned), load(gguf_model, "torch", pinned)
-    kind = decode_layers.PROMPT_GEMM_FP32 if acts == "fp32" else decode_layers.PROMPT_GEMM_BF16_TILES
+    kind = decode_layers.PROMPT_GEMM if acts == "fp32" else decode_layers.PROMPT_GEMM_BF16_TILES
     assert net.native.prompt_gemm == kind
     long_prompt, context = list(range(100, 140)), PROMPT * 3
     n = len(context)
@@ -188,7 +188,7 @@ def test_prompt_gemm_flags_a_call_cannot_run_are_a_typed_error(gguf_model, monke
     net = load(gguf_model, "auto")
     real = decode_layers.prompt_rows
 
-    def one_row_of_the_other_kind(meta, tokens, kind=decode_layers.PROMPT_GEMM_FP32):
+    def one_row_of_the_other_kind(meta, tokens, kind=decode_layers.PROMPT_GEMM):
         flags = real(meta, tokens, kind)
         if flags is not None:
             flags[int(flags.nonzero()[0, 0])] = decode_layers.PROMPT_GEMM_BF16_TILES

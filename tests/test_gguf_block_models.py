@@ -136,3 +136,50 @@ def test_block_weights_are_never_read_as_fp32(tmp_path, cache, sources, monkeypa
 
 def _linears_of(model) -> list[GGUFLinear]:
     return [m for m in model.modules() if isinstance(m, GGUFLinear)]
+
+
+@pytest.mark.parametrize("fmt,arch,tied", [("Q4_K_M", "qwen2", True), ("Q2_K", "qwen2", True),
+                                           ("Q3_K", "llama", False), ("BF16", "llama", True)])
+def test_prompt_rows_take_the_kernels_own_gemm_beside_decode_rows(tmp_path, cache, sources, fmt, arch, tied):
+    """The default arithmetic in the C++ layers (int8 on K-quant blocks; bf16 dot products on BF16 tensors): a prompt
+    lane (more than 17 positions) beside a decode lane. The prompt's rows take the kernel's own prompt GEMM
+    (`int8_gemm.cpp`, `bf16_dot.cpp`, where the host has them): not the decode kernel's bits (the same step with the
+    prompt GEMM off), but its results to rounding (int8: about 1% of the largest logit, as a summation order's
+    difference moves some of the next layers' quantised values a step); the decode row keeps its bits from a step of
+    its own."""
+    from specstep.engine.batch_builder import build_forward_batch
+    from specstep.engine.cpu_kernels import CpuKernels
+    from specstep.engine.kv_cache import KVPool
+    from specstep.engine.model_loader import load_model
+    from specstep.engine.models import decode_layers
+
+    if decode_layers.unavailable():
+        pytest.skip(f"C++ layers unavailable: {decode_layers.unavailable()}")
+    path = _gguf(tmp_path, sources, fmt, arch, tied)
+    net = load_model(path, "cpu", "float32", CpuKernels(activations="auto"))
+    if not any(k.gemm for m in _linears_of(net) for k, _, _ in m.parts):
+        pytest.skip("no prompt GEMM of the kernels' own on this host (AVX-512 VNNI, AVX-512 BF16)")
+    assert net.native.prompt_gemm == decode_layers.PROMPT_GEMM
+    assert decode_layers.OWN_GEMMS["bf16" if fmt == "BF16" else "int8"] in describe_cpu_kernels(net)
+    page, context, prompt = 4, PROMPT * 3, list(range(100, 140))
+    n, outs = len(context), {}
+    for kind in (decode_layers.PROMPT_GEMM, 0):
+        net.native.prompt_gemm = kind
+        pool = KVPool(net.rank_cfg, len(net.layers), 64, page, torch.float32, "cpu")
+        pages, other = list(range(1, 21)), list(range(21, 60))
+
+        def step(lanes, pool=pool):
+            fb = build_forward_batch([t for t, _, _ in lanes], [s for _, s, _ in lanes], [p for _, _, p in lanes],
+                                     page, "cpu")
+            with torch.inference_mode():
+                return net.compute_logits(net(fb, pool))
+
+        step([(context, 0, pages[: -(-n // page)])])
+        alone = step([([11], n, pages[: -(-(n + 1) // page)])])
+        beside = step([([11], n, pages[: -(-(n + 1) // page)]), (prompt, 0, other)])
+        outs[kind] = (alone, beside)
+    alone, beside = outs[decode_layers.PROMPT_GEMM]
+    assert torch.equal(beside[:1], alone)
+    ref = outs[0][1][1:]
+    assert not torch.equal(beside[1:], ref)
+    assert (beside[1:] - ref).abs().max() < 0.03 * ref.abs().max()

@@ -119,6 +119,7 @@ class LinearKernel:
     row: int  # the table's index
     qk: int  # values a block
     block_bytes: int
+    gemm: bool = False  # a prompt GEMM of its own (the K-quants' int8 rows on AVX-512, BF16's bf16 row)
 
     @property
     def name(self) -> str:
@@ -145,13 +146,28 @@ def linear_kernel(fmt: str, arith: str, isa: str | None = None) -> LinearKernel:
     if row < 0:
         raise KernelError(f"no kernel for {fmt} weights with {arith} activations (the table: {', '.join(table())})")
     qk, nbytes = block_of(fmt)
-    return LinearKernel(fmt, arith, isa, row, qk, nbytes)
+    return LinearKernel(fmt, arith, isa, row, qk, nbytes, bool(_lib().sk_has_gemm(row)))
 
 
 def linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, kernel: LinearKernel,
            bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias), W [out_features, K] as `blocks` [out_features, K / qk * block bytes] uint8 of
     `kernel.fmt`. Threads: all of torch's unless given; the result does not depend on them."""
+    return _call("sk_linear", x, blocks, out_features, kernel, bias, threads)
+
+
+def gemm(x: torch.Tensor, blocks: torch.Tensor, out_features: int, kernel: LinearKernel,
+         bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    """`linear` with every row taken as a prompt's: the row's prompt GEMM (`kernel.gemm`: int8_gemm.cpp,
+    bf16_dot.cpp), whose bits are its own (another fp32 order than `linear`'s), whatever the rows beside it and the
+    threads."""
+    if not kernel.gemm:
+        raise KernelError(f"{kernel.name} has no prompt GEMM")
+    return _call("sk_gemm", x, blocks, out_features, kernel, bias, threads)
+
+
+def _call(fn: str, x: torch.Tensor, blocks: torch.Tensor, out_features: int, kernel: LinearKernel,
+          bias: torch.Tensor | None, threads: int | None) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.dtype != torch.float32 or not x2.is_contiguous():
@@ -163,10 +179,11 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, kernel: Lin
         raise KernelError(f"{kernel.name}: blocks {tuple(blocks.shape)} {blocks.dtype} are not [{out_features}, "
                           f"{k} / {kernel.qk} blocks of {kernel.block_bytes} bytes] contiguous uint8")
     y = x2.new_empty(x2.shape[0], out_features)
-    rc = _lib().sk_linear(kernel.row, x2.data_ptr(), x2.shape[0], k, blocks.data_ptr(), out_features,
-                          None if bias is None else bias.data_ptr(), y.data_ptr(), threads or torch.get_num_threads())
+    rc = getattr(_lib(), fn)(kernel.row, x2.data_ptr(), x2.shape[0], k, blocks.data_ptr(), out_features,
+                             None if bias is None else bias.data_ptr(), y.data_ptr(),
+                             threads or torch.get_num_threads())
     if rc != 0:
-        raise KernelError(f"sk_linear({kernel.name}, K={k}, N={out_features}) returned {rc}")
+        raise KernelError(f"{fn}({kernel.name}, K={k}, N={out_features}) returned {rc}")
     return y.view(*x.shape[:-1], out_features)
 
 

@@ -262,13 +262,14 @@ bool bf16_rows(const Layer *layers, int64_t n) {
 // those kernel rows, in one allocation.
 struct Buffers {
     float *h, *qkv, *q, *out, *gu, *a;
-    float *xsum, *panel, *scores, *xk, *yk, *own_h, *own_a, *xb, *xq;
-    int64_t *slots, *kernel_rows;
-    int64_t xsum_n, panel_n, scores_n, slots_n, xk_n, yk_n, own_h_n, own_a_n, xb_n, xq_n;
+    float *xsum, *panel, *scores, *xk, *yk, *own_h, *own_a, *xb, *xq, *xg;
+    int64_t *slots, *kernel_rows, *gemm_index;
+    int64_t xsum_n, panel_n, scores_n, slots_n, xk_n, yk_n, own_h_n, own_a_n, xb_n, xq_n, xg_n;
     bool own;  // every thread computes a norm's and the MLP gate's rows whole, into its own rows (OWN_ROWS)
     int64_t gemm_rows = 0, n_kernel = 0;  // rows the GEMM computes (0: none), rows the kernel computes
-    // the call's flags: 1 (the fp32 prompt GEMM) and 2 (for AMX-format linears its AMX-BF16 form: per call, a
-    // model's prompt rows take one kind); a call with both is refused (`gemm_flags_ok`)
+    // the call's flags: 1 (each linear's prompt GEMM: the fp32 one, or the kernel layer's own) and 2 (for AMX-format
+    // linears the AMX-BF16 form: per call, a model's prompt rows take one kind); a call with both is refused
+    // (`gemm_flags_ok`)
     bool gemm_fp32 = false, gemm_bf16 = false;
     bool owned = false;  // mem is the call's own (larger than Scratch::KEEP), freed with it
     // a table linear found its thread's scratch (xsum_n floats) smaller than its rows need: it computed nothing, and
@@ -295,8 +296,17 @@ struct Buffers {
         // (a table linear's scratch too: sk::scratch_bytes, within the block sums' but for bf16 rows)
         const int64_t sums = gguf_kernel::xsum_floats(M, widest), rounded = rounds ? (M * widest + 1) / 2 : 0;
         xsum_n = up(sums > rounded ? sums : rounded);
-        // (the bf16 panel is as large: 32 outputs x 2 bytes a k against 16 x 4)
+        // (the bf16 panel is as large: 32 outputs x 2 bytes a k against 16 x 4; the int8 GEMM's panels smaller)
         panel_n = gemm_rows ? up(gguf_kernel::panel_floats(widest)) : 0;
+        // the prompt rows once for a table linear's prompt GEMM (shared): quantised per 256 values for the K-quants'
+        // int8 one (sk::quantize_row's), or rounded to bf16 for BF16's
+        xg_n = 0;
+        if (gemm_rows) {
+            const int64_t q8 = widest % sk::QK_K == 0 ? sk::xq_bytes(gemm_rows, widest, sk::QK_K) : 0;
+            xg_n = up(((q8 > gemm_rows * widest * 2 ? q8 : gemm_rows * widest * 2) + 3) / 4);
+            const int64_t panels = (sk::bf16dot::gemm_scratch_bytes(widest) + 3) / 4;  // the largest GEMM's panels
+            panel_n = up(panel_n > panels ? panel_n : panels);
+        }
         xb_n = gemm_bf16 ? up((M * widest + 1) / 2) : 0;  // a linear's input rows as bf16 (shared)
         scores_n = most_keys ? up(cpu_attention_kernel::scores_floats(s->heads / s->kv_heads, q_rows, most_keys)) : 0;
         slots_n = most_keys ? up(most_keys + 1) : 0;
@@ -309,7 +319,8 @@ struct Buffers {
         const int64_t quantized = s->hidden > s->inter ? s->hidden : s->inter;  // the norms' rows, the gate's
         xq_n = !own && !gemm_rows ? up(gguf_kernel::xsum_floats(M, quantized)) : 0;
         const int64_t shared = up(M * s->hidden) + up(M * width) + 2 * up(M * qn) + up(M * 2 * s->inter) +
-                               up(M * s->inter) + 2 * up(mixed ? n_kernel : 0);  // kernel_rows: int64
+                               up(M * s->inter) + 2 * up(mixed ? n_kernel : 0) +  // kernel_rows: int64
+                               2 * up(gemm_rows) + xg_n;  // gemm_index: int64
         // an int64 is 2 floats
         const int64_t floats =
             shared + xb_n + xq_n +
@@ -326,6 +337,8 @@ struct Buffers {
         gu = p, p += up(M * 2 * s->inter);
         a = p, p += up(M * s->inter);
         kernel_rows = (int64_t *)p, p += 2 * up(mixed ? n_kernel : 0);
+        gemm_index = (int64_t *)p, p += 2 * up(gemm_rows);
+        xg = p, p += xg_n;
         xsum = p, p += threads * xsum_n;
         panel = p, p += threads * panel_n;
         scores = p, p += threads * scores_n;
@@ -339,6 +352,9 @@ struct Buffers {
         if (mixed)
             for (int64_t r = 0, i = 0; r < M; r++)
                 if (!gemm[r]) kernel_rows[i++] = r;
+        if (gemm_rows)
+            for (int64_t r = 0, i = 0; r < M; r++)
+                if (gemm[r]) gemm_index[i++] = r;
     }
     ~Buffers() {
         if (owned) free(mem);
@@ -348,6 +364,18 @@ struct Buffers {
     // whether the call's prompt-row flags can run: one kind a call, and the AMX-BF16 form only where it may run
     bool gemm_flags_ok() const { return !(gemm_fp32 && gemm_bf16) && (!gemm_bf16 || gguf_kernel::bf16_tiles_ok()); }
 };
+
+// The rows of a call that mixes prompt rows with others which the kernel computes (gathered), over a table linear's
+// part `s`'s weight rows [a, b), after its prompt GEMM has written the prompt rows.
+void kernel_rows(const sk::Kernel &k, const Linear &s, const float *in, int64_t N, float *y, int64_t a, int64_t b,
+                 Buffers &buf, int t) {
+    if (!buf.n_kernel) return;
+    float *xk = buf.xk + t * buf.xk_n, *yk = buf.yk + t * buf.yk_n;
+    for (int64_t i = 0; i < buf.n_kernel; i++) memcpy(xk + i * s.k, in + buf.kernel_rows[i] * s.k, sizeof(float) * s.k);
+    sk::linear_range(k, xk, buf.n_kernel, s.k, s.blocks, N, s.bias, yk, a, b, buf.xsum + t * buf.xsum_n);
+    for (int64_t i = 0; i < buf.n_kernel; i++)
+        memcpy(y + buf.kernel_rows[i] * N + a, yk + i * N + a, sizeof(float) * (b - a));
+}
 
 // Weight rows [a, b) of a table linear's part `s` (fp32 arithmetic) for M rows, y's rows N apart: the prompt GEMM over
 // its format's dequantised panels (gguf's bits: the fp32 weights the kernel's arithmetic multiplies) for every row,
@@ -359,18 +387,56 @@ void table_gemm(const sk::Kernel &k, const Linear &s, const float *in, int64_t M
                              [&](int64_t n, int64_t nb, float *P) {
                                  gguf_kernel::pack_panel_dequant(k.dequant, k.qk, k.bytes, s.blocks, s.k, n, nb, P);
                              });
-    if (!buf.n_kernel) return;
-    float *xk = buf.xk + t * buf.xk_n, *yk = buf.yk + t * buf.yk_n;
-    for (int64_t i = 0; i < buf.n_kernel; i++) memcpy(xk + i * s.k, in + buf.kernel_rows[i] * s.k, sizeof(float) * s.k);
-    k.fp32(xk, buf.n_kernel, s.k, s.blocks, N, s.bias, yk, a, b);
-    for (int64_t i = 0; i < buf.n_kernel; i++)
-        memcpy(y + buf.kernel_rows[i] * N + a, yk + i * N + a, sizeof(float) * (b - a));
+    kernel_rows(k, s, in, N, y, a, b, buf, t);
+}
+
+// A table linear's prompt GEMMs (the kernel layer's own: Kernel::gemm, bf16_gemm) for this call's prompt rows:
+// INT8_GEMM or BF16_GEMM by the first part that has one (a part of the other kind takes its kernel for every row),
+// or 0.
+enum GemmKind { NO_GEMM = 0, INT8_GEMM = 1, BF16_GEMM = 2 };
+GemmKind gemm_kind(const Linear &l, const Buffers &buf) {
+    if (!buf.gemm_rows || !buf.xg_n) return NO_GEMM;
+    for (const Linear *s = &l; s; s = s->rest) {
+        const sk::Kernel &k = *sk::from_handle(s->fmt);
+        if (k.gemm && s->k % sk::QK_K == 0) return INT8_GEMM;
+        if (k.bf16_gemm) return BF16_GEMM;
+    }
+    return NO_GEMM;
+}
+
+// The call's prompt rows of `in` into buf.xg as `kind` reads them (quantised per 256 values, or rounded to bf16), a
+// share a thread; every thread's linear reads them once the barrier has passed (the barrier after the previous
+// linear kept its readers of buf.xg apart from these writes).
+void prepare_gemm_rows(GemmKind kind, const float *in, int64_t K, Buffers &buf, Barrier &bar, int t, int nt) {
+    const Range rows(buf.gemm_rows, t, nt);
+    if (kind == INT8_GEMM) {
+        const sk::XQ xg = sk::xq_view(buf.xg, buf.gemm_rows, K, sk::QK_K);
+        for (int64_t i = rows.a; i < rows.b; i++) sk::quantize_into(in + buf.gemm_index[i] * K, xg, i);
+    } else {
+        for (int64_t i = rows.a; i < rows.b; i++)
+            sk::bf16dot::round_into(in + buf.gemm_index[i] * K, (uint16_t *)buf.xg, K, i);
+    }
+    bar.wait();
+}
+
+// A table linear's part with a prompt GEMM of `kind`: the GEMM over the prompt rows, which buf.xg holds as it reads
+// them (`prepare_gemm_rows`), then the kernel's rows.
+void table_own_gemm(GemmKind kind, const sk::Kernel &k, const Linear &s, const float *in, int64_t N, float *y,
+                    int64_t a, int64_t b, Buffers &buf, int t) {
+    void *panels = buf.panel + t * buf.panel_n;
+    if (kind == INT8_GEMM)
+        k.gemm(sk::xq_view(buf.xg, buf.gemm_rows, s.k, sk::QK_K), buf.gemm_rows, buf.gemm_index, s.blocks, N, s.bias,
+               y, a, b, panels);
+    else
+        k.bf16_gemm((const uint16_t *)buf.xg, buf.gemm_rows, buf.gemm_index, s.k, s.blocks, N, s.bias, y, a, b, panels);
+    kernel_rows(k, s, in, N, y, a, b, buf, t);
 }
 
 // Thread t's weight rows of `l` times in [M, l.k] -> y [M, l.n]; with `residual`, then x += y on those columns.
-// Rows the call marked for the prompt GEMM take it; the others the kernel (gathered, when a call has both: the
-// GEMM runs over every row, then the kernel's rows overwrite theirs). `xq`: in's rows quantised already (an int8
-// format, `quantized_share`), where each thread would quantise every row itself.
+// Rows the call marked for the prompt GEMM take it; the others the kernel (gathered, when a call has both: the fp32
+// GEMM runs over every row, then the kernel's rows overwrite theirs; the kernel layer's own GEMMs over the marked rows
+// alone). `xq`: in's rows quantised already (an int8 format, `quantized_share`), where each thread would quantise
+// every row itself.
 void linear(const Linear &l, const float *in, int64_t M, float *y, float *residual, Buffers &buf, Barrier &bar, int t,
             int nt, const gguf_kernel::XQ8 *xq = nullptr) {
     Range cols(l.n, t, nt);
@@ -378,15 +444,20 @@ void linear(const Linear &l, const float *in, int64_t M, float *y, float *residu
         // (int8 rows quantise `in` into the thread's scratch, bf16 rows round it: sk::scratch_bytes, within xsum_n)
         const int64_t N = total_rows(l);
         byte_share(l, t, nt, cols.a, cols.b);
+        const GemmKind own = gemm_kind(l, buf);
+        if (own) prepare_gemm_rows(own, in, l.k, buf, bar, t, nt);
         int64_t first = 0;
         for (const Linear *s = &l; s; first += s->n, s = s->rest) {
             const int64_t a = cols.a > first ? cols.a : first, b = cols.b < first + s->n ? cols.b : first + s->n;
             const sk::Kernel &k = *sk::from_handle(s->fmt);
-            if (a < b && sk::scratch_bytes(k, M, s->k) > (int64_t)sizeof(float) * buf.xsum_n) {
+            if (a < b && (sk::scratch_bytes(k, M, s->k) > (int64_t)sizeof(float) * buf.xsum_n ||
+                          (own && sk::gemm_panel_bytes(k, s->k) > (int64_t)sizeof(float) * buf.panel_n))) {
                 buf.short_scratch = true;
                 continue;
             }
-            if (a < b && buf.gemm_rows && k.fp32)
+            if (a < b && ((own == INT8_GEMM && k.gemm) || (own == BF16_GEMM && k.bf16_gemm)))
+                table_own_gemm(own, k, *s, in, N, y + first, a - first, b - first, buf, t);
+            else if (a < b && buf.gemm_rows && k.fp32)
                 table_gemm(k, *s, in, M, N, y + first, a - first, b - first, buf, t);
             else if (a < b)
                 sk::linear_range(k, in, M, s->k, s->blocks, N, s->bias, y + first, a - first, b - first,

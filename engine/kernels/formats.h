@@ -215,6 +215,7 @@ struct K4Scales {
 struct Q4_K {
     static constexpr int qk = QK_K, bytes = 144;
     static constexpr bool int8 = true, has_off = false, has_min = true;
+    static constexpr int scale_group = 32;  // values that share a scale
     static void dequant(const uint8_t *b, float *w) { k4_dequant<Q4_K>(b, w); }
     // sub-block j's 32 values
     static inline __m256i chunk(const uint8_t *b, int j) {
@@ -228,6 +229,7 @@ struct Q4_K {
 struct Q5_K {
     static constexpr int qk = QK_K, bytes = 176;
     static constexpr bool int8 = true, has_off = false, has_min = true;
+    static constexpr int scale_group = 32;  // values that share a scale
     static void dequant(const uint8_t *b, float *w) { k4_dequant<Q5_K>(b, w); }
     static inline __m256i chunk(const uint8_t *b, int j) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * (j / 2)));
@@ -272,6 +274,7 @@ template <class F, int OFF, int D_AT> struct SignedScales16 {
 struct Q6_K : SignedScales16<Q6_K, 32, 208> {
     static constexpr int qk = QK_K, bytes = 210;
     static constexpr bool int8 = true, has_off = true, has_min = false;
+    static constexpr int scale_group = 16;  // values that share a scale
     // values 32 c .. 32 c + 31
     static inline __m256i chunk(const uint8_t *b, int c) {
         const int h = c / 4, r = c % 4;
@@ -299,6 +302,7 @@ inline __m256i plane2(const uint8_t *qs, int c) {
 struct Q2_K {
     static constexpr int qk = QK_K, bytes = 84;
     static constexpr bool int8 = true, has_off = false, has_min = true;
+    static constexpr int scale_group = 16;  // values that share a scale
     static inline __m256i chunk(const uint8_t *b, int c) { return plane2(b + 16, c); }
     static void dequant(const uint8_t *b, float *w) {
         const float d = f16(b + 80), dmin = f16(b + 82);
@@ -328,6 +332,7 @@ struct Q2_K {
 struct Q3_K : SignedScales16<Q3_K, 4, 108> {
     static constexpr int qk = QK_K, bytes = 110;
     static constexpr bool int8 = true, has_off = true, has_min = false;
+    static constexpr int scale_group = 16;  // values that share a scale
     static inline __m256i chunk(const uint8_t *b, int c) {
         const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
         const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(c)), _mm256_set1_epi8(1));

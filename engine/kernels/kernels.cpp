@@ -1,6 +1,7 @@
 // specstep's CPU kernel layer: GGUF block formats (formats.h) times fp32 or int8 activations (linear.inc), and BF16
-// weights times bf16 activations (bf16_dot.cpp); one dispatch table keyed by names (weight format x activation
-// arithmetic x ISA), one C surface (binding.py).
+// weights times bf16 activations (bf16_dot.cpp); prompt rows' GEMMs for the K-quants' int8 rows (int8_gemm.cpp) and
+// BF16's bf16 row; one dispatch table keyed by names (weight format x activation arithmetic x ISA), one C surface
+// (binding.py).
 //
 // linear.inc is written once and compiled once per ISA inside that ISA's namespace, after its SIMD layer:
 //   avx2    AVX2 + FMA + F16C (the build's baseline flags): int8 products by vpmaddubsw + vpmaddwd;
@@ -54,6 +55,7 @@ inline __m256i dot4_add(__m256i acc, __m256i u, __m256i q) { return _mm256_dpbus
 }  // namespace avx512
 }  // namespace sk
 #pragma GCC pop_options
+#include "int8_gemm.cpp"
 #include "bf16_dot.cpp"
 
 namespace sk {
@@ -63,6 +65,10 @@ using Int8Fn = void (*)(const XQ &, int64_t, const uint8_t *, int64_t, const flo
 using DequantFn = void (*)(const uint8_t *, float *);
 using Bf16Fn = void (*)(const uint16_t *, int64_t, int64_t, const uint8_t *, int64_t, const float *, float *, int64_t,
                         int64_t);
+using GemmFn = void (*)(const XQ &, int64_t, const int64_t *, const uint8_t *, int64_t, const float *, float *, int64_t,
+                        int64_t, void *);
+using Bf16GemmFn = void (*)(const uint16_t *, int64_t, const int64_t *, int64_t, const uint8_t *, int64_t,
+                            const float *, float *, int64_t, int64_t, void *);
 
 // One row of the table: a kernel and what it reads.
 struct Kernel {
@@ -72,6 +78,10 @@ struct Kernel {
     Int8Fn int8;  // set for arith "int8"
     DequantFn dequant;  // the format's block -> fp32 (a prompt GEMM's panels: decode_layers.cpp)
     Bf16Fn bf16 = nullptr;  // set for arith "bf16" (x rounded to bf16 first; AVX-512 BF16 hosts)
+    // The prompt rows' GEMM (its own fp32 order, for rows a caller marks as a prompt's): the K-quants' int8 rows on
+    // AVX-512 (int8_gemm.cpp, over x quantised as for `int8`), BF16's bf16 row (bf16_dot.cpp, x rounded as for it)
+    GemmFn gemm = nullptr;
+    Bf16GemmFn bf16_gemm = nullptr;
 };
 
 struct Format {
@@ -89,11 +99,15 @@ const Format FORMATS[] = {SK_FORMAT(Q4_0), SK_FORMAT(Q5_0), SK_FORMAT(Q5_1), SK_
 #define SK_FP32(F, ISA) Kernel{#F, "fp32", #ISA, F::qk, F::bytes, ISA::fp32_range<F>, nullptr, F::dequant}
 #define SK_INT8(F, ISA) Kernel{#F, "int8", #ISA, F::qk, F::bytes, nullptr, ISA::int8_range<F>, F::dequant}
 #define SK_BLOCKS(F) SK_FP32(F, avx2), SK_FP32(F, avx512), SK_INT8(F, avx2), SK_INT8(F, avx512)
+#define SK_KQUANT(F)                                                                                           \
+    SK_FP32(F, avx2), SK_FP32(F, avx512), SK_INT8(F, avx2),                                                     \
+        Kernel{#F, "int8", "avx512", F::qk, F::bytes, nullptr, avx512::int8_range<F>, F::dequant, nullptr, \
+               int8gemm::range<F>}
 #define SK_WIDE(F) SK_FP32(F, avx2), SK_FP32(F, avx512)
-const Kernel TABLE[] = {SK_BLOCKS(Q4_0), SK_BLOCKS(Q5_0), SK_BLOCKS(Q5_1), SK_BLOCKS(Q2_K), SK_BLOCKS(Q3_K),
-                        SK_BLOCKS(Q4_K), SK_BLOCKS(Q5_K), SK_BLOCKS(Q6_K), SK_WIDE(F16),    SK_WIDE(BF16),
+const Kernel TABLE[] = {SK_BLOCKS(Q4_0), SK_BLOCKS(Q5_0), SK_BLOCKS(Q5_1), SK_KQUANT(Q2_K), SK_KQUANT(Q3_K),
+                        SK_KQUANT(Q4_K), SK_KQUANT(Q5_K), SK_KQUANT(Q6_K), SK_WIDE(F16),    SK_WIDE(BF16),
                         Kernel{"BF16", "bf16", "avx512", BF16::qk, BF16::bytes, nullptr, nullptr, BF16::dequant,
-                               bf16dot::range}};
+                               bf16dot::range, nullptr, bf16dot::gemm_range}};
 constexpr int TABLE_SIZE = sizeof(TABLE) / sizeof(TABLE[0]);
 
 // A C++ caller's handle on a row (decode_layers.cpp's `fmt` field): TABLE_BIT | row << 4, apart from the older
@@ -119,6 +133,11 @@ inline bool runs(const Kernel &k) { return isa_runs(k.isa) && (!k.bf16 || bf16do
 // Scratch bytes kernel `k` needs for M rows of width K on one thread (the quantised or rounded rows; none for fp32).
 inline int64_t scratch_bytes(const Kernel &k, int64_t M, int64_t K) {
     return k.int8 ? xq_bytes(M, K, k.qk) : k.bf16 ? M * K * 2 : 0;
+}
+
+// Scratch bytes a thread of row `k`'s prompt GEMM needs for its weight panels (rows of K values), 0 without one.
+inline int64_t gemm_panel_bytes(const Kernel &k, int64_t K) {
+    return k.gemm ? int8gemm::scratch_bytes(K) : k.bf16_gemm ? bf16dot::gemm_scratch_bytes(K) : 0;
 }
 
 // Weight rows [n0, n1) on the calling thread, x quantised into `scratch` first (int8): the same bits as
@@ -157,6 +176,9 @@ void sk_row_name(int i, char *out) {
 }
 
 int sk_isa_runs(const char *isa) { return sk::isa_runs(isa); }
+
+// Whether row i has a prompt GEMM (Kernel::gemm).
+int sk_has_gemm(int i) { return i >= 0 && i < sk::TABLE_SIZE && (sk::TABLE[i].gemm || sk::TABLE[i].bf16_gemm); }
 
 // A format's block: values and bytes; 0, or -1 for an unknown name.
 int sk_format(const char *format, int64_t *qk, int64_t *bytes) {
@@ -205,6 +227,35 @@ int sk_linear(int kernel, const float *x, int64_t M, int64_t K, const uint8_t *w
             k.int8(xq, M, w, N, bias, y, N * t / nt, N * (t + 1) / nt);
         } else {
             k.fp32(x, M, K, w, N, bias, y, N * t / nt, N * (t + 1) / nt);
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+// sk_linear through row `kernel`'s prompt GEMM (every row a prompt's): 0, -1 (a bad row or K, a row without the
+// GEMM, or one this CPU cannot run), -2 (no memory).
+int sk_gemm(int kernel, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
+            float *y, int threads) {
+    if (!sk_has_gemm(kernel) || K % sk::TABLE[kernel].qk || !sk::runs(sk::TABLE[kernel])) return -1;
+    const sk::Kernel &k = sk::TABLE[kernel];
+    const int64_t xbytes = (sk::scratch_bytes(k, M, K) + 63) / 64 * 64, pbytes = sk::gemm_panel_bytes(k, K);
+    uint8_t *scratch = (uint8_t *)aligned_alloc(64, xbytes + threads * pbytes);
+    if (!scratch) return -2;
+    const sk::XQ xq = sk::xq_view(scratch, M, K, k.qk);
+    #pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        void *panels = scratch + xbytes + t * pbytes;
+        if (k.bf16_gemm) {
+            uint16_t *xb = (uint16_t *)scratch;
+            for (int64_t r = M * t / nt; r < M * (t + 1) / nt; r++) sk::bf16dot::round_row(x, xb, K, r);
+            #pragma omp barrier
+            k.bf16_gemm(xb, M, nullptr, K, w, N, bias, y, N * t / nt, N * (t + 1) / nt, panels);
+        } else {
+            for (int64_t r = M * t / nt; r < M * (t + 1) / nt; r++) sk::quantize_row(x, xq, r);
+            #pragma omp barrier
+            k.gemm(xq, M, nullptr, w, N, bias, y, N * t / nt, N * (t + 1) / nt, panels);
         }
     }
     free(scratch);

@@ -56,6 +56,8 @@ SIGNATURES = {
     "sk_format": (c_int, [c_char_p, P(i64), P(i64)]),
     "sk_dequantize": (c_int, [c_char_p, ptr, i64, ptr, c_int]),
     "sk_linear": (c_int, [c_int, ptr, i64, i64, ptr, i64, ptr, ptr, c_int]),
+    "sk_has_gemm": (c_int, [c_int]),
+    "sk_gemm": (c_int, [c_int, ptr, i64, i64, ptr, i64, ptr, ptr, c_int]),
     # Q4_1 / Q8_0 (gguf_kernel.cpp)
     "gguf_linear": (c_int, _GGUF_LINEAR),
     "gguf_gemm": (c_int, _GGUF_LINEAR),

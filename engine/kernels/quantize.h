@@ -30,12 +30,11 @@ inline XQ xq_view(void *scratch, int64_t M, int64_t K, int64_t qk) {
     return xq;
 }
 
-// (8 lanes at a time: the scalar loop, with a libm fmaxf call a value, was a few percent of a Q4_K_M decode step.
+// The row xr into xq's row r. (8 lanes at a time: the scalar loop, with a libm fmaxf call a value, was a few percent of a Q4_K_M decode step.
 // The same bits: max is exact, and vcvtps2dq rounds to nearest even as nearbyintf does in the default mode;
 // |x * 127 / amax| rounds to at most 127, so packing's saturation stands in for the clamp.)
-inline void quantize_row(const float *x, const XQ &xq, int64_t r) {
+inline void quantize_into(const float *xr, const XQ &xq, int64_t r) {
     const int64_t K = xq.K, qk = xq.qk;
-    const float *xr = x + r * K;
     int8_t *q = xq.q + r * K;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < K / qk; b++) {
@@ -63,4 +62,7 @@ inline void quantize_row(const float *x, const XQ &xq, int64_t r) {
         xq.bs[r * (K / GROUP) + g] = (int16_t)s;
     }
 }
+
+// x's row r into xq's row r.
+inline void quantize_row(const float *x, const XQ &xq, int64_t r) { quantize_into(x + r * xq.K, xq, r); }
 }  // namespace sk

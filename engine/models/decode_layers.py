@@ -75,19 +75,26 @@ def why_not(model: nn.Module) -> str:
     return unavailable()
 
 
-PROMPT_GEMM_FP32, PROMPT_GEMM_BF16_TILES = 1, 2  # `prompt_rows`' flags: the prompt GEMM's two forms
+# `prompt_rows`' flags: each linear's prompt GEMM (the fp32 one over dequantised panels; a K-quant's int8 one, where
+# its kernel has it), or the AMX tiles' AMX-BF16 form
+PROMPT_GEMM, PROMPT_GEMM_BF16_TILES = 1, 2
+
+
+# What the ready line says of a kernel layer arithmetic's own prompt GEMM
+OWN_GEMMS = {"int8": "; the K-quants' prompt rows in an int8 GEMM (AVX-512 VNNI, exact integer totals a block)",
+             "bf16": "; BF16 prompt rows in a bf16 GEMM (AVX-512 BF16, one fp32 sum an output)"}
 
 
 def prompt_gemm_kind(activations: list[str]) -> int:
     """The prompt GEMM a model's prompt rows take in the C++ layers, by its linears' activations: the AMX tiles'
     AMX-BF16 form where the host has it (else 0: the tiles themselves), 0 for the VNNI lanes (they take prompt
-    rows themselves), the fp32 GEMM otherwise."""
+    rows themselves), each linear's own prompt GEMM otherwise."""
     if activations == ["int8-tiles"]:
         return 0 if bf16_tiles_unavailable() else PROMPT_GEMM_BF16_TILES
-    return 0 if activations == ["int8-vnni"] else PROMPT_GEMM_FP32
+    return 0 if activations == ["int8-vnni"] else PROMPT_GEMM
 
 
-def prompt_rows(meta: AttentionMetadata | SplitAttention, tokens: int, kind: int = PROMPT_GEMM_FP32
+def prompt_rows(meta: AttentionMetadata | SplitAttention, tokens: int, kind: int = PROMPT_GEMM
                 ) -> torch.Tensor | None:
     """uint8 [tokens]: `kind` for the rows whose lane has more than MAX_QUERY_ROWS positions in this step (prompts
     and prompt chunks: their linears take the prompt GEMM, `gguf_gemm.cpp`, or for `PROMPT_GEMM_BF16_TILES` its
@@ -146,10 +153,15 @@ class NativeLayers:
         # threads, AMD EPYC with AVX-512 VNNI).
         # The kernel layer's fp32 linears (16-bit tensors and folders, K-quants with fp32 activations) take the fp32
         # GEMM over their dequantised panels (a bf16 SmolLM2 folder's 512-token prompt: 1.41 s in the kernel); its
-        # int8 ones take prompt rows themselves.
+        # K-quants' int8 ones their int8 GEMM where the host has it (`int8_gemm.cpp`: 2x the kernel at 128 rows on
+        # one AMD EPYC core); the others take prompt rows themselves.
         asked = sorted({lin.activations for lin in model.modules()
-                        if isinstance(lin, GGUFLinear) and (lin.kernel is None or lin.activations == "fp32")})
+                        if isinstance(lin, GGUFLinear) and (lin.kernel is None or lin.activations == "fp32"
+                                                            or any(k.gemm for k, _, _ in lin.parts))})
         self.prompt_gemm = prompt_gemm_kind(asked) if asked else 0
+        # the arithmetics whose kernels bring a prompt GEMM of their own (`OWN_GEMMS`)
+        self.own_gemms = sorted({k.arith for lin in model.modules() if isinstance(lin, GGUFLinear) and lin.kernel
+                                 for k, _, _ in lin.parts if k.gemm})
         self._shape = library.Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
         self._keep: list[torch.Tensor] = []  # contiguous copies the structs point at
@@ -258,7 +270,8 @@ def use_native_layers(model: nn.Module, mode: str) -> str:
         return f"decoder layers in torch ({why})"
     model.native = NativeLayers(model)
     prompts = ("; prompt rows in AMX-BF16 tiles (weights and rows rounded to bf16, products summed in fp32)"
-               if model.native.prompt_gemm == PROMPT_GEMM_BF16_TILES else "")
+               if model.native.prompt_gemm == PROMPT_GEMM_BF16_TILES else
+               "".join(OWN_GEMMS[a] for a in model.native.own_gemms) if model.native.prompt_gemm else "")
     return (f"decoder layers in specstep's C++ (one call a step for decode, verify, draft, refill and prompts the "
             f"attention kernel takes{prompts})")
 
