@@ -11,15 +11,19 @@ from pathlib import Path
 
 from benchmarks.common import console, table
 
-ENGINES = {"specstep": "specstep", "specstep-int8": "specstep, int8 activations", "vllm": "vLLM",
-           "transformers": "transformers"}
+ENGINES = {"specstep": "specstep", "vllm": "vLLM", "transformers": "transformers"}
 
 
 def engines(results: dict) -> dict[str, str]:
-    """Engine key -> label, in the order they ran; llama.cpp (llamacpp, llamacpp-1t, ...) with its thread count."""
+    """Engine key -> label, in the order they ran; specstep with other activations than fp32 (specstep-int8,
+    specstep-auto) by them; llama.cpp (llamacpp, llamacpp-1t, ...) with its thread count."""
     out = {}
     for key, v in results.items():
-        if isinstance(v, dict):
+        if not isinstance(v, dict):
+            continue
+        if key.startswith("specstep-"):
+            out[key] = f"specstep, {key.removeprefix('specstep-')} activations"
+        else:
             threads = v.get("threads")
             out[key] = ENGINES.get(key) or f"llama.cpp, {threads} thread{'s' if threads != 1 else ''}"
     return out

@@ -81,3 +81,10 @@ def test_vllm_runs_a_folder_in_the_dtype_its_weights_are_stored_in(tmp_path):
                           ({}, "float32")):
         (tmp_path / "config.json").write_text(json.dumps(config))
         assert folder_dtype(str(tmp_path)) == dtype
+
+
+def test_every_activation_run_is_labelled_as_specsteps():
+    """`--activations auto` (or any other) reports as specstep with those activations, never as a llama.cpp run."""
+    labels = peers_report.engines({"specstep-auto": {"plain/code/b1": run(60.0, [[1]])},
+                                   "llamacpp-1t": {"threads": 1, "plain/code/b1": run(20.0, [[1]])}})
+    assert labels == {"specstep-auto": "specstep, auto activations", "llamacpp-1t": "llama.cpp, 1 thread"}
