@@ -134,20 +134,22 @@ def _lanes(q, dx, bs, u, sc, off, mn, d, dm, has_min: bool, legacy: bool) -> np.
 
 
 def gemm(fmt: str, x: np.ndarray, blocks: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """x [M, K] float32 @ W.T by the K-quants' prompt GEMM: per block the exact integer totals
-    S = sum_j sc_j (sum_i u_i q_i) - sum_j off_j bs_j and T = sum_j mn_j bs_j, then in fp32, each operation rounded,
-    acc + float(S) (d dx) and, for formats with a min, + float(T) (dm dx), over the blocks in order; then the bias."""
+    """x [M, K] float32 @ W.T by the prompt GEMM (`int8_gemm.cpp`): per block the exact integer totals
+    S = sum_j sc_j (sum_i u_i q_i) - sum_j off_j bs_j and T = sum_j mn_j bs_j (a legacy block: S = sum (u - off) q,
+    T = sum q), then in fp32, each operation rounded, acc + float(S) (d dx) and, for formats with a min,
+    + float(T) (dm dx), over the blocks in order; then the bias."""
+    qk = 32 if fmt in ("Q4_0", "Q5_0", "Q5_1") else 256
     m, k = x.shape
-    n, nb = blocks.shape[0], k // 256
+    n, nb, g = blocks.shape[0], k // qk, qk // GROUP
     u, sc, off, mn, d, dm = unpack(fmt, blocks.reshape(n * nb, -1))
-    u, sc, off, mn = u.reshape(n, nb, 256), sc.reshape(n, nb, 16), off.reshape(n, nb, 16), mn.reshape(n, nb, 16)
+    u, sc, off, mn = u.reshape(n, nb, qk), sc.reshape(n, nb, g), off.reshape(n, nb, g), mn.reshape(n, nb, g)
     d, dm = d.reshape(n, nb), dm.reshape(n, nb)
-    q, dx, bs = quantize(x, 256)
-    bs = bs.reshape(m, nb, 16)
-    has_min = fmt in ("Q2_K", "Q4_K", "Q5_K")
+    q, dx, bs = quantize(x, qk)
+    bs = bs.reshape(m, nb, g)
+    has_min = fmt in ("Q2_K", "Q4_K", "Q5_K", "Q5_1")
     acc = np.zeros((m, n), np.float32)
     for b in range(nb):
-        dots = (q[:, None, b, :] * u[None, :, b, :]).reshape(m, n, 16, GROUP).sum(-1)  # [m, n, 16 groups]
+        dots = (q[:, None, b, :] * u[None, :, b, :]).reshape(m, n, g, GROUP).sum(-1)  # [m, n, groups]
         s = (dots * sc[None, :, b, :]).sum(-1) - (bs[:, None, b, :] * off[None, :, b, :]).sum(-1)
         acc = acc + s.astype(np.float32) * (d[None, :, b] * dx[:, None, b])
         if has_min:

@@ -139,10 +139,11 @@ def _linears_of(model) -> list[GGUFLinear]:
 
 
 @pytest.mark.parametrize("fmt,arch,tied", [("Q4_K_M", "qwen2", True), ("Q2_K", "qwen2", True),
-                                           ("Q3_K", "llama", False), ("BF16", "llama", True)])
+                                           ("Q3_K", "llama", False), ("Q4_0", "llama", False),
+                                           ("Q5_1", "llama", False), ("BF16", "llama", True)])
 def test_prompt_rows_take_the_kernels_own_gemm_beside_decode_rows(tmp_path, cache, sources, fmt, arch, tied):
-    """The default arithmetic in the C++ layers (int8 on K-quant blocks; bf16 dot products on BF16 tensors): a prompt
-    lane (more than 17 positions) beside a decode lane. The prompt's rows take the kernel's own prompt GEMM
+    """The default arithmetic in the C++ layers (int8 on blocks; bf16 dot products on BF16 tensors): a prompt lane
+    (more than 17 positions) beside a decode lane. The prompt's rows take the kernel's own prompt GEMM
     (`int8_gemm.cpp`, `bf16_dot.cpp`, where the host has them): not the decode kernel's bits (the same step with the
     prompt GEMM off), but its results to rounding (int8: about 1% of the largest logit, as a summation order's
     difference moves some of the next layers' quantised values a step); the decode row keeps its bits from a step of

@@ -1,6 +1,6 @@
-"""The K-quants' prompt GEMM with int8 activations (`engine/kernels/int8_gemm.cpp`): llama.cpp's arithmetic with
-exact integer totals a block, bit for bit the numpy model's (`int8_model.gemm`), every row's bits its own whatever
-the rows beside it and the threads, and the decode kernel's results to fp32 rounding."""
+"""The block formats' prompt GEMM with int8 activations (`engine/kernels/int8_gemm.cpp`): llama.cpp's arithmetic
+with exact integer totals a block, bit for bit the numpy model's (`int8_model.gemm`), every row's bits its own
+whatever the rows beside it and the threads, and the decode kernel's results to fp32 rounding."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from specstep.engine.kernels import binding
 from tests import int8_model
 from tests.kernel_blocks import random_blocks
 
-K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+FORMATS = ("Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 N, K = 67, 512  # 67 weight rows: four whole panels of 16 and a partial one (a tile of two panels, then one)
 
 
@@ -30,7 +30,7 @@ def _x(rows: int, k: int = K, seed: int = 1) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("fmt", K_QUANTS)
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_the_prompt_gemm_is_the_numpy_models_bitwise(fmt: str) -> None:
     kernel = _kernel(fmt)
     raw = random_blocks(fmt, N, K)
@@ -42,9 +42,9 @@ def test_the_prompt_gemm_is_the_numpy_models_bitwise(fmt: str) -> None:
         assert np.array_equal(got.view(np.uint32), model.view(np.uint32)), (fmt, rows)
 
 
-@pytest.mark.parametrize("fmt", ("Q4_K", "Q6_K"))
+@pytest.mark.parametrize("fmt", ("Q4_0", "Q4_K", "Q6_K"))
 def test_long_rows_and_one_panel(fmt: str) -> None:
-    """11 blocks a row, and 13 weight rows (one partial panel: a tile of one panel)."""
+    """11 K-quant blocks a row (88 legacy ones), and 13 weight rows (one partial panel: a tile of one panel)."""
     kernel = _kernel(fmt)
     k = 11 * 256
     raw = random_blocks(fmt, 13, k, seed=5)
@@ -54,7 +54,7 @@ def test_long_rows_and_one_panel(fmt: str) -> None:
     assert np.array_equal(got.view(np.uint32), model.view(np.uint32))
 
 
-@pytest.mark.parametrize("fmt", K_QUANTS)
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_rows_are_batch_and_thread_invariant_and_near_the_kernels(fmt: str) -> None:
     kernel = _kernel(fmt)
     raw = torch.from_numpy(random_blocks(fmt, N, K, seed=3))
@@ -71,7 +71,7 @@ def test_rows_are_batch_and_thread_invariant_and_near_the_kernels(fmt: str) -> N
 
 
 def test_a_kernel_without_the_gemm_is_refused() -> None:
-    kernel = binding.linear_kernel("Q4_0", "int8")
+    kernel = binding.linear_kernel("Q4_0", "int8", "avx2")
     assert not kernel.gemm
     with pytest.raises(binding.KernelError, match="no prompt GEMM"):
         binding.gemm(torch.randn(2, 64), torch.zeros(4, 2 * 18, dtype=torch.uint8), 4, kernel)

@@ -300,10 +300,9 @@ struct Buffers {
         panel_n = gemm_rows ? up(gguf_kernel::panel_floats(widest)) : 0;
         // the prompt rows once for a table linear's prompt GEMM (shared): quantised per 256 values for the K-quants'
         // int8 one (sk::quantize_row's), or rounded to bf16 for BF16's
-        xg_n = 0;
+        // (2 bytes a value: more than int8's 1 and its scales and sums, at most 1/4 a value)
+        xg_n = gemm_rows ? up((gemm_rows * widest + 1) / 2) : 0;
         if (gemm_rows) {
-            const int64_t q8 = widest % sk::QK_K == 0 ? sk::xq_bytes(gemm_rows, widest, sk::QK_K) : 0;
-            xg_n = up(((q8 > gemm_rows * widest * 2 ? q8 : gemm_rows * widest * 2) + 3) / 4);
             const int64_t panels = (sk::bf16dot::gemm_scratch_bytes(widest) + 3) / 4;  // the largest GEMM's panels
             panel_n = up(panel_n > panels ? panel_n : panels);
         }
@@ -390,27 +389,32 @@ void table_gemm(const sk::Kernel &k, const Linear &s, const float *in, int64_t M
     kernel_rows(k, s, in, N, y, a, b, buf, t);
 }
 
-// A table linear's prompt GEMMs (the kernel layer's own: Kernel::gemm, bf16_gemm) for this call's prompt rows:
-// INT8_GEMM or BF16_GEMM by the first part that has one (a part of the other kind takes its kernel for every row),
-// or 0.
+// A table linear's prompt GEMM (the kernel layer's own: Kernel::gemm, bf16_gemm) for this call's prompt rows: int8
+// over rows quantised per `qk` values, or bf16, by the first part that has one (a part of another kind or block
+// takes its kernel for every row); kind NO_GEMM where none does.
 enum GemmKind { NO_GEMM = 0, INT8_GEMM = 1, BF16_GEMM = 2 };
-GemmKind gemm_kind(const Linear &l, const Buffers &buf) {
-    if (!buf.gemm_rows || !buf.xg_n) return NO_GEMM;
+struct OwnGemm {
+    GemmKind kind;
+    int qk;
+    bool takes(const sk::Kernel &k) const { return kind == INT8_GEMM ? k.gemm && k.qk == qk : kind && k.bf16_gemm; }
+};
+OwnGemm own_gemm(const Linear &l, const Buffers &buf) {
+    if (!buf.gemm_rows || !buf.xg_n) return {NO_GEMM, 0};
     for (const Linear *s = &l; s; s = s->rest) {
         const sk::Kernel &k = *sk::from_handle(s->fmt);
-        if (k.gemm && s->k % sk::QK_K == 0) return INT8_GEMM;
-        if (k.bf16_gemm) return BF16_GEMM;
+        if (k.gemm) return {INT8_GEMM, k.qk};
+        if (k.bf16_gemm) return {BF16_GEMM, 0};
     }
-    return NO_GEMM;
+    return {NO_GEMM, 0};
 }
 
-// The call's prompt rows of `in` into buf.xg as `kind` reads them (quantised per 256 values, or rounded to bf16), a
-// share a thread; every thread's linear reads them once the barrier has passed (the barrier after the previous
-// linear kept its readers of buf.xg apart from these writes).
-void prepare_gemm_rows(GemmKind kind, const float *in, int64_t K, Buffers &buf, Barrier &bar, int t, int nt) {
+// The call's prompt rows of `in` into buf.xg as `own` reads them (quantised per block, or rounded to bf16), a share
+// a thread; every thread's linear reads them once the barrier has passed (the barrier after the previous linear kept
+// its readers of buf.xg apart from these writes).
+void prepare_gemm_rows(OwnGemm own, const float *in, int64_t K, Buffers &buf, Barrier &bar, int t, int nt) {
     const Range rows(buf.gemm_rows, t, nt);
-    if (kind == INT8_GEMM) {
-        const sk::XQ xg = sk::xq_view(buf.xg, buf.gemm_rows, K, sk::QK_K);
+    if (own.kind == INT8_GEMM) {
+        const sk::XQ xg = sk::xq_view(buf.xg, buf.gemm_rows, K, own.qk);
         for (int64_t i = rows.a; i < rows.b; i++) sk::quantize_into(in + buf.gemm_index[i] * K, xg, i);
     } else {
         for (int64_t i = rows.a; i < rows.b; i++)
@@ -419,13 +423,13 @@ void prepare_gemm_rows(GemmKind kind, const float *in, int64_t K, Buffers &buf, 
     bar.wait();
 }
 
-// A table linear's part with a prompt GEMM of `kind`: the GEMM over the prompt rows, which buf.xg holds as it reads
-// them (`prepare_gemm_rows`), then the kernel's rows.
-void table_own_gemm(GemmKind kind, const sk::Kernel &k, const Linear &s, const float *in, int64_t N, float *y,
-                    int64_t a, int64_t b, Buffers &buf, int t) {
+// A table linear's part that `own` takes: the GEMM over the prompt rows, which buf.xg holds as it reads them
+// (`prepare_gemm_rows`), then the kernel's rows.
+void table_own_gemm(OwnGemm own, const sk::Kernel &k, const Linear &s, const float *in, int64_t N, float *y, int64_t a,
+                    int64_t b, Buffers &buf, int t) {
     void *panels = buf.panel + t * buf.panel_n;
-    if (kind == INT8_GEMM)
-        k.gemm(sk::xq_view(buf.xg, buf.gemm_rows, s.k, sk::QK_K), buf.gemm_rows, buf.gemm_index, s.blocks, N, s.bias,
+    if (own.kind == INT8_GEMM)
+        k.gemm(sk::xq_view(buf.xg, buf.gemm_rows, s.k, own.qk), buf.gemm_rows, buf.gemm_index, s.blocks, N, s.bias,
                y, a, b, panels);
     else
         k.bf16_gemm((const uint16_t *)buf.xg, buf.gemm_rows, buf.gemm_index, s.k, s.blocks, N, s.bias, y, a, b, panels);
@@ -444,18 +448,18 @@ void linear(const Linear &l, const float *in, int64_t M, float *y, float *residu
         // (int8 rows quantise `in` into the thread's scratch, bf16 rows round it: sk::scratch_bytes, within xsum_n)
         const int64_t N = total_rows(l);
         byte_share(l, t, nt, cols.a, cols.b);
-        const GemmKind own = gemm_kind(l, buf);
-        if (own) prepare_gemm_rows(own, in, l.k, buf, bar, t, nt);
+        const OwnGemm own = own_gemm(l, buf);
+        if (own.kind) prepare_gemm_rows(own, in, l.k, buf, bar, t, nt);
         int64_t first = 0;
         for (const Linear *s = &l; s; first += s->n, s = s->rest) {
             const int64_t a = cols.a > first ? cols.a : first, b = cols.b < first + s->n ? cols.b : first + s->n;
             const sk::Kernel &k = *sk::from_handle(s->fmt);
             if (a < b && (sk::scratch_bytes(k, M, s->k) > (int64_t)sizeof(float) * buf.xsum_n ||
-                          (own && sk::gemm_panel_bytes(k, s->k) > (int64_t)sizeof(float) * buf.panel_n))) {
+                          (own.takes(k) && sk::gemm_panel_bytes(k, s->k) > (int64_t)sizeof(float) * buf.panel_n))) {
                 buf.short_scratch = true;
                 continue;
             }
-            if (a < b && ((own == INT8_GEMM && k.gemm) || (own == BF16_GEMM && k.bf16_gemm)))
+            if (a < b && own.takes(k))
                 table_own_gemm(own, k, *s, in, N, y + first, a - first, b - first, buf, t);
             else if (a < b && buf.gemm_rows && k.fp32)
                 table_gemm(k, *s, in, M, N, y + first, a - first, b - first, buf, t);

@@ -1,6 +1,6 @@
 // specstep's CPU kernel layer: GGUF block formats (formats.h) times fp32 or int8 activations (linear.inc), and BF16
-// weights times bf16 activations (bf16_dot.cpp); prompt rows' GEMMs for the K-quants' int8 rows (int8_gemm.cpp) and
-// BF16's bf16 row; one dispatch table keyed by names (weight format x activation arithmetic x ISA), one C surface
+// weights times bf16 activations (bf16_dot.cpp); prompt rows' GEMMs for the block formats' int8 rows (int8_gemm.cpp)
+// and BF16's bf16 row; one dispatch table keyed by names (weight format x activation arithmetic x ISA), one C surface
 // (binding.py).
 //
 // linear.inc is written once and compiled once per ISA inside that ISA's namespace, after its SIMD layer:
@@ -78,8 +78,8 @@ struct Kernel {
     Int8Fn int8;  // set for arith "int8"
     DequantFn dequant;  // the format's block -> fp32 (a prompt GEMM's panels: decode_layers.cpp)
     Bf16Fn bf16 = nullptr;  // set for arith "bf16" (x rounded to bf16 first; AVX-512 BF16 hosts)
-    // The prompt rows' GEMM (its own fp32 order, for rows a caller marks as a prompt's): the K-quants' int8 rows on
-    // AVX-512 (int8_gemm.cpp, over x quantised as for `int8`), BF16's bf16 row (bf16_dot.cpp, x rounded as for it)
+    // The prompt rows' GEMM (its own fp32 order, for rows a caller marks as a prompt's): the block formats' int8 rows
+    // on AVX-512 (int8_gemm.cpp, over x quantised as for `int8`), BF16's bf16 row (bf16_dot.cpp, x rounded as for it)
     GemmFn gemm = nullptr;
     Bf16GemmFn bf16_gemm = nullptr;
 };
@@ -98,14 +98,13 @@ const Format FORMATS[] = {SK_FORMAT(Q4_0), SK_FORMAT(Q5_0), SK_FORMAT(Q5_1), SK_
 
 #define SK_FP32(F, ISA) Kernel{#F, "fp32", #ISA, F::qk, F::bytes, ISA::fp32_range<F>, nullptr, F::dequant}
 #define SK_INT8(F, ISA) Kernel{#F, "int8", #ISA, F::qk, F::bytes, nullptr, ISA::int8_range<F>, F::dequant}
-#define SK_BLOCKS(F) SK_FP32(F, avx2), SK_FP32(F, avx512), SK_INT8(F, avx2), SK_INT8(F, avx512)
-#define SK_KQUANT(F)                                                                                           \
+#define SK_BLOCKS(F)                                                                                           \
     SK_FP32(F, avx2), SK_FP32(F, avx512), SK_INT8(F, avx2),                                                     \
         Kernel{#F, "int8", "avx512", F::qk, F::bytes, nullptr, avx512::int8_range<F>, F::dequant, nullptr, \
                int8gemm::range<F>}
 #define SK_WIDE(F) SK_FP32(F, avx2), SK_FP32(F, avx512)
-const Kernel TABLE[] = {SK_BLOCKS(Q4_0), SK_BLOCKS(Q5_0), SK_BLOCKS(Q5_1), SK_KQUANT(Q2_K), SK_KQUANT(Q3_K),
-                        SK_KQUANT(Q4_K), SK_KQUANT(Q5_K), SK_KQUANT(Q6_K), SK_WIDE(F16),    SK_WIDE(BF16),
+const Kernel TABLE[] = {SK_BLOCKS(Q4_0), SK_BLOCKS(Q5_0), SK_BLOCKS(Q5_1), SK_BLOCKS(Q2_K), SK_BLOCKS(Q3_K),
+                        SK_BLOCKS(Q4_K), SK_BLOCKS(Q5_K), SK_BLOCKS(Q6_K), SK_WIDE(F16),    SK_WIDE(BF16),
                         Kernel{"BF16", "bf16", "avx512", BF16::qk, BF16::bytes, nullptr, nullptr, BF16::dequant,
                                bf16dot::range, nullptr, bf16dot::gemm_range}};
 constexpr int TABLE_SIZE = sizeof(TABLE) / sizeof(TABLE[0]);
@@ -137,7 +136,7 @@ inline int64_t scratch_bytes(const Kernel &k, int64_t M, int64_t K) {
 
 // Scratch bytes a thread of row `k`'s prompt GEMM needs for its weight panels (rows of K values), 0 without one.
 inline int64_t gemm_panel_bytes(const Kernel &k, int64_t K) {
-    return k.gemm ? int8gemm::scratch_bytes(K) : k.bf16_gemm ? bf16dot::gemm_scratch_bytes(K) : 0;
+    return k.gemm ? int8gemm::scratch_bytes(K, k.qk) : k.bf16_gemm ? bf16dot::gemm_scratch_bytes(K) : 0;
 }
 
 // Weight rows [n0, n1) on the calling thread, x quantised into `scratch` first (int8): the same bits as
