@@ -132,6 +132,9 @@ def results_file(script: str, name: str, flags: list[str], day: str) -> Path:
     return root / f"{day}-{script}-{vendor}-{isa}.md"
 
 
+RECORDED_ENV = ("SPECSTEP_CPU_ISA",)  # environment variables a record's command line shows where set
+
+
 def record(title: str, columns: list[str], rows: list[list]) -> Path | None:
     """Append one table as markdown to the results file when a benchmark runs as a script (`python -m
     benchmarks.bench_x` or its path): never from tests or other callers, which would write into the tree."""
@@ -148,8 +151,11 @@ def record(title: str, columns: list[str], rows: list[list]) -> Path | None:
                                       f"flags {' '.join(flags) or 'none of ' + ' '.join(ISA_FLAGS)}",
                                       f"- torch {torch.__version__}, {torch.get_num_threads()} threads", ""]
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
+    # (settings from the environment that choose the kernels: a figure pinned to AVX2 must say so)
+    env = [f"{k}={os.environ[k]}" for k in RECORDED_ENV if os.environ.get(k)]
+    command = shlex.join([*env, "python", "-m", f"benchmarks.{script.stem}", *sys.argv[1:]])
     lines += [f"## {title}", "", f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', now)}, load average {load}",
-              f"- Command: `{shlex.join(['python', '-m', f'benchmarks.{script.stem}', *sys.argv[1:]])}`", "",
+              f"- Command: `{command}`", "",
               "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns),
               *("| " + " | ".join(cell(x) for x in r) + " |" for r in rows), ""]
     with path.open("a") as f:

@@ -2,7 +2,7 @@
 written from the GGUF block layouts: the integer quants, sub-block scales, offsets and mins of each block, the
 activations' per-block quantisation, then per block the exact integer dot product in the SIMD layer's 8 lanes, each
 lane's products added into 8 fp32 lanes (`_lanes`, llama.cpp's accumulation); and the K-quants' prompt GEMM
-(`int8_gemm.cpp`), with exact integer totals a block (`gemm`). The kernels must match it bit for bit."""
+(`int8_gemm.inc`), with exact integer totals a block (`gemm`). The kernels must match it bit for bit."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def _lanes(q, dx, bs, u, sc, off, mn, d, dm, has_min: bool, legacy: bool) -> np.
 
 
 def gemm(fmt: str, x: np.ndarray, blocks: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """x [M, K] float32 @ W.T by the prompt GEMM (`int8_gemm.cpp`): per block the exact integer totals
+    """x [M, K] float32 @ W.T by the prompt GEMM (`int8_gemm.inc`): per block the exact integer totals
     S = sum_j sc_j (sum_i u_i q_i) - sum_j off_j bs_j and T = sum_j mn_j bs_j (a legacy block: S = sum (u - off) q,
     T = sum q), then in fp32, each operation rounded, acc + float(S) (d dx) and, for formats with a min,
     + float(T) (dm dx), over the blocks in order; then the bias."""

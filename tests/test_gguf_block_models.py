@@ -144,7 +144,7 @@ def _linears_of(model) -> list[GGUFLinear]:
 def test_prompt_rows_take_the_kernels_own_gemm_beside_decode_rows(tmp_path, cache, sources, fmt, arch, tied):
     """The default arithmetic in the C++ layers (int8 on blocks; bf16 dot products on BF16 tensors): a prompt lane
     (more than 17 positions) beside a decode lane. The prompt's rows take the kernel's own prompt GEMM
-    (`int8_gemm.cpp`, `bf16_dot.cpp`, where the host has them): not the decode kernel's bits (the same step with the
+    (`int8_gemm.inc`, `bf16_dot.cpp`, where the host has them): not the decode kernel's bits (the same step with the
     prompt GEMM off), but its results to rounding (int8: about 1% of the largest logit, as a summation order's
     difference moves some of the next layers' quantised values a step); the decode row keeps its bits from a step of
     its own."""

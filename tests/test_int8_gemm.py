@@ -1,4 +1,4 @@
-"""The block formats' prompt GEMM with int8 activations (`engine/kernels/int8_gemm.cpp`): llama.cpp's arithmetic
+"""The block formats' prompt GEMM with int8 activations (`engine/kernels/int8_gemm.inc`): llama.cpp's arithmetic
 with exact integer totals a block, bit for bit the numpy model's (`int8_model.gemm`), every row's bits its own
 whatever the rows beside it and the threads, and the decode kernel's results to fp32 rounding."""
 
@@ -12,15 +12,17 @@ from specstep.engine.kernels import binding
 from tests import int8_model
 from tests.kernel_blocks import random_blocks
 
+pytestmark = pytest.mark.skipif(bool(binding.unavailable()), reason="the kernel layer does not build here")
+
 FORMATS = ("Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 N, K = 67, 512  # 67 weight rows: four whole panels of 16 and a partial one (a tile of two panels, then one)
 
 
-def _kernel(fmt: str) -> binding.LinearKernel:
-    kernel = binding.linear_kernel(fmt, "int8")
-    if not kernel.gemm:
-        pytest.skip(f"{kernel.name} has no prompt GEMM on this host (AVX-512 VNNI)")
-    return kernel
+def _kernels(fmt: str) -> list[binding.LinearKernel]:
+    """The format's int8 rows on every ISA this CPU runs (each with its prompt GEMM)."""
+    kernels = [binding.linear_kernel(fmt, "int8", isa) for isa in binding.ISAS if binding.isa_runs(isa)]
+    assert kernels and all(k.gemm for k in kernels)
+    return kernels
 
 
 def _x(rows: int, k: int = K, seed: int = 1) -> torch.Tensor:
@@ -32,46 +34,47 @@ def _x(rows: int, k: int = K, seed: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_prompt_gemm_is_the_numpy_models_bitwise(fmt: str) -> None:
-    kernel = _kernel(fmt)
+    """On every ISA: the same bits, the model's (AVX2 lanes of 8 weight rows, AVX-512 of 16)."""
     raw = random_blocks(fmt, N, K)
     bias = torch.randn(N)
-    for rows in (1, 5, 6, 7, 64):  # tiles of 6 rows: whole ones and every remainder's form
-        x = _x(rows)
-        got = binding.gemm(x, torch.from_numpy(raw), N, kernel, bias).numpy()
-        model = int8_model.gemm(fmt, x.numpy(), raw, bias.numpy())
-        assert np.array_equal(got.view(np.uint32), model.view(np.uint32)), (fmt, rows)
+    for kernel in _kernels(fmt):
+        for rows in (1, 5, 6, 7, 64):  # tiles of 6 rows: whole ones and every remainder's form
+            x = _x(rows)
+            got = binding.gemm(x, torch.from_numpy(raw), N, kernel, bias).numpy()
+            model = int8_model.gemm(fmt, x.numpy(), raw, bias.numpy())
+            assert np.array_equal(got.view(np.uint32), model.view(np.uint32)), (fmt, kernel.isa, rows)
 
 
 @pytest.mark.parametrize("fmt", ("Q4_0", "Q4_K", "Q6_K"))
 def test_long_rows_and_one_panel(fmt: str) -> None:
     """11 K-quant blocks a row (88 legacy ones), and 13 weight rows (one partial panel: a tile of one panel)."""
-    kernel = _kernel(fmt)
     k = 11 * 256
     raw = random_blocks(fmt, 13, k, seed=5)
     x = _x(9, k, seed=6)
-    got = binding.gemm(x, torch.from_numpy(raw), 13, kernel).numpy()
     model = int8_model.gemm(fmt, x.numpy(), raw)
-    assert np.array_equal(got.view(np.uint32), model.view(np.uint32))
+    for kernel in _kernels(fmt):
+        got = binding.gemm(x, torch.from_numpy(raw), 13, kernel).numpy()
+        assert np.array_equal(got.view(np.uint32), model.view(np.uint32)), kernel.isa
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_rows_are_batch_and_thread_invariant_and_near_the_kernels(fmt: str) -> None:
-    kernel = _kernel(fmt)
     raw = torch.from_numpy(random_blocks(fmt, N, K, seed=3))
     x = _x(64, seed=4)
-    full = binding.gemm(x, raw, N, kernel, threads=2)
-    for rows in (1, 2, 7, 13):
-        for start in (0, 64 - rows):
-            assert torch.equal(binding.gemm(x[start:start + rows], raw, N, kernel, threads=1),
-                               full[start:start + rows]), (rows, start)
-    # the same integers as the decode kernel's, summed in another fp32 order
-    lanes = binding.linear(x, raw, N, kernel)
-    assert not torch.equal(full, lanes)
-    assert (full - lanes).abs().max() <= 1e-5 * lanes.abs().max()
+    for kernel in _kernels(fmt):
+        full = binding.gemm(x, raw, N, kernel, threads=2)
+        for rows in (1, 2, 7, 13):
+            for start in (0, 64 - rows):
+                assert torch.equal(binding.gemm(x[start:start + rows], raw, N, kernel, threads=1),
+                                   full[start:start + rows]), (kernel.isa, rows, start)
+        # the same integers as the decode kernel's, summed in another fp32 order
+        lanes = binding.linear(x, raw, N, kernel)
+        assert not torch.equal(full, lanes)
+        assert (full - lanes).abs().max() <= 1e-5 * lanes.abs().max()
 
 
 def test_a_kernel_without_the_gemm_is_refused() -> None:
-    kernel = binding.linear_kernel("Q4_0", "int8", "avx2")
+    kernel = binding.linear_kernel("Q4_0", "fp32", "avx2")
     assert not kernel.gemm
     with pytest.raises(binding.KernelError, match="no prompt GEMM"):
         binding.gemm(torch.randn(2, 64), torch.zeros(4, 2 * 18, dtype=torch.uint8), 4, kernel)

@@ -158,7 +158,7 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, kernel: Lin
 
 def gemm(x: torch.Tensor, blocks: torch.Tensor, out_features: int, kernel: LinearKernel,
          bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-    """`linear` with every row taken as a prompt's: the row's prompt GEMM (`kernel.gemm`: int8_gemm.cpp,
+    """`linear` with every row taken as a prompt's: the row's prompt GEMM (`kernel.gemm`: int8_gemm.inc,
     bf16_dot.cpp), whose bits are its own (another fp32 order than `linear`'s), whatever the rows beside it and the
     threads."""
     if not kernel.gemm:

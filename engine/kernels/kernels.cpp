@@ -1,9 +1,10 @@
 // specstep's CPU kernel layer: GGUF block formats (formats.h) times fp32 or int8 activations (linear.inc), and BF16
-// weights times bf16 activations (bf16_dot.cpp); prompt rows' GEMMs for the block formats' int8 rows (int8_gemm.cpp)
+// weights times bf16 activations (bf16_dot.cpp); prompt rows' GEMMs for the block formats' int8 rows (int8_gemm.inc)
 // and BF16's bf16 row; one dispatch table keyed by names (weight format x activation arithmetic x ISA), one C surface
 // (binding.py).
 //
-// linear.inc is written once and compiled once per ISA inside that ISA's namespace, after its SIMD layer:
+// linear.inc (the decode kernels) and int8_gemm.inc (the prompt rows' int8 GEMM, in its `int8gemm` namespace after
+// its own SIMD layer) are written once and compiled once per ISA inside that ISA's namespace, after its SIMD layer:
 //   avx2    AVX2 + FMA + F16C (the build's baseline flags): int8 products by vpmaddubsw + vpmaddwd;
 //   avx512  AVX-512 F/BW/VL/DQ + VNNI (a target region): int8 products by vpdpbusd (4-byte sums) and vpdpwssd
 //           (scaled pairs).
@@ -16,8 +17,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "formats.h"
 #include "quantize.h"
+#include "transpose.h"
 
 namespace sk {
 namespace avx2 {
@@ -36,6 +40,29 @@ inline __m256i dot4_add(__m256i acc, __m256i u, __m256i q) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1)));
 }
 #include "linear.inc"
+
+namespace int8gemm {  // the prompt GEMM's SIMD layer: 8 weight rows a ymm
+constexpr int64_t LANES = 8;
+constexpr int TILE_R = 6, TILE_C = 1;  // (16 ymm registers: 12 sums)
+using VI = __m256i;
+using VF = __m256;
+inline VI v_zero() { return _mm256_setzero_si256(); }
+inline VI v_load(const void *p) { return _mm256_load_si256((const __m256i *)p); }
+inline VI v_set1(int32_t x) { return _mm256_set1_epi32(x); }
+inline VI v_dot4(VI acc, VI u, VI q) { return dot4_add(acc, u, q); }
+inline VI v_pairs(VI acc, VI a, VI b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+inline VI v_mullo(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
+inline VI v_add(VI a, VI b) { return _mm256_add_epi32(a, b); }
+inline VI v_sub(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+inline VF v_fzero() { return _mm256_setzero_ps(); }
+inline VF v_fload(const float *p) { return _mm256_load_ps(p); }
+inline VF v_fset1(float x) { return _mm256_set1_ps(x); }
+inline VF v_fmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF v_fadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline VF v_cvt(VI a) { return _mm256_cvtepi32_ps(a); }
+inline void v_fstoreu(float *p, VF a) { _mm256_storeu_ps(p, a); }
+#include "int8_gemm.inc"
+}  // namespace int8gemm
 }  // namespace avx2
 }  // namespace sk
 
@@ -52,10 +79,32 @@ inline __m256i dot_scaled_add(__m256i acc, __m256i u, __m256i q, __m256i sc) {
 }
 inline __m256i dot4_add(__m256i acc, __m256i u, __m256i q) { return _mm256_dpbusd_epi32(acc, u, q); }
 #include "linear.inc"
+
+namespace int8gemm {  // the prompt GEMM's SIMD layer: 16 weight rows a zmm
+constexpr int64_t LANES = 16;
+constexpr int TILE_R = 6, TILE_C = 2;  // 24 zmm of sums
+using VI = __m512i;
+using VF = __m512;
+inline VI v_zero() { return _mm512_setzero_si512(); }
+inline VI v_load(const void *p) { return _mm512_load_si512(p); }
+inline VI v_set1(int32_t x) { return _mm512_set1_epi32(x); }
+inline VI v_dot4(VI acc, VI u, VI q) { return _mm512_dpbusd_epi32(acc, u, q); }
+inline VI v_pairs(VI acc, VI a, VI b) { return _mm512_dpwssd_epi32(acc, a, b); }
+inline VI v_mullo(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
+inline VI v_add(VI a, VI b) { return _mm512_add_epi32(a, b); }
+inline VI v_sub(VI a, VI b) { return _mm512_sub_epi32(a, b); }
+inline VF v_fzero() { return _mm512_setzero_ps(); }
+inline VF v_fload(const float *p) { return _mm512_load_ps(p); }
+inline VF v_fset1(float x) { return _mm512_set1_ps(x); }
+inline VF v_fmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF v_fadd(VF a, VF b) { return _mm512_add_ps(a, b); }
+inline VF v_cvt(VI a) { return _mm512_cvtepi32_ps(a); }
+inline void v_fstoreu(float *p, VF a) { _mm512_storeu_ps(p, a); }
+#include "int8_gemm.inc"
+}  // namespace int8gemm
 }  // namespace avx512
 }  // namespace sk
 #pragma GCC pop_options
-#include "int8_gemm.cpp"
 #include "bf16_dot.cpp"
 
 namespace sk {
@@ -67,6 +116,7 @@ using Bf16Fn = void (*)(const uint16_t *, int64_t, int64_t, const uint8_t *, int
                         int64_t);
 using GemmFn = void (*)(const XQ &, int64_t, const int64_t *, const uint8_t *, int64_t, const float *, float *, int64_t,
                         int64_t, void *);
+using GemmScratchFn = int64_t (*)(int64_t, int);
 using Bf16GemmFn = void (*)(const uint16_t *, int64_t, const int64_t *, int64_t, const uint8_t *, int64_t,
                             const float *, float *, int64_t, int64_t, void *);
 
@@ -79,8 +129,9 @@ struct Kernel {
     DequantFn dequant;  // the format's block -> fp32 (a prompt GEMM's panels: decode_layers.cpp)
     Bf16Fn bf16 = nullptr;  // set for arith "bf16" (x rounded to bf16 first; AVX-512 BF16 hosts)
     // The prompt rows' GEMM (its own fp32 order, for rows a caller marks as a prompt's): the block formats' int8 rows
-    // on AVX-512 (int8_gemm.cpp, over x quantised as for `int8`), BF16's bf16 row (bf16_dot.cpp, x rounded as for it)
+    // on AVX-512 (int8_gemm.inc, over x quantised as for `int8`), BF16's bf16 row (bf16_dot.cpp, x rounded as for it)
     GemmFn gemm = nullptr;
+    GemmScratchFn gemm_scratch = nullptr;  // a thread's scratch bytes for `gemm` (rows of K values, blocks of qk)
     Bf16GemmFn bf16_gemm = nullptr;
 };
 
@@ -97,16 +148,15 @@ const Format FORMATS[] = {SK_FORMAT(Q4_0), SK_FORMAT(Q5_0), SK_FORMAT(Q5_1), SK_
                           SK_FORMAT(Q4_1), SK_FORMAT(Q8_0)};
 
 #define SK_FP32(F, ISA) Kernel{#F, "fp32", #ISA, F::qk, F::bytes, ISA::fp32_range<F>, nullptr, F::dequant}
-#define SK_INT8(F, ISA) Kernel{#F, "int8", #ISA, F::qk, F::bytes, nullptr, ISA::int8_range<F>, F::dequant}
-#define SK_BLOCKS(F)                                                                                           \
-    SK_FP32(F, avx2), SK_FP32(F, avx512), SK_INT8(F, avx2),                                                     \
-        Kernel{#F, "int8", "avx512", F::qk, F::bytes, nullptr, avx512::int8_range<F>, F::dequant, nullptr, \
-               int8gemm::range<F>}
+#define SK_INT8(F, ISA)                                                                                          \
+    Kernel{#F, "int8", #ISA, F::qk, F::bytes, nullptr, ISA::int8_range<F>, F::dequant, nullptr, ISA::int8gemm::range<F>, \
+           ISA::int8gemm::scratch_bytes}
+#define SK_BLOCKS(F) SK_FP32(F, avx2), SK_FP32(F, avx512), SK_INT8(F, avx2), SK_INT8(F, avx512)
 #define SK_WIDE(F) SK_FP32(F, avx2), SK_FP32(F, avx512)
 const Kernel TABLE[] = {SK_BLOCKS(Q4_0), SK_BLOCKS(Q5_0), SK_BLOCKS(Q5_1), SK_BLOCKS(Q2_K), SK_BLOCKS(Q3_K),
                         SK_BLOCKS(Q4_K), SK_BLOCKS(Q5_K), SK_BLOCKS(Q6_K), SK_WIDE(F16),    SK_WIDE(BF16),
                         Kernel{"BF16", "bf16", "avx512", BF16::qk, BF16::bytes, nullptr, nullptr, BF16::dequant,
-                               bf16dot::range, nullptr, bf16dot::gemm_range}};
+                               bf16dot::range, nullptr, nullptr, bf16dot::gemm_range}};
 constexpr int TABLE_SIZE = sizeof(TABLE) / sizeof(TABLE[0]);
 
 // A C++ caller's handle on a row (decode_layers.cpp's `fmt` field): TABLE_BIT | row << 4, apart from the older
@@ -136,7 +186,7 @@ inline int64_t scratch_bytes(const Kernel &k, int64_t M, int64_t K) {
 
 // Scratch bytes a thread of row `k`'s prompt GEMM needs for its weight panels (rows of K values), 0 without one.
 inline int64_t gemm_panel_bytes(const Kernel &k, int64_t K) {
-    return k.gemm ? int8gemm::scratch_bytes(K, k.qk) : k.bf16_gemm ? bf16dot::gemm_scratch_bytes(K) : 0;
+    return k.gemm ? k.gemm_scratch(K, k.qk) : k.bf16_gemm ? bf16dot::gemm_scratch_bytes(K) : 0;
 }
 
 // Weight rows [n0, n1) on the calling thread, x quantised into `scratch` first (int8): the same bits as

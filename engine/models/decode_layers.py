@@ -81,7 +81,7 @@ PROMPT_GEMM, PROMPT_GEMM_BF16_TILES = 1, 2
 
 
 # What the ready line says of a kernel layer arithmetic's own prompt GEMM
-OWN_GEMMS = {"int8": "; prompt rows of the blocks in an int8 GEMM (AVX-512 VNNI, exact integer totals a block)",
+OWN_GEMMS = {"int8": "; prompt rows of the blocks in an int8 GEMM (exact integer totals a block)",
              "bf16": "; BF16 prompt rows in a bf16 GEMM (AVX-512 BF16, one fp32 sum an output)"}
 
 
@@ -153,7 +153,7 @@ class NativeLayers:
         # threads, AMD EPYC with AVX-512 VNNI).
         # The kernel layer's fp32 linears (16-bit tensors and folders, K-quants with fp32 activations) take the fp32
         # GEMM over their dequantised panels (a bf16 SmolLM2 folder's 512-token prompt: 1.41 s in the kernel); its
-        # int8 and bf16 ones their own GEMM where the host has it (`int8_gemm.cpp`: 2x the kernel at 128 rows on one
+        # int8 and bf16 ones their own GEMM where the host has it (`int8_gemm.inc`: 2x the kernel at 128 rows on one
         # AMD EPYC core for the K-quants, 4x for the legacy formats; `bf16_dot.cpp`); the others take prompt rows
         # themselves.
         asked = sorted({lin.activations for lin in model.modules()
