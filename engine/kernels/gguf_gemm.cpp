@@ -12,23 +12,12 @@ namespace gguf_kernel {
 constexpr int64_t PANEL = 16;  // weight rows a packed panel: two ymm of outputs
 constexpr int64_t GEMM_TILE = 6;  // rows a GEMM tile: 12 accumulators
 
-// out[i] = lane i of each of in[0..8): an 8 x 8 transpose.
+// out[i] = lane i of each of in[0..8): an 8 x 8 transpose (transpose.h's, on fp32 lanes).
 inline void transpose8(const __m256 in[8], __m256 out[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(in[i], in[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(in[i], in[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        out[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-        out[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-    }
+    __m256i a[8], b[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_castps_si256(in[i]);
+    sk::transpose8x8(a, b);
+    for (int i = 0; i < 8; i++) out[i] = _mm256_castsi256_ps(b[i]);
 }
 
 // Eight weight rows' values at columns [k0, k0 + 8 * chunks) (vals[r] + 8 c: chunk c of row r) transposed 8 x 8

@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "transpose.h"
+
 namespace gguf_kernel {
 constexpr int QK = 32;  // weights a block
 constexpr int64_t ROW_BLOCK_BYTES = 192 << 10;  // activations a row block holds (L2 is 512 KiB a core here)
