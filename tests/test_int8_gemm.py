@@ -78,3 +78,17 @@ def test_a_kernel_without_the_gemm_is_refused() -> None:
     assert not kernel.gemm
     with pytest.raises(binding.KernelError, match="no prompt GEMM"):
         binding.gemm(torch.randn(2, 64), torch.zeros(4, 2 * 18, dtype=torch.uint8), 4, kernel)
+
+
+def test_the_c_entry_refuses_fewer_than_one_thread() -> None:
+    """Each thread's weight panels are sized by the thread count: 0 or -1 threads (OpenMP would still start its
+    default team) are refused, not run past the scratch."""
+    from specstep.engine.kernels.library import load
+
+    lib = load()[0]
+    kernel = _kernels("Q4_K")[-1]
+    raw = torch.from_numpy(random_blocks("Q4_K", N, K))
+    x, y = _x(6), torch.empty(6, N)
+    for threads in (0, -1):
+        assert lib.sk_gemm(kernel.row, x.data_ptr(), 6, K, raw.data_ptr(), N, None, y.data_ptr(), threads) == -1
+    assert lib.sk_gemm(kernel.row, x.data_ptr(), 6, K, raw.data_ptr(), N, None, y.data_ptr(), 1) == 0

@@ -283,10 +283,11 @@ int sk_linear(int kernel, const float *x, int64_t M, int64_t K, const uint8_t *w
 }
 
 // sk_linear through row `kernel`'s prompt GEMM (every row a prompt's): 0, -1 (a bad row or K, a row without the
-// GEMM, or one this CPU cannot run), -2 (no memory).
+// GEMM, one this CPU cannot run, or fewer than one thread: each thread's panels are sized by the count), -2 (no
+// memory).
 int sk_gemm(int kernel, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
             float *y, int threads) {
-    if (!sk_has_gemm(kernel) || K % sk::TABLE[kernel].qk || !sk::runs(sk::TABLE[kernel])) return -1;
+    if (!sk_has_gemm(kernel) || K % sk::TABLE[kernel].qk || !sk::runs(sk::TABLE[kernel]) || threads < 1) return -1;
     const sk::Kernel &k = sk::TABLE[kernel];
     const int64_t xbytes = (sk::scratch_bytes(k, M, K) + 63) / 64 * 64, pbytes = sk::gemm_panel_bytes(k, K);
     uint8_t *scratch = (uint8_t *)aligned_alloc(64, xbytes + threads * pbytes);
